@@ -1,0 +1,35 @@
+"""eqxdist: distributed training for Equinox on JAX.
+
+The whole public API is importable from here (`import eqxdist as ed`).
+"""
+
+from ._data_parallel import (
+    DataParallel as DataParallel,
+    all_reduce_gradients as all_reduce_gradients,
+    create_data_parallel_sharding as create_data_parallel_sharding,
+    replicate_params as replicate_params,
+    shard_batch as shard_batch,
+    shard_model_state as shard_model_state,
+)
+from ._mesh import (
+    DeviceMeshManager as DeviceMeshManager,
+    create_data_parallel_mesh as create_data_parallel_mesh,
+    create_device_mesh as create_device_mesh,
+    create_hybrid_mesh as create_hybrid_mesh,
+    create_model_parallel_mesh as create_model_parallel_mesh,
+    get_mesh_info as get_mesh_info,
+)
+from ._partition import fsdp_specs as fsdp_specs
+from ._reductions import (
+    DistributedMetrics as DistributedMetrics,
+    all_gather as all_gather,
+    collect_from_devices as collect_from_devices,
+    reduce_custom as reduce_custom,
+    reduce_max as reduce_max,
+    reduce_mean as reduce_mean,
+    reduce_min as reduce_min,
+    reduce_sum as reduce_sum,
+)
+from ._train import fold_rng_over_axis as fold_rng_over_axis
+
+__version__ = "0.1.0"

@@ -1,0 +1,284 @@
+"""Placing batches and model state on a mesh, and all-reducing gradients
+(Artifex `DataParallel`, datarax `data_parallel`)."""
+
+import math
+from typing import Any
+
+import equinox as eqx
+import jax
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from jaxtyping import PyTree
+
+from ._partition import fsdp_specs
+from ._utils import (
+    AxisName,
+    axis_names,
+    check_axis_bound,
+    is_array,
+    map_arrays,
+    path_str,
+    typecheck,
+)
+
+
+def _check_axis_in_mesh(mesh: Mesh, axis: str, caller: str, argument: str) -> None:
+    if axis not in mesh.axis_names:
+        raise ValueError(
+            f"{caller}: `{argument}`={axis!r} is not an axis of the mesh; the mesh's "
+            f"axes are {tuple(mesh.axis_names)}."
+        )
+
+
+@typecheck
+def create_data_parallel_sharding(mesh: Mesh, data_axis: str = "data") -> NamedSharding:
+    """The sharding that splits arrays along their first (batch) dimension over
+    `data_axis`: `NamedSharding(mesh, P(data_axis))`.
+
+    **Raises:**
+
+    `ValueError` naming the mesh's axes if `data_axis` is not one of them.
+    """
+    _check_axis_in_mesh(mesh, data_axis, "create_data_parallel_sharding", "data_axis")
+    return NamedSharding(mesh, P(data_axis))
+
+
+def _local_shard_count(sharding: NamedSharding, global_shards: int) -> int:
+    # How many distinct row blocks this process's devices hold: with one row per
+    # shard, that is the number of distinct row indices among addressable devices.
+    index_map = sharding.addressable_devices_indices_map((global_shards,))
+    return len({index[0].start for index in index_map.values() if index})
+
+
+@typecheck
+def shard_batch(batch: PyTree[Any], sharding: NamedSharding) -> PyTree[Any]:
+    """Place a batch on the mesh, split along its leading (batch) dimension.
+
+    **Arguments:**
+
+    - `batch`: any pytree. Array leaves (`jax.Array` or `np.ndarray`) of rank >= 1 are
+      split along axis 0 over the mesh axes of `sharding.spec[0]`; 0-d arrays are
+      replicated; other leaves pass through.
+    - `sharding`: usually `create_data_parallel_sharding(mesh)`.
+
+    **Returns:**
+
+    The batch as global `jax.Array`s. In a multi-process run each process passes
+    *its own* rows: the leading size of the result is the sum over processes.
+
+    **Raises:**
+
+    `ValueError` naming the leaf path, its leading size and the shard count when the
+    leading size does not divide evenly.
+
+    !!! Example
+
+        ```python
+        sharding = ed.create_data_parallel_sharding(mesh)
+        batch = ed.shard_batch({"x": np.ones((128, 784)), "y": labels}, sharding)
+        ```
+    """
+    mesh = sharding.mesh
+    batch_axes = sharding.spec[0] if len(sharding.spec) else None
+    row_sharding = NamedSharding(mesh, P(batch_axes))
+    replicated = NamedSharding(mesh, P())
+    total = math.prod(mesh.shape[a] for a in axis_names(batch_axes or ()))
+    local = total if row_sharding.is_fully_addressable else None
+    if local is None:
+        local = _local_shard_count(row_sharding, total)
+
+    leaves, treedef = jax.tree_util.tree_flatten_with_path(batch)
+    arrays, shardings, positions = [], [], []
+    for i, (path, leaf) in enumerate(leaves):
+        if not is_array(leaf):
+            continue
+        if np.ndim(leaf) == 0:
+            target = replicated
+        else:
+            rows = np.shape(leaf)[0]
+            if rows % local:
+                scope = "this process's" if local != total else "the"
+                raise ValueError(
+                    f"shard_batch: leaf {path_str(path)} has leading dimension {rows},"
+                    f" which is not divisible by {scope} {local} shards along "
+                    f"{batch_axes!r}; make the batch size a multiple of {local}."
+                )
+            target = row_sharding
+        arrays.append(leaf)
+        shardings.append(target)
+        positions.append(i)
+
+    if row_sharding.is_fully_addressable:
+        placed = jax.device_put(arrays, shardings)
+    else:
+        placed = [
+            jax.make_array_from_process_local_data(s, np.asarray(a))
+            for a, s in zip(arrays, shardings, strict=True)
+        ]
+    out = [leaf for _, leaf in leaves]
+    for i, array in zip(positions, placed, strict=True):
+        out[i] = array
+    return jax.tree_util.tree_unflatten(treedef, out)
+
+
+def place(tree: Any, specs: Any, mesh: Mesh) -> Any:
+    """`device_put` every array leaf of `tree` with the matching `PartitionSpec` of
+    `specs` (a tree of the same structure, `None` at non-array leaves)."""
+    leaves, treedef = jax.tree.flatten(tree)
+    spec_leaves = treedef.flatten_up_to(specs)
+    idx = [i for i, x in enumerate(leaves) if is_array(x)]
+    placed = jax.device_put(
+        [leaves[i] for i in idx],
+        [NamedSharding(mesh, spec_leaves[i]) for i in idx],
+    )
+    for i, array in zip(idx, placed, strict=True):
+        leaves[i] = array
+    return jax.tree.unflatten(treedef, leaves)
+
+
+@typecheck
+def replicate_params(params: PyTree[Any], mesh: Mesh) -> PyTree[Any]:
+    """Put a full copy of every array leaf of `params` on every device of `mesh`
+    (`P()`); non-array leaves pass through, so an `eqx.Module` stays one."""
+    return place(params, map_arrays(lambda _: P(), params), mesh)
+
+
+@typecheck
+def shard_model_state(
+    state: PyTree[Any],
+    mesh: Mesh,
+    param_sharding: str = "replicate",
+    *,
+    axis_name: str | None = None,
+    min_weight_size: int = 2**18,
+) -> PyTree[Any]:
+    """Place model state (parameters, optimizer state, a whole `TrainState`) on `mesh`.
+
+    **Arguments:**
+
+    - `state`: any pytree; non-array leaves are kept, so an `eqx.Module` in is the
+      same `eqx.Module` type out.
+    - `mesh`: the device mesh.
+    - `param_sharding`: `"replicate"` gives every array leaf `P()` (data
+      parallelism); `"shard"` applies the FSDP rule of `fsdp_specs` over `axis_name`
+      (ZeRO-3 style state sharding).
+    - `axis_name`: the axis to shard over with `"shard"`; default the mesh's first.
+    - `min_weight_size`: with `"shard"`, leaves this small or smaller are replicated.
+
+    **Raises:**
+
+    `ValueError` for any other `param_sharding`, or an `axis_name` not in the mesh.
+
+    !!! Example
+
+        ```python
+        model = ed.shard_model_state(model, mesh, "shard", min_weight_size=2**10)
+        ```
+    """
+    if param_sharding == "replicate":
+        return replicate_params(state, mesh)
+    if param_sharding != "shard":
+        raise ValueError(
+            f"shard_model_state: unknown param_sharding {param_sharding!r}; use "
+            "'replicate' (data parallel) or 'shard' (FSDP)."
+        )
+    axis = mesh.axis_names[0] if axis_name is None else axis_name
+    _check_axis_in_mesh(mesh, axis, "shard_model_state", "axis_name")
+    specs = fsdp_specs(
+        state, mesh.shape[axis], axis_name=axis, min_weight_size=min_weight_size
+    )
+    return place(state, specs, mesh)
+
+
+_GRADIENT_REDUCTIONS = {"mean": jax.lax.pmean, "sum": jax.lax.psum}
+
+
+@typecheck
+def all_reduce_gradients(
+    gradients: PyTree[Any],
+    reduce_type: str = "mean",
+    axis_name: AxisName = "data",
+) -> PyTree[Any]:
+    """Average (`"mean"`) or sum (`"sum"`) every array leaf of `gradients` across the
+    devices of `axis_name`, inside `jax.shard_map`: the gradient all-reduce of data
+    parallelism.
+
+    **Raises:**
+
+    `ValueError` ("Unsupported reduce_type") for any other `reduce_type`, and the
+    unbound-axis `ValueError` of `reduce_mean` outside `shard_map`.
+
+    !!! Note
+
+        Under `shard_map(..., check_vma=True)` (JAX's default), the gradient of a
+        *replicated* parameter taken inside the map is already summed over the axis
+        by JAX. Call this on gradients of per-device (varying) values, or under
+        `check_vma=False`, as the training steps of eqxdist do.
+    """
+    if reduce_type not in _GRADIENT_REDUCTIONS:
+        raise ValueError(
+            f"all_reduce_gradients: Unsupported reduce_type {reduce_type!r}; use "
+            f"{list(_GRADIENT_REDUCTIONS)}."
+        )
+    names = check_axis_bound(axis_name, "all_reduce_gradients")
+    reduce = _GRADIENT_REDUCTIONS[reduce_type]
+    return map_arrays(lambda g: reduce(g, names), gradients)
+
+
+class DataParallel(eqx.Module):
+    """The data-parallel helpers bound to one data axis (Artifex's `DataParallel`).
+
+    `DataParallel(data_axis="data")`; each method takes the arguments of the
+    module-level function of the same name, with the axis defaulting to `data_axis`.
+
+    !!! Example
+
+        ```python
+        dp = ed.DataParallel()
+        batch = dp.shard_batch(batch, dp.create_data_parallel_sharding(mesh))
+        ```
+    """
+
+    data_axis: str = eqx.field(default="data", static=True)
+
+    def create_data_parallel_sharding(
+        self, mesh: Mesh, data_axis: str | None = None
+    ) -> NamedSharding:
+        """`create_data_parallel_sharding` over `data_axis` (default this object's)."""
+        return create_data_parallel_sharding(mesh, data_axis or self.data_axis)
+
+    def shard_batch(self, batch: Any, sharding: NamedSharding) -> Any:
+        """`shard_batch`."""
+        return shard_batch(batch, sharding)
+
+    def shard_model_state(
+        self,
+        state: Any,
+        mesh: Mesh,
+        param_sharding: str = "replicate",
+        *,
+        axis_name: str | None = None,
+        min_weight_size: int = 2**18,
+    ) -> Any:
+        """`shard_model_state`; `"shard"` shards over this object's `data_axis` unless
+        `axis_name` is given."""
+        return shard_model_state(
+            state,
+            mesh,
+            param_sharding,
+            axis_name=axis_name or self.data_axis,
+            min_weight_size=min_weight_size,
+        )
+
+    def replicate_params(self, params: Any, mesh: Mesh) -> Any:
+        """`replicate_params`."""
+        return replicate_params(params, mesh)
+
+    def all_reduce_gradients(
+        self,
+        gradients: Any,
+        reduce_type: str = "mean",
+        axis_name: AxisName | None = None,
+    ) -> Any:
+        """`all_reduce_gradients` over `axis_name` (default this object's axis)."""
+        return all_reduce_gradients(gradients, reduce_type, axis_name or self.data_axis)

@@ -1,0 +1,282 @@
+"""Building device meshes (Artifex `DeviceMeshManager`, datarax `device_mesh`)."""
+
+import math
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import equinox as eqx
+import jax
+import numpy as np
+from jax.sharding import AxisType, Mesh
+
+from ._utils import typecheck
+
+MeshShape = Mapping[str, int] | Sequence[tuple[str, int]]
+
+
+def _parse_shape(mesh_shape: Any) -> list[tuple[str, int]]:
+    if isinstance(mesh_shape, Mapping):
+        pairs = list(mesh_shape.items())
+    elif isinstance(mesh_shape, Sequence) and not isinstance(mesh_shape, str):
+        pairs = []
+        for item in mesh_shape:
+            if not (isinstance(item, Sequence) and len(item) == 2):
+                raise TypeError(
+                    "create_device_mesh: `mesh_shape` as a sequence must hold "
+                    f"(name, size) pairs; got the item {item!r}."
+                )
+            pairs.append((item[0], item[1]))
+    else:
+        raise TypeError(
+            "create_device_mesh: `mesh_shape` must be a mapping such as "
+            f'{{"data": 4, "model": 2}} or a sequence of (name, size) pairs; '
+            f"got {mesh_shape!r}."
+        )
+    if not pairs:
+        raise ValueError(
+            "create_device_mesh: `mesh_shape` is empty; give at least one axis, "
+            'e.g. {"data": -1}.'
+        )
+    names = [name for name, _ in pairs]
+    for name, size in pairs:
+        if not isinstance(name, str) or not name:
+            raise ValueError(
+                f"create_device_mesh: axis names must be non-empty strings; got {name!r}"
+                f" in {names}."
+            )
+        if isinstance(size, bool) or not isinstance(size, int | np.integer):
+            raise TypeError(
+                f"create_device_mesh: the size of axis {name!r} must be an int; got "
+                f"{size!r} of type {type(size).__name__}."
+            )
+        if size == 0 or size < -1:
+            raise ValueError(
+                f"create_device_mesh: the size of axis {name!r} is {size}; sizes must "
+                "be positive, or -1 for 'all remaining devices'."
+            )
+    duplicates = sorted({n for n in names if names.count(n) > 1})
+    if duplicates:
+        raise ValueError(
+            f"create_device_mesh: duplicate axis names {duplicates} in {names}; each "
+            "axis needs its own name."
+        )
+    if sum(size == -1 for _, size in pairs) > 1:
+        raise ValueError(
+            f"create_device_mesh: more than one axis has size -1 in {dict(pairs)}; at "
+            "most one axis can take 'all remaining devices'."
+        )
+    return [(name, int(size)) for name, size in pairs]
+
+
+@typecheck
+def create_device_mesh(
+    mesh_shape: MeshShape, *, devices: Sequence[jax.Device] | None = None
+) -> Mesh:
+    """Build a `jax.sharding.Mesh` with named axes.
+
+    **Arguments:**
+
+    - `mesh_shape`: the axes in order, as a mapping `{"data": 4, "model": 2}` or a
+      sequence of `(name, size)` pairs. One size may be `-1`, meaning "all the
+      devices the other axes leave".
+    - `devices`: the devices to use, default `jax.devices()` (every process's devices
+      in a multi-process run). The first `prod(sizes)` of them are used, in order.
+
+    **Returns:**
+
+    A mesh whose axes are `AxisType.Auto`, so `jax.jit` and `jax.shard_map` accept
+    unsharded inputs as well as sharded ones.
+
+    **Raises:**
+
+    `ValueError` for an empty shape, a size of 0 or below -1, several `-1`s, a `-1`
+    that does not divide the device count, empty or duplicate names, or more devices
+    than available ("Not enough devices"); `TypeError` for a non-int size.
+
+    !!! Example
+
+        ```python
+        mesh = ed.create_device_mesh({"data": -1, "model": 2})  # 4 x 2 on 8 devices
+        ```
+    """
+    pairs = _parse_shape(mesh_shape)
+    available = list(jax.devices() if devices is None else devices)
+    known = math.prod(size for _, size in pairs if size != -1)
+    if any(size == -1 for _, size in pairs):
+        if len(available) % known != 0:
+            raise ValueError(
+                f"create_device_mesh: cannot resolve -1 in {dict(pairs)}: the "
+                f"{len(available)} available devices are not divisible by the product "
+                f"of the other sizes ({known})."
+            )
+        pairs = [
+            (name, len(available) // known if size == -1 else size)
+            for name, size in pairs
+        ]
+    needed = math.prod(size for _, size in pairs)
+    if needed > len(available):
+        raise ValueError(
+            f"create_device_mesh: Not enough devices: mesh {dict(pairs)} needs "
+            f"{needed} devices but only {len(available)} are available."
+        )
+    grid = np.empty(needed, dtype=object)
+    grid[:] = available[:needed]
+    names = tuple(name for name, _ in pairs)
+    return Mesh(
+        grid.reshape([size for _, size in pairs]),
+        names,
+        axis_types=(AxisType.Auto,) * len(names),
+    )
+
+
+def _one_axis_mesh(
+    num_devices: int | None, axis_name: str, devices: Sequence[jax.Device] | None
+) -> Mesh:
+    return create_device_mesh(
+        {axis_name: -1 if num_devices is None else num_devices}, devices=devices
+    )
+
+
+@typecheck
+def create_data_parallel_mesh(
+    num_devices: int | None = None,
+    *,
+    axis_name: str = "data",
+    devices: Sequence[jax.Device] | None = None,
+) -> Mesh:
+    """A 1-D mesh for data parallelism (and FSDP) over `num_devices` devices (default:
+    all of them) with the axis `axis_name`. Errors as `create_device_mesh`.
+
+    !!! Example
+
+        ```python
+        mesh = ed.create_data_parallel_mesh()  # Mesh('data': 8)
+        ```
+    """
+    return _one_axis_mesh(num_devices, axis_name, devices)
+
+
+@typecheck
+def create_model_parallel_mesh(
+    num_devices: int | None = None,
+    *,
+    axis_name: str = "model",
+    devices: Sequence[jax.Device] | None = None,
+) -> Mesh:
+    """A 1-D mesh for model (tensor) parallelism over `num_devices` devices (default:
+    all of them) with the axis `axis_name`. Errors as `create_device_mesh`."""
+    return _one_axis_mesh(num_devices, axis_name, devices)
+
+
+@typecheck
+def create_hybrid_mesh(
+    data_parallel_size: int = 1,
+    model_parallel_size: int = 1,
+    *,
+    data_axis: str = "data",
+    model_axis: str = "model",
+    devices: Sequence[jax.Device] | None = None,
+) -> Mesh:
+    """A 2-D `(data_axis, model_axis)` mesh of `data_parallel_size x
+    model_parallel_size` devices; either size may be `-1` ("the rest").
+
+    !!! Example
+
+        ```python
+        mesh = ed.create_hybrid_mesh(-1, 2)  # Mesh('data': 4, 'model': 2) on 8 devices
+        ```
+    """
+    return create_device_mesh(
+        [(data_axis, data_parallel_size), (model_axis, model_parallel_size)],
+        devices=devices,
+    )
+
+
+@typecheck
+def get_mesh_info(mesh: Mesh) -> dict[str, Any]:
+    """Describe a mesh, for logging.
+
+    **Returns:**
+
+    A dict with `"total_devices"` (int), `"axes"` (axis name -> size, in mesh order),
+    `"axis_names"`, `"process_count"` (processes the mesh spans),
+    `"local_devices"` (devices of this process in the mesh) and `"platform"`.
+    """
+    devices = list(mesh.devices.flat)
+    return {
+        "total_devices": int(mesh.size),
+        "axes": {name: int(size) for name, size in mesh.shape.items()},
+        "axis_names": tuple(mesh.axis_names),
+        "process_count": len({d.process_index for d in devices}),
+        "local_devices": sum(d.process_index == jax.process_index() for d in devices),
+        "platform": devices[0].platform,
+    }
+
+
+class DeviceMeshManager(eqx.Module):
+    """Mesh building over a fixed list of devices (Artifex's `DeviceMeshManager`).
+
+    `DeviceMeshManager(devices=None)` holds `devices` (default `jax.devices()`); its
+    methods are the module-level mesh functions without the `devices` argument.
+
+    !!! Example
+
+        ```python
+        manager = ed.DeviceMeshManager()
+        mesh = manager.create_hybrid_mesh(4, 2)
+        manager.get_mesh_info(mesh)["axes"]  # {"data": 4, "model": 2}
+        ```
+    """
+
+    devices: tuple[jax.Device, ...] = eqx.field(static=True)
+
+    def __init__(self, devices: Sequence[jax.Device] | None = None):
+        self.devices = tuple(jax.devices() if devices is None else devices)
+        if not self.devices:
+            raise ValueError("DeviceMeshManager: `devices` is empty.")
+
+    @property
+    def num_devices(self) -> int:
+        """How many devices this manager can place meshes on."""
+        return len(self.devices)
+
+    def create_device_mesh(self, mesh_shape: MeshShape) -> Mesh:
+        """`create_device_mesh` over this manager's devices."""
+        return create_device_mesh(mesh_shape, devices=self.devices)
+
+    def create_data_parallel_mesh(
+        self, num_devices: int | None = None, *, axis_name: str = "data"
+    ) -> Mesh:
+        """`create_data_parallel_mesh` over this manager's devices."""
+        return create_data_parallel_mesh(
+            num_devices, axis_name=axis_name, devices=self.devices
+        )
+
+    def create_model_parallel_mesh(
+        self, num_devices: int | None = None, *, axis_name: str = "model"
+    ) -> Mesh:
+        """`create_model_parallel_mesh` over this manager's devices."""
+        return create_model_parallel_mesh(
+            num_devices, axis_name=axis_name, devices=self.devices
+        )
+
+    def create_hybrid_mesh(
+        self,
+        data_parallel_size: int = 1,
+        model_parallel_size: int = 1,
+        *,
+        data_axis: str = "data",
+        model_axis: str = "model",
+    ) -> Mesh:
+        """`create_hybrid_mesh` over this manager's devices."""
+        return create_hybrid_mesh(
+            data_parallel_size,
+            model_parallel_size,
+            data_axis=data_axis,
+            model_axis=model_axis,
+            devices=self.devices,
+        )
+
+    def get_mesh_info(self, mesh: Mesh) -> dict[str, Any]:
+        """`get_mesh_info`."""
+        return get_mesh_info(mesh)

@@ -1,0 +1,299 @@
+"""Reducing pytrees of metrics across devices (Artifex/datarax `DistributedMetrics`).
+
+Two modes, chosen by `axis_name`:
+
+- a mesh axis name (default `"data"`): *collective* mode, inside `jax.shard_map`;
+  every array leaf is combined across the devices of that axis with
+  `lax.pmean`/`psum`/`pmax`/`pmin`.
+- `None`: *global* mode, for global (possibly sharded) arrays under `jax.jit` or
+  eagerly; every array leaf with `ndim > 0` is reduced over all of its elements, and
+  XLA inserts whatever communication the sharding needs.
+"""
+
+from collections.abc import Callable, Mapping
+from typing import Any, Literal, TypeAlias
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+from jax._src.lax.parallel import all_gather_invariant
+from jaxtyping import PyTree
+
+from ._utils import AxisName, check_axis_bound, is_array, map_arrays, typecheck
+
+ReduceName: TypeAlias = Literal["mean", "sum", "max", "min"]
+
+_COLLECTIVE: dict[str, Callable[..., Any]] = {
+    "mean": jax.lax.pmean,
+    "sum": jax.lax.psum,
+    "max": jax.lax.pmax,
+    "min": jax.lax.pmin,
+}
+_GLOBAL: dict[str, Callable[..., Any]] = {
+    "mean": jnp.mean,
+    "sum": jnp.sum,
+    "max": jnp.max,
+    "min": jnp.min,
+}
+
+
+def _reduce(metrics: Any, op: str, axis_name: AxisName | None, caller: str) -> Any:
+    if axis_name is None:
+        fn = _GLOBAL[op]
+        return map_arrays(lambda x: fn(x) if jnp.ndim(x) > 0 else x, metrics)
+    names = check_axis_bound(axis_name, caller)
+    collective = _COLLECTIVE[op]
+    return map_arrays(lambda x: collective(x, names), metrics)
+
+
+@typecheck
+def reduce_mean(
+    metrics: PyTree[Any], axis_name: AxisName | None = "data"
+) -> PyTree[Any]:
+    """Average every array leaf of `metrics` across devices.
+
+    **Arguments:**
+
+    - `metrics`: any pytree (dict of scalars, nested dicts, `(sum, count)` tuples,
+      Equinox modules...). Non-array leaves pass through unchanged.
+    - `axis_name`: the mesh axis (or tuple of axes) to average over, inside
+      `jax.shard_map`. `None` selects global mode: each array leaf with `ndim > 0` is
+      averaged over all its elements (`jnp.mean`), 0-d leaves pass through.
+
+    **Returns:**
+
+    A pytree of the same structure. In collective mode the results are replicated
+    over the axis, so they can leave `shard_map` with `out_specs=P()`.
+
+    **Raises:**
+
+    `ValueError` if `axis_name` is not bound (called outside `shard_map`).
+
+    !!! Example
+
+        ```python
+        def step(x):
+            return ed.reduce_mean({"loss": jnp.mean(x**2)})
+
+        jax.shard_map(step, mesh=mesh, in_specs=P("data"), out_specs=P())(x)
+        ```
+    """
+    return _reduce(metrics, "mean", axis_name, "reduce_mean")
+
+
+@typecheck
+def reduce_sum(metrics: PyTree[Any], axis_name: AxisName | None = "data") -> PyTree[Any]:
+    """Sum every array leaf of `metrics` across devices (`lax.psum`), or over all
+    elements with `axis_name=None`. Otherwise as `reduce_mean`."""
+    return _reduce(metrics, "sum", axis_name, "reduce_sum")
+
+
+@typecheck
+def reduce_max(metrics: PyTree[Any], axis_name: AxisName | None = "data") -> PyTree[Any]:
+    """Elementwise maximum of every array leaf across devices (`lax.pmax`), or over all
+    elements with `axis_name=None`. Otherwise as `reduce_mean`."""
+    return _reduce(metrics, "max", axis_name, "reduce_max")
+
+
+@typecheck
+def reduce_min(metrics: PyTree[Any], axis_name: AxisName | None = "data") -> PyTree[Any]:
+    """Elementwise minimum of every array leaf across devices (`lax.pmin`), or over all
+    elements with `axis_name=None`. Otherwise as `reduce_mean`."""
+    return _reduce(metrics, "min", axis_name, "reduce_min")
+
+
+@typecheck
+def reduce_custom(
+    metrics: Mapping[str, Any],
+    reduce_fn: Mapping[str, str | None] | None = None,
+    axis_name: AxisName | None = "data",
+) -> dict[str, Any]:
+    """Reduce each top-level entry of `metrics` with its own operation.
+
+    **Arguments:**
+
+    - `metrics`: a mapping from names to values (arrays or whole subtrees).
+    - `reduce_fn`: maps names of `metrics` to `"mean"`, `"sum"`, `"max"`, `"min"` or
+      `None` (leave that entry unchanged). Names it does not mention use `"mean"`;
+      `reduce_fn=None` means `"mean"` for everything.
+    - `axis_name`: as in `reduce_mean` (`None` for global mode).
+
+    **Returns:**
+
+    A dict with the keys of `metrics` in their order.
+
+    **Raises:**
+
+    `ValueError` for an unknown operation, or a key of `reduce_fn` that `metrics` does
+    not have (a misspelt name would otherwise silently fall back to the mean).
+
+    !!! Example
+
+        ```python
+        ed.reduce_custom(
+            {"loss": loss, "samples": n, "grad_norm": g},
+            {"samples": "sum", "grad_norm": "max"},
+        )
+        ```
+    """
+    ops = dict(reduce_fn or {})
+    unknown_keys = [k for k in ops if k not in metrics]
+    if unknown_keys:
+        raise ValueError(
+            f"reduce_custom: `reduce_fn` names {unknown_keys}, which are not keys of "
+            f"`metrics` (its keys are {list(metrics)})."
+        )
+    for key, op in ops.items():
+        if op is not None and op not in _COLLECTIVE:
+            raise ValueError(
+                f"reduce_custom: unknown reduction {op!r} for {key!r}; valid "
+                f"operations are {[*_COLLECTIVE, None]}."
+            )
+    return {
+        key: value
+        if (op := ops.get(key, "mean")) is None
+        else _reduce(value, op, axis_name, "reduce_custom")
+        for key, value in metrics.items()
+    }
+
+
+@typecheck
+def all_gather(
+    metrics: PyTree[Any], axis_name: AxisName = "data", *, tiled: bool = False
+) -> PyTree[Any]:
+    """Collect every device's value of each array leaf, inside `jax.shard_map`.
+
+    **Arguments:**
+
+    - `metrics`: any pytree; non-array leaves pass through.
+    - `axis_name`: the mesh axis (or axes) to gather over.
+    - `tiled`: if `False`, each leaf gains a leading axis of size `axis_size`, in
+      device order; if `True`, leaves are concatenated along axis 0 instead (0-d
+      leaves are treated as shape `(1,)`).
+
+    **Returns:**
+
+    The gathered pytree. Every device holds the same result, and JAX knows it: it
+    can be returned with `out_specs=P()` under the default `check_vma=True`.
+
+    !!! Example
+
+        ```python
+        def per_device_loss(x):
+            return ed.all_gather({"loss": jnp.mean(x)})  # loss: shape (8,)
+        ```
+    """
+    names = check_axis_bound(axis_name, "all_gather")
+
+    def gather(x: Any) -> Any:
+        if tiled and jnp.ndim(x) == 0:
+            x = jnp.reshape(x, (1,))
+        return all_gather_invariant(x, names, axis=0, tiled=tiled)
+
+    return map_arrays(gather, metrics)
+
+
+@typecheck
+def collect_from_devices(metrics: Mapping[str, Any]) -> dict[str, Any]:
+    """Split results that carry a leading device axis into per-device lists, outside
+    `jit` (e.g. the output of `all_gather`, for logging).
+
+    Every array leaf with `ndim > 0`, at any depth, becomes a Python list of its slices
+    along axis 0; 0-d arrays and non-array leaves are returned unchanged.
+
+    !!! Example
+
+        ```python
+        per_device = ed.collect_from_devices({"loss": jnp.array([0.5, 0.7])})
+        per_device["loss"]  # [Array(0.5), Array(0.7)]
+        ```
+    """
+
+    def split(x: Any) -> Any:
+        return list(x) if jnp.ndim(x) > 0 else x
+
+    return {key: map_arrays(split, value) for key, value in metrics.items()}
+
+
+class _UseOwnAxis:
+    """Sentinel default: 'use the axis name this object was built with'."""
+
+    def __repr__(self) -> str:
+        return "<own axis_name>"
+
+
+OWN_AXIS = _UseOwnAxis()
+
+
+class DistributedMetrics(eqx.Module):
+    """The reductions above bound to one `axis_name` (Artifex's `DistributedMetrics`).
+
+    `DistributedMetrics(axis_name="data")`; `axis_name=None` selects global mode for
+    every method. Each method also accepts `axis_name=` to override it for one call.
+
+    !!! Example
+
+        ```python
+        dm = ed.DistributedMetrics()
+        metrics = dm.reduce_custom({"loss": loss, "n": n}, {"n": "sum"})
+        ```
+    """
+
+    axis_name: AxisName | None = eqx.field(default="data", static=True)
+
+    def _axis(self, override: AxisName | None | _UseOwnAxis) -> AxisName | None:
+        return self.axis_name if isinstance(override, _UseOwnAxis) else override
+
+    def reduce_mean(
+        self, metrics: Any, axis_name: AxisName | None | _UseOwnAxis = OWN_AXIS
+    ) -> Any:
+        """`reduce_mean` over this object's axis."""
+        return reduce_mean(metrics, self._axis(axis_name))
+
+    def reduce_sum(
+        self, metrics: Any, axis_name: AxisName | None | _UseOwnAxis = OWN_AXIS
+    ) -> Any:
+        """`reduce_sum` over this object's axis."""
+        return reduce_sum(metrics, self._axis(axis_name))
+
+    def reduce_max(
+        self, metrics: Any, axis_name: AxisName | None | _UseOwnAxis = OWN_AXIS
+    ) -> Any:
+        """`reduce_max` over this object's axis."""
+        return reduce_max(metrics, self._axis(axis_name))
+
+    def reduce_min(
+        self, metrics: Any, axis_name: AxisName | None | _UseOwnAxis = OWN_AXIS
+    ) -> Any:
+        """`reduce_min` over this object's axis."""
+        return reduce_min(metrics, self._axis(axis_name))
+
+    def reduce_custom(
+        self,
+        metrics: Mapping[str, Any],
+        reduce_fn: Mapping[str, str | None] | None = None,
+        axis_name: AxisName | None | _UseOwnAxis = OWN_AXIS,
+    ) -> dict[str, Any]:
+        """`reduce_custom` over this object's axis."""
+        return reduce_custom(metrics, reduce_fn, self._axis(axis_name))
+
+    def all_gather(
+        self,
+        metrics: Any,
+        axis_name: AxisName | _UseOwnAxis = OWN_AXIS,
+        *,
+        tiled: bool = False,
+    ) -> Any:
+        """`all_gather` over this object's axis (which must not be `None`)."""
+        axis = self._axis(axis_name)
+        if axis is None:
+            raise ValueError(
+                "DistributedMetrics.all_gather: this object has axis_name=None "
+                "(global mode), but gathering needs a mesh axis; pass axis_name=..."
+            )
+        return all_gather(metrics, axis, tiled=tiled)
+
+    def collect_from_devices(self, metrics: Mapping[str, Any]) -> dict[str, Any]:
+        """`collect_from_devices`."""
+        return collect_from_devices(metrics)
+
