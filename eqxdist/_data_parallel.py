@@ -125,7 +125,9 @@ def place(tree: Any, specs: Any, mesh: Mesh) -> Any:
     """`device_put` every array leaf of `tree` with the matching `PartitionSpec` of
     `specs` (a tree of the same structure, `None` at non-array leaves)."""
     leaves, treedef = jax.tree.flatten(tree)
-    spec_leaves = treedef.flatten_up_to(specs)
+    spec_leaves = jax.tree.leaves(
+        specs, is_leaf=lambda s: s is None or isinstance(s, P)
+    )
     idx = [i for i, x in enumerate(leaves) if is_array(x)]
     placed = jax.device_put(
         [leaves[i] for i in idx],

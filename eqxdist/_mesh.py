@@ -41,8 +41,8 @@ def _parse_shape(mesh_shape: Any) -> list[tuple[str, int]]:
     for name, size in pairs:
         if not isinstance(name, str) or not name:
             raise ValueError(
-                f"create_device_mesh: axis names must be non-empty strings; got {name!r}"
-                f" in {names}."
+                "create_device_mesh: axis names must be non-empty strings; got "
+                f"{name!r} in {names}."
             )
         if isinstance(size, bool) or not isinstance(size, int | np.integer):
             raise TypeError(

@@ -19,7 +19,7 @@ import jax.numpy as jnp
 from jax._src.lax.parallel import all_gather_invariant
 from jaxtyping import PyTree
 
-from ._utils import AxisName, check_axis_bound, is_array, map_arrays, typecheck
+from ._utils import AxisName, check_axis_bound, map_arrays, typecheck
 
 ReduceName: TypeAlias = Literal["mean", "sum", "max", "min"]
 
@@ -82,21 +82,27 @@ def reduce_mean(
 
 
 @typecheck
-def reduce_sum(metrics: PyTree[Any], axis_name: AxisName | None = "data") -> PyTree[Any]:
+def reduce_sum(
+    metrics: PyTree[Any], axis_name: AxisName | None = "data"
+) -> PyTree[Any]:
     """Sum every array leaf of `metrics` across devices (`lax.psum`), or over all
     elements with `axis_name=None`. Otherwise as `reduce_mean`."""
     return _reduce(metrics, "sum", axis_name, "reduce_sum")
 
 
 @typecheck
-def reduce_max(metrics: PyTree[Any], axis_name: AxisName | None = "data") -> PyTree[Any]:
+def reduce_max(
+    metrics: PyTree[Any], axis_name: AxisName | None = "data"
+) -> PyTree[Any]:
     """Elementwise maximum of every array leaf across devices (`lax.pmax`), or over all
     elements with `axis_name=None`. Otherwise as `reduce_mean`."""
     return _reduce(metrics, "max", axis_name, "reduce_max")
 
 
 @typecheck
-def reduce_min(metrics: PyTree[Any], axis_name: AxisName | None = "data") -> PyTree[Any]:
+def reduce_min(
+    metrics: PyTree[Any], axis_name: AxisName | None = "data"
+) -> PyTree[Any]:
     """Elementwise minimum of every array leaf across devices (`lax.pmin`), or over all
     elements with `axis_name=None`. Otherwise as `reduce_mean`."""
     return _reduce(metrics, "min", axis_name, "reduce_min")
@@ -241,29 +247,29 @@ class DistributedMetrics(eqx.Module):
 
     axis_name: AxisName | None = eqx.field(default="data", static=True)
 
-    def _axis(self, override: AxisName | None | _UseOwnAxis) -> AxisName | None:
+    def _axis(self, override: AxisName | _UseOwnAxis | None) -> AxisName | None:
         return self.axis_name if isinstance(override, _UseOwnAxis) else override
 
     def reduce_mean(
-        self, metrics: Any, axis_name: AxisName | None | _UseOwnAxis = OWN_AXIS
+        self, metrics: Any, axis_name: AxisName | _UseOwnAxis | None = OWN_AXIS
     ) -> Any:
         """`reduce_mean` over this object's axis."""
         return reduce_mean(metrics, self._axis(axis_name))
 
     def reduce_sum(
-        self, metrics: Any, axis_name: AxisName | None | _UseOwnAxis = OWN_AXIS
+        self, metrics: Any, axis_name: AxisName | _UseOwnAxis | None = OWN_AXIS
     ) -> Any:
         """`reduce_sum` over this object's axis."""
         return reduce_sum(metrics, self._axis(axis_name))
 
     def reduce_max(
-        self, metrics: Any, axis_name: AxisName | None | _UseOwnAxis = OWN_AXIS
+        self, metrics: Any, axis_name: AxisName | _UseOwnAxis | None = OWN_AXIS
     ) -> Any:
         """`reduce_max` over this object's axis."""
         return reduce_max(metrics, self._axis(axis_name))
 
     def reduce_min(
-        self, metrics: Any, axis_name: AxisName | None | _UseOwnAxis = OWN_AXIS
+        self, metrics: Any, axis_name: AxisName | _UseOwnAxis | None = OWN_AXIS
     ) -> Any:
         """`reduce_min` over this object's axis."""
         return reduce_min(metrics, self._axis(axis_name))
@@ -272,7 +278,7 @@ class DistributedMetrics(eqx.Module):
         self,
         metrics: Mapping[str, Any],
         reduce_fn: Mapping[str, str | None] | None = None,
-        axis_name: AxisName | None | _UseOwnAxis = OWN_AXIS,
+        axis_name: AxisName | _UseOwnAxis | None = OWN_AXIS,
     ) -> dict[str, Any]:
         """`reduce_custom` over this object's axis."""
         return reduce_custom(metrics, reduce_fn, self._axis(axis_name))
@@ -296,4 +302,3 @@ class DistributedMetrics(eqx.Module):
     def collect_from_devices(self, metrics: Mapping[str, Any]) -> dict[str, Any]:
         """`collect_from_devices`."""
         return collect_from_devices(metrics)
-

@@ -1,4 +1,4 @@
-"""Training: per-device randomness, train state, gradient accumulation, step builders."""
+"""Training: per-device randomness, train state, gradient accumulation, steps."""
 
 import jax
 from jaxtyping import Array, PRNGKeyArray

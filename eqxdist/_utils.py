@@ -34,7 +34,7 @@ def map_arrays(fn: Callable[[Any], Any], tree: Any) -> Any:
 
 
 def map_arrays_with_path(fn: Callable[[str, Any], Any], tree: Any) -> Any:
-    """Like `map_arrays`, but `fn` also receives the leaf's path (for error messages)."""
+    """Like `map_arrays`, but `fn` also gets the leaf's path (for error messages)."""
     return jax.tree_util.tree_map_with_path(
         lambda path, x: fn(path_str(path), x) if is_array(x) else x, tree
     )

@@ -8,11 +8,11 @@ os.environ["XLA_FLAGS"] = (
 )
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
-import jax  # noqa: E402
-import numpy as np  # noqa: E402
-import pytest  # noqa: E402
+import jax
+import numpy as np
+import pytest
 
-import eqxdist as ed  # noqa: E402
+import eqxdist as ed
 
 jax.config.update("jax_enable_x64", False)
 

@@ -1,0 +1,141 @@
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
+
+import eqxdist as ed
+
+
+def test_mapping_and_pairs_give_ordered_auto_axes():
+    mesh = ed.create_device_mesh({"data": 4, "model": 2})
+    assert mesh.axis_names == ("data", "model")
+    assert dict(mesh.shape) == {"data": 4, "model": 2}
+    assert mesh.axis_types == (AxisType.Auto, AxisType.Auto)
+    np.testing.assert_array_equal(
+        np.vectorize(lambda d: d.id)(mesh.devices),
+        np.arange(8).reshape(4, 2),
+    )
+    pairs = ed.create_device_mesh([("model", 2), ("data", 4)])
+    assert pairs.axis_names == ("model", "data")
+    assert dict(pairs.shape) == {"model": 2, "data": 4}
+
+
+def test_minus_one_takes_the_remaining_devices():
+    assert dict(ed.create_device_mesh({"data": -1}).shape) == {"data": 8}
+    assert dict(ed.create_device_mesh({"data": -1, "model": 2}).shape) == {
+        "data": 4,
+        "model": 2,
+    }
+    assert dict(ed.create_hybrid_mesh(2, -1).shape) == {"data": 2, "model": 4}
+
+
+def test_uses_the_first_devices_when_fewer_are_asked_for():
+    mesh = ed.create_device_mesh({"data": 3})
+    assert [d.id for d in mesh.devices.flat] == [0, 1, 2]
+    devices = jax.devices()[4:]
+    mesh = ed.create_device_mesh({"data": 2}, devices=devices)
+    assert [d.id for d in mesh.devices.flat] == [4, 5]
+
+
+def test_auto_axes_accept_unsharded_inputs_in_shard_map():
+    mesh = ed.create_data_parallel_mesh()
+    x = np.arange(16.0)  # a plain NumPy array, not placed on the mesh
+    f = jax.jit(
+        jax.shard_map(
+            lambda v: jax.lax.psum(v.sum(), "data"),
+            mesh=mesh,
+            in_specs=P("data"),
+            out_specs=P(),
+        )
+    )
+    assert float(f(x)) == x.sum()
+
+
+@pytest.mark.parametrize(
+    ("shape", "match"),
+    [
+        ({}, "empty"),
+        ([], "empty"),
+        ({"data": 0}, "size of axis 'data' is 0"),
+        ({"data": -2}, "size of axis 'data' is -2"),
+        ({"data": -1, "model": -1}, "more than one axis has size -1"),
+        ({"data": -1, "model": 3}, "not divisible by the product"),
+        ([("data", 2), ("data", 2)], r"duplicate axis names \['data'\]"),
+        ({"": 2}, "non-empty strings"),
+        ({"data": 16}, "Not enough devices.*16.*8"),
+        ({"data": 4, "model": 4}, "Not enough devices.*16.*8"),
+    ],
+)
+def test_invalid_shapes_raise_value_error(shape, match):
+    with pytest.raises(ValueError, match=match):
+        ed.create_device_mesh(shape)
+
+
+@pytest.mark.parametrize("shape", [{"data": 2.0}, {"data": "2"}, [("data", True)]])
+def test_non_int_sizes_raise_type_error(shape):
+    with pytest.raises(TypeError):
+        ed.create_device_mesh(shape)
+
+
+def test_not_a_shape_raises_type_error():
+    with pytest.raises(TypeError):
+        ed.create_device_mesh(8)  # type: ignore[arg-type]
+
+
+def test_data_and_model_parallel_meshes():
+    assert dict(ed.create_data_parallel_mesh().shape) == {"data": 8}
+    assert dict(ed.create_data_parallel_mesh(4).shape) == {"data": 4}
+    assert dict(ed.create_data_parallel_mesh(2, axis_name="batch").shape) == {
+        "batch": 2
+    }
+    assert dict(ed.create_model_parallel_mesh().shape) == {"model": 8}
+    assert dict(ed.create_hybrid_mesh().shape) == {"data": 1, "model": 1}
+    assert dict(ed.create_hybrid_mesh(4, 2, data_axis="d", model_axis="m").shape) == {
+        "d": 4,
+        "m": 2,
+    }
+    # No silent truncation when more devices are asked for than exist.
+    with pytest.raises(ValueError, match="Not enough devices"):
+        ed.create_data_parallel_mesh(9)
+    with pytest.raises(ValueError, match="Not enough devices"):
+        ed.create_hybrid_mesh(4, 4)
+
+
+def test_get_mesh_info():
+    info = ed.get_mesh_info(ed.create_hybrid_mesh(4, 2))
+    assert info["total_devices"] == 8
+    assert info["axes"] == {"data": 4, "model": 2}
+    assert list(info["axes"]) == ["data", "model"]
+    assert info["process_count"] == 1
+    assert info["local_devices"] == 8
+    assert info["platform"] == "cpu"
+
+
+def test_device_mesh_manager():
+    manager = ed.DeviceMeshManager()
+    assert manager.num_devices == 8
+    assert dict(manager.create_device_mesh({"data": -1}).shape) == {"data": 8}
+    assert dict(manager.create_data_parallel_mesh().shape) == {"data": 8}
+    assert dict(manager.create_model_parallel_mesh(2).shape) == {"model": 2}
+    assert dict(manager.create_hybrid_mesh(2, 4).shape) == {"data": 2, "model": 4}
+    assert manager.get_mesh_info(manager.create_hybrid_mesh(2, 2))["total_devices"] == 4
+
+    small = ed.DeviceMeshManager(jax.devices()[:2])
+    assert small.num_devices == 2
+    assert dict(small.create_data_parallel_mesh().shape) == {"data": 2}
+    with pytest.raises(ValueError, match="Not enough devices.*4.*2"):
+        small.create_data_parallel_mesh(4)
+    with pytest.raises(ValueError, match="empty"):
+        ed.DeviceMeshManager([])
+
+
+def test_mesh_on_one_device_runs_collectives():
+    mesh = ed.create_data_parallel_mesh(1)
+    x = jnp.arange(4.0)
+    out = jax.shard_map(
+        lambda v: jax.lax.psum(v, "data"), mesh=mesh, in_specs=P("data"), out_specs=P()
+    )(x)
+    np.testing.assert_array_equal(out, x)
+    placed = jax.device_put(x, NamedSharding(mesh, P("data")))
+    assert placed.sharding.num_devices == 1
