@@ -217,7 +217,8 @@ class DeviceMeshManager(eqx.Module):
     """Mesh building over a fixed list of devices (Artifex's `DeviceMeshManager`).
 
     `DeviceMeshManager(devices=None)` holds `devices` (default `jax.devices()`); its
-    methods are the module-level mesh functions without the `devices` argument.
+    methods are the module-level mesh functions, placing meshes on those devices (a
+    method's own `devices=` argument overrides them for one call).
 
     !!! Example
 
@@ -228,36 +229,54 @@ class DeviceMeshManager(eqx.Module):
         ```
     """
 
-    devices: tuple[jax.Device, ...] = eqx.field(static=True)
+    _devices: tuple[jax.Device, ...] = eqx.field(static=True)
 
     def __init__(self, devices: Sequence[jax.Device] | None = None):
-        self.devices = tuple(jax.devices() if devices is None else devices)
-        if not self.devices:
+        self._devices = tuple(jax.devices() if devices is None else devices)
+        if not self._devices:
             raise ValueError("DeviceMeshManager: `devices` is empty.")
+
+    @property
+    def devices(self) -> list[jax.Device]:
+        """The devices meshes are built from, in order."""
+        return list(self._devices)
 
     @property
     def num_devices(self) -> int:
         """How many devices this manager can place meshes on."""
-        return len(self.devices)
+        return len(self._devices)
 
-    def create_device_mesh(self, mesh_shape: MeshShape) -> Mesh:
+    def _pick(self, devices: Sequence[jax.Device] | None) -> Sequence[jax.Device]:
+        return self._devices if devices is None else devices
+
+    def create_device_mesh(
+        self, mesh_shape: MeshShape, *, devices: Sequence[jax.Device] | None = None
+    ) -> Mesh:
         """`create_device_mesh` over this manager's devices."""
-        return create_device_mesh(mesh_shape, devices=self.devices)
+        return create_device_mesh(mesh_shape, devices=self._pick(devices))
 
     def create_data_parallel_mesh(
-        self, num_devices: int | None = None, *, axis_name: str = "data"
+        self,
+        num_devices: int | None = None,
+        *,
+        axis_name: str = "data",
+        devices: Sequence[jax.Device] | None = None,
     ) -> Mesh:
         """`create_data_parallel_mesh` over this manager's devices."""
         return create_data_parallel_mesh(
-            num_devices, axis_name=axis_name, devices=self.devices
+            num_devices, axis_name=axis_name, devices=self._pick(devices)
         )
 
     def create_model_parallel_mesh(
-        self, num_devices: int | None = None, *, axis_name: str = "model"
+        self,
+        num_devices: int | None = None,
+        *,
+        axis_name: str = "model",
+        devices: Sequence[jax.Device] | None = None,
     ) -> Mesh:
         """`create_model_parallel_mesh` over this manager's devices."""
         return create_model_parallel_mesh(
-            num_devices, axis_name=axis_name, devices=self.devices
+            num_devices, axis_name=axis_name, devices=self._pick(devices)
         )
 
     def create_hybrid_mesh(
@@ -267,6 +286,7 @@ class DeviceMeshManager(eqx.Module):
         *,
         data_axis: str = "data",
         model_axis: str = "model",
+        devices: Sequence[jax.Device] | None = None,
     ) -> Mesh:
         """`create_hybrid_mesh` over this manager's devices."""
         return create_hybrid_mesh(
@@ -274,7 +294,7 @@ class DeviceMeshManager(eqx.Module):
             model_parallel_size,
             data_axis=data_axis,
             model_axis=model_axis,
-            devices=self.devices,
+            devices=self._pick(devices),
         )
 
     def get_mesh_info(self, mesh: Mesh) -> dict[str, Any]:

@@ -121,8 +121,14 @@ def test_device_mesh_manager():
     assert dict(manager.create_hybrid_mesh(2, 4).shape) == {"data": 2, "model": 4}
     assert manager.get_mesh_info(manager.create_hybrid_mesh(2, 2))["total_devices"] == 4
 
+    assert manager.devices == jax.devices()  # the list it was given (default all)
+
     small = ed.DeviceMeshManager(jax.devices()[:2])
     assert small.num_devices == 2
+    assert small.devices == jax.devices()[:2]
+    # A call's own devices override the manager's.
+    other = small.create_device_mesh([("data", 2)], devices=jax.devices()[6:])
+    assert [d.id for d in other.devices.flat] == [6, 7]
     assert dict(small.create_data_parallel_mesh().shape) == {"data": 2}
     with pytest.raises(ValueError, match="Not enough devices.*4.*2"):
         small.create_data_parallel_mesh(4)
