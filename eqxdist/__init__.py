@@ -19,6 +19,17 @@ from ._mesh import (
     create_model_parallel_mesh as create_model_parallel_mesh,
     get_mesh_info as get_mesh_info,
 )
+from ._metrics import (
+    Accuracy as Accuracy,
+    Max as Max,
+    Mean as Mean,
+    Metric as Metric,
+    MetricAccumulator as MetricAccumulator,
+    MetricCollection as MetricCollection,
+    Min as Min,
+    ReduceOp as ReduceOp,
+    Sum as Sum,
+)
 from ._partition import fsdp_specs as fsdp_specs
 from ._reductions import (
     DistributedMetrics as DistributedMetrics,
