@@ -11,6 +11,12 @@ from ._data_parallel import (
     shard_batch as shard_batch,
     shard_model_state as shard_model_state,
 )
+from ._fsdp import (
+    FSDP as FSDP,
+    gather_params as gather_params,
+    shard_params as shard_params,
+    sync_gradients as sync_gradients,
+)
 from ._mesh import (
     DeviceMeshManager as DeviceMeshManager,
     create_data_parallel_mesh as create_data_parallel_mesh,
@@ -41,6 +47,13 @@ from ._reductions import (
     reduce_min as reduce_min,
     reduce_sum as reduce_sum,
 )
-from ._train import fold_rng_over_axis as fold_rng_over_axis
+from ._train import (
+    TrainState as TrainState,
+    TrainStep as TrainStep,
+    accumulate_gradients as accumulate_gradients,
+    fold_rng_over_axis as fold_rng_over_axis,
+    make_train_step as make_train_step,
+    print_metrics as print_metrics,
+)
 
 __version__ = "0.1.0"

@@ -1,11 +1,13 @@
 """Placing batches and model state on a mesh, and all-reducing gradients
 (Artifex `DataParallel`, datarax `data_parallel`)."""
 
+import functools
 import math
 from typing import Any
 
 import equinox as eqx
 import jax
+import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from jaxtyping import PyTree
@@ -43,7 +45,7 @@ def create_data_parallel_sharding(mesh: Mesh, data_axis: str = "data") -> NamedS
     return NamedSharding(mesh, P(data_axis))
 
 
-def _local_shard_count(sharding: NamedSharding, global_shards: int) -> int:
+def local_shard_count(sharding: NamedSharding, global_shards: int) -> int:
     # How many distinct row blocks this process's devices hold: with one row per
     # shard, that is the number of distinct row indices among addressable devices.
     index_map = sharding.addressable_devices_indices_map((global_shards,))
@@ -85,7 +87,7 @@ def shard_batch(batch: PyTree[Any], sharding: NamedSharding) -> PyTree[Any]:
     total = math.prod(mesh.shape[a] for a in axis_names(batch_axes or ()))
     local = total if row_sharding.is_fully_addressable else None
     if local is None:
-        local = _local_shard_count(row_sharding, total)
+        local = local_shard_count(row_sharding, total)
 
     leaves, treedef = jax.tree_util.tree_flatten_with_path(batch)
     arrays, shardings, positions = [], [], []
@@ -121,28 +123,50 @@ def shard_batch(batch: PyTree[Any], sharding: NamedSharding) -> PyTree[Any]:
     return jax.tree_util.tree_unflatten(treedef, out)
 
 
-def place(tree: Any, specs: Any, mesh: Mesh) -> Any:
-    """`device_put` every array leaf of `tree` with the matching `PartitionSpec` of
-    `specs` (a tree of the same structure, `None` at non-array leaves)."""
-    leaves, treedef = jax.tree.flatten(tree)
-    spec_leaves = jax.tree.leaves(
-        specs, is_leaf=lambda s: s is None or isinstance(s, P)
-    )
-    idx = [i for i, x in enumerate(leaves) if is_array(x)]
-    placed = jax.device_put(
-        [leaves[i] for i in idx],
-        [NamedSharding(mesh, spec_leaves[i]) for i in idx],
-    )
-    for i, array in zip(idx, placed, strict=True):
-        leaves[i] = array
-    return jax.tree.unflatten(treedef, leaves)
+def _put_global(x: Any, sharding: NamedSharding) -> Any:
+    """`device_put` onto a sharding that spans several processes.
+
+    JAX refuses to move an array committed to one local device (or a PRNG key)
+    onto devices of other processes, so the host value is put instead: every
+    process holds the same value, as it does for freshly built state."""
+    if isinstance(x, jax.Array) and not x.is_fully_addressable:
+        return jax.device_put(x, sharding)
+    if jnp.issubdtype(x.dtype, jax.dtypes.prng_key):
+        data = _put_global(jax.random.key_data(x), sharding)
+        return jax.random.wrap_key_data(data, impl=jax.random.key_impl(x))
+    return jax.device_put(np.asarray(x), sharding)
+
+
+# A copy keeps its input's sharding; jitted once, for every tree structure.
+_copy = jax.jit(functools.partial(jax.tree.map, jnp.copy))
+
+
+def place(tree: Any, specs: Any, mesh: Mesh, *, copy: bool = False) -> Any:
+    """Put every array leaf of `tree` on `mesh` with its `PartitionSpec` in `specs` (a
+    pytree of `tree`'s structure with `None` at non-array leaves, as `fsdp_specs`
+    returns); other leaves are kept, so an `eqx.Module` stays one.
+
+    Partitioning first keeps `None` nodes of `tree` (e.g. `Linear(use_bias=False)`)
+    aligned with those of `specs`. `copy=True` gives the result buffers of its own,
+    so that donating it never deletes the caller's arrays (replicating a
+    single-device array otherwise reuses that device's buffer). Works when `mesh`
+    spans several processes, each passing the same values."""
+    arrays, static = eqx.partition(tree, is_array)
+    shardings = jax.tree.map(lambda _, s: NamedSharding(mesh, s), arrays, specs)
+    if mesh.is_multi_process:
+        placed = jax.tree.map(_put_global, arrays, shardings)
+    else:
+        placed = jax.device_put(arrays, shardings)
+    return eqx.combine(_copy(placed) if copy else placed, static)
 
 
 @typecheck
 def replicate_params(params: PyTree[Any], mesh: Mesh) -> PyTree[Any]:
     """Put a full copy of every array leaf of `params` on every device of `mesh`
     (`P()`); non-array leaves pass through, so an `eqx.Module` stays one."""
-    return place(params, map_arrays(lambda _: P(), params), mesh)
+    return place(
+        params, jax.tree.map(lambda x: P() if is_array(x) else None, params), mesh
+    )
 
 
 @typecheck

@@ -115,6 +115,29 @@ def test_shard_model_state_replicate_keeps_module_type(mesh8):
     assert replicated["w"].sharding.spec == P() and replicated["lr"] == 0.1
 
 
+def test_placement_keeps_none_nodes_and_non_arrays_aligned(mesh8):
+    # `None` nodes (a Linear without bias, an optax EmptyState) come before arrays.
+    key = jax.random.key(0)
+    tree = {
+        "a": None,
+        "lin": eqx.nn.Linear(16, 8, use_bias=False, key=key),
+        "name": "x",
+        "w": jnp.arange(16.0),
+    }
+    for placed in (
+        ed.replicate_params(tree, mesh8),
+        ed.shard_model_state(tree, mesh8),
+        ed.shard_model_state(tree, mesh8, "shard", min_weight_size=8),
+    ):
+        assert placed["a"] is None and placed["lin"].bias is None
+        assert placed["name"] == "x"
+        np.testing.assert_array_equal(placed["w"], tree["w"])
+        np.testing.assert_array_equal(placed["lin"].weight, tree["lin"].weight)
+    sharded = ed.shard_model_state(tree, mesh8, "shard", min_weight_size=8)
+    assert sharded["w"].sharding.spec == P("data")
+    assert sharded["lin"].weight.sharding.spec == P(None, "data")  # (8, 16)
+
+
 def test_shard_model_state_shard_uses_the_fsdp_rule(mesh8):
     model = MLP(jax.random.key(0))
     placed = ed.shard_model_state(model, mesh8, "shard", min_weight_size=100)

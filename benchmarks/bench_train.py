@@ -1,0 +1,448 @@
+"""Training-step speed: eqxdist's DP and FSDP steps against hand-written and Flax ones.
+
+For the UvA tutorial's classifier (784 -> 512 -> 10, bf16 compute, dropout, batch
+128 in 4 minibatches, adamw) and a tiny, dispatch-bound MLP (batch 64, one
+minibatch), on 8 simulated CPU devices, one process, side by side:
+
+- `eqxdist dp` / `eqxdist fsdp`: `eqxdist.make_train_step(..., strategy=...)`
+  (FSDP with the tutorial's `min_weight_size=2**4`).
+- `hand-written`: `jax.jit(jax.shard_map(..., check_vma=False))` over the model's
+  arrays, partitioned once, with the same model, loss, gradient accumulation and
+  optimizer; the fastest a user could write by hand, and the reference of the
+  ratios.
+- `flax tutorial`: the tutorial's Flax-linen `train_step_dp` (its `TrainState`, its
+  Python-loop gradient accumulation, metrics summed into the carried metrics), on
+  current JAX (`jax.shard_map`, `check_vma=False`).
+- `naive eqx`: `eqx.filter_jit` around `jax.shard_map` with JAX's default
+  `check_vma=True`, filtering the state on every call: what one writes first.
+
+Timing is interleaved: every repeat times each variant for `--steps` steps (the
+order rotating), each with at most 8 steps in flight, and the table gives median
+milliseconds per step and the median of the per-repeat ratios.
+
+    python benchmarks/bench_train.py [--repeats 7] [--steps 40]
+
+The script sets up 8 simulated CPU devices itself (before importing JAX) unless
+`XLA_FLAGS` already sets a device count. `run()` returns the rows for other scripts.
+"""
+
+import argparse
+import collections
+import functools
+import os
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+if "--xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
+    os.environ["XLA_FLAGS"] = (
+        os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
+    )
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+import equinox as eqx
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import optax
+from flax.training import train_state
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+import eqxdist as ed
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
+import _tutorial
+
+IN_FLIGHT = 8
+TINY = {"batch": 64, "input": 32, "hidden": 32, "classes": 4, "minibatches": 1}
+
+
+# -- the models -------------------------------------------------------------------
+
+
+class TinyMLP(eqx.Module):
+    """Flax's `FlaxTiny` in Equinox: the same Dense layers (`x @ kernel + bias`)."""
+
+    hidden: _tutorial.Dense
+    out: _tutorial.Dense
+
+    def __init__(self, key: Any) -> None:
+        k1, k2 = jax.random.split(key)
+        self.hidden = _tutorial.Dense(
+            TINY["input"], TINY["hidden"], dtype=jnp.float32, key=k1
+        )
+        self.out = _tutorial.Dense(
+            TINY["hidden"], TINY["classes"], dtype=jnp.float32, key=k2
+        )
+
+    def __call__(self, x: jax.Array, *, key: Any = None) -> jax.Array:
+        return self.out(jax.nn.relu(self.hidden(x)))
+
+
+class FlaxClassifier(nn.Module):
+    """The tutorial's `DPClassifier`."""
+
+    hidden: int
+    classes: int
+    dropout_rate: float
+    dtype: Any
+
+    @nn.compact
+    def __call__(self, x: jax.Array, train: bool) -> jax.Array:
+        x = nn.Dense(self.hidden, dtype=self.dtype, name="input_dense")(x)
+        x = nn.silu(x)
+        x = nn.Dropout(rate=self.dropout_rate, deterministic=not train)(x)
+        x = nn.Dense(self.classes, dtype=self.dtype, name="output_dense")(x)
+        return x.astype(jnp.float32)
+
+
+class FlaxTiny(nn.Module):
+    @nn.compact
+    def __call__(self, x: jax.Array, train: bool) -> jax.Array:
+        del train
+        x = nn.relu(nn.Dense(TINY["hidden"])(x))
+        return nn.Dense(TINY["classes"])(x)
+
+
+def _cases() -> dict[str, dict[str, Any]]:
+    key = jax.random.key(0)
+    tiny_inputs, tiny_labels = jax.random.split(jax.random.key(1))
+    return {
+        "tutorial": {
+            "model": _tutorial.Classifier(key),
+            "flax": FlaxClassifier(
+                _tutorial.HIDDEN_SIZE,
+                _tutorial.NUM_CLASSES,
+                _tutorial.DROPOUT_RATE,
+                jnp.bfloat16,
+            ),
+            "batch": _tutorial.make_batch(jax.random.key(2)),
+            "minibatches": _tutorial.NUM_MINIBATCHES,
+        },
+        "tiny": {
+            "model": TinyMLP(key),
+            "flax": FlaxTiny(),
+            "batch": {
+                "inputs": jax.random.normal(
+                    tiny_inputs, (TINY["batch"], TINY["input"])
+                ),
+                "labels": jax.random.randint(
+                    tiny_labels, (TINY["batch"],), 0, TINY["classes"]
+                ),
+            },
+            "minibatches": TINY["minibatches"],
+        },
+    }
+
+
+# -- the variants: each returns `step() -> token` (an output to block on) ----------
+
+
+def _eqxdist(case: dict[str, Any], mesh: Any, strategy: str) -> Callable[[], Any]:
+    optimizer = optax.adamw(_tutorial.LEARNING_RATE)
+    step = ed.make_train_step(
+        _tutorial.loss_fn,
+        optimizer,
+        mesh,
+        strategy=strategy,
+        num_minibatches=case["minibatches"],
+        min_weight_size=2**4,
+        max_steps_in_flight=IN_FLIGHT,
+    )
+    state = ed.TrainState.create(case["model"], optimizer, jax.random.key(3))
+    batch = ed.shard_batch(case["batch"], ed.create_data_parallel_sharding(mesh))
+    holder = [state]
+
+    def call() -> Any:
+        holder[0], metrics = step(holder[0], batch)
+        return metrics["loss"][0]
+
+    call.bounded = True  # type: ignore[attr-defined]
+    return call
+
+
+def _hand_written(case: dict[str, Any], mesh: Any) -> Callable[[], Any]:
+    optimizer = optax.adamw(_tutorial.LEARNING_RATE)
+    params, static = eqx.partition(case["model"], eqx.is_array)
+    num_minibatches = case["minibatches"]
+
+    def loss(model: Any, batch: Any, key: Any) -> Any:
+        return _tutorial.loss_fn(model, batch, jax.random.fold_in(key, _index()))
+
+    def step(params: Any, opt_state: Any, step: Any, key: Any, batch: Any) -> Any:
+        # The same randomness as eqxdist's step: fold_in(key, step), per
+        # minibatch, per device; the key itself is only read.
+        grads, metrics = ed.accumulate_gradients(
+            loss,
+            eqx.combine(params, static),
+            batch,
+            jax.random.fold_in(key, step),
+            num_minibatches,
+        )
+        grads = jax.tree.map(lambda g: jax.lax.pmean(g, "data"), grads)
+        metrics = jax.tree.map(lambda m: jax.lax.psum(m, "data"), metrics)
+        updates, opt_state = optimizer.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, step + 1, metrics
+
+    fn = jax.jit(
+        jax.shard_map(
+            step,
+            mesh=mesh,
+            in_specs=(P(), P(), P(), P(), P("data")),
+            out_specs=P(),
+            check_vma=False,
+        ),
+        donate_argnums=(0, 1, 2),
+    )
+    holder = [
+        _replicate(params, mesh),
+        _replicate(optimizer.init(params), mesh),
+        _replicate(jnp.zeros((), jnp.int32), mesh),
+    ]
+    key = _replicate(jax.random.key(3), mesh)
+    batch = ed.shard_batch(case["batch"], ed.create_data_parallel_sharding(mesh))
+
+    def call() -> Any:
+        *holder[:], metrics = fn(*holder, key, batch)
+        return metrics["loss"][0]
+
+    return call
+
+
+def _replicate(tree: Any, mesh: Any) -> Any:
+    """A replicated copy (copied first: replicating a single-device array reuses
+    its buffer, and the donating steps would delete the shared models' arrays)."""
+    arrays, static = eqx.partition(tree, eqx.is_array)
+    arrays = jax.tree.map(jnp.copy, arrays)
+    return eqx.combine(jax.device_put(arrays, NamedSharding(mesh, P())), static)
+
+
+def _index() -> Any:
+    return jax.lax.axis_index("data")
+
+
+class FlaxState(train_state.TrainState):  # type: ignore[misc]
+    rng: Any
+
+
+def _flax_tutorial(case: dict[str, Any], mesh: Any) -> Callable[[], Any]:
+    """The tutorial's `loss_fn`, `accumulate_gradients` (loop) and `train_step_dp`."""
+    model = case["flax"]
+    num_minibatches = case["minibatches"]
+    batch = case["batch"]
+
+    def loss_fn(params: Any, apply_fn: Any, batch: Any, rng: Any) -> Any:
+        dropout_rng = jax.random.fold_in(rng, jax.lax.axis_index("data"))
+        logits = apply_fn(
+            {"params": params},
+            batch["inputs"],
+            train=True,
+            rngs={"dropout": dropout_rng},
+        )
+        loss = optax.softmax_cross_entropy_with_integer_labels(logits, batch["labels"])
+        correct = jnp.equal(jnp.argmax(logits, axis=-1), batch["labels"])
+        size = batch["inputs"].shape[0]
+        return loss.mean(), {
+            "loss": (loss.sum(), size),
+            "accuracy": (correct.sum(), size),
+        }
+
+    def accumulate_gradients(state: Any, batch: Any, rng: Any) -> Any:
+        size = batch["inputs"].shape[0] // num_minibatches
+        rngs = jax.random.split(rng, num_minibatches)
+        grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
+        grads = metrics = None
+        for i in range(num_minibatches):
+            minibatch = jax.tree.map(lambda x, i=i: x[i * size : (i + 1) * size], batch)
+            (_, step_metrics), step_grads = grad_fn(
+                state.params, state.apply_fn, minibatch, rngs[i]
+            )
+            if grads is None:
+                grads, metrics = step_grads, step_metrics
+            else:
+                grads = jax.tree.map(jnp.add, grads, step_grads)
+                metrics = jax.tree.map(jnp.add, metrics, step_metrics)
+        return jax.tree.map(lambda g: g / num_minibatches, grads), metrics
+
+    def train_step(state: Any, metrics: Any, batch: Any) -> Any:
+        rng, step_rng = jax.random.split(state.rng)
+        grads, step_metrics = accumulate_gradients(state, batch, step_rng)
+        grads = jax.tree.map(lambda g: jax.lax.pmean(g, "data"), grads)
+        new_state = state.apply_gradients(grads=grads, rng=rng)
+        step_metrics = jax.tree.map(lambda x: jax.lax.psum(x, "data"), step_metrics)
+        # The step counter once more, as an output that is not donated to the
+        # next call, to bound the steps in flight by (as eqxdist does).
+        return new_state, jax.tree.map(jnp.add, metrics, step_metrics), new_state.step
+
+    fn = jax.jit(
+        jax.shard_map(
+            train_step,
+            mesh=mesh,
+            in_specs=(P(), P(), P("data")),
+            out_specs=(P(), P(), P()),
+            check_vma=False,
+        ),
+        donate_argnames=("state", "metrics"),
+    )
+    init_rng, rng = jax.random.split(jax.random.PRNGKey(3))
+    params = model.init({"params": init_rng}, batch["inputs"], train=False)["params"]
+    state = FlaxState.create(
+        apply_fn=model.apply,
+        params=params,
+        tx=optax.adamw(_tutorial.LEARNING_RATE),
+        rng=rng,
+    )
+    state = _replicate(state, mesh)
+    batch = ed.shard_batch(batch, ed.create_data_parallel_sharding(mesh))
+    zero = jnp.zeros((), jnp.float32), jnp.zeros((), jnp.int32)
+    metrics = _replicate({"loss": zero, "accuracy": zero}, mesh)
+    holder = [state, metrics]
+
+    def call() -> Any:
+        holder[0], holder[1], token = fn(holder[0], holder[1], batch)
+        return token
+
+    return call
+
+
+def _naive(case: dict[str, Any], mesh: Any) -> Callable[[], Any]:
+    """`eqx.filter_jit` + `jax.shard_map` (check_vma=True) on the whole state."""
+    optimizer = optax.adamw(_tutorial.LEARNING_RATE)
+    num_minibatches = case["minibatches"]
+    size = mesh.shape["data"]
+
+    def loss(model: Any, batch: Any, key: Any) -> Any:
+        return _tutorial.loss_fn(model, batch, jax.random.fold_in(key, _index()))
+
+    @eqx.filter_jit(donate="all-except-first")
+    def step(batch: Any, state: ed.TrainState) -> Any:
+        params, static = eqx.partition(state.model, eqx.is_array)
+
+        def local(params: Any, key: Any, batch: Any) -> Any:
+            grads, metrics = ed.accumulate_gradients(
+                loss, eqx.combine(params, static), batch, key, num_minibatches
+            )
+            # check_vma=True has already summed replicated parameters' gradients.
+            grads = jax.tree.map(lambda g: g / size, grads)
+            return grads, jax.tree.map(lambda m: jax.lax.psum(m, "data"), metrics)
+
+        key, step_key = jax.random.split(state.key)
+        grads, metrics = jax.shard_map(
+            local, mesh=mesh, in_specs=(P(), P(), P("data")), out_specs=P()
+        )(params, step_key, batch)
+        updates, opt_state = optimizer.update(grads, state.opt_state, params)
+        model = eqx.apply_updates(state.model, updates)
+        return ed.TrainState(model, opt_state, state.step + 1, key), metrics
+
+    state = ed.TrainState.create(case["model"], optimizer, jax.random.key(3))
+    holder = [_replicate(state, mesh)]
+    batch = ed.shard_batch(case["batch"], ed.create_data_parallel_sharding(mesh))
+
+    def call() -> Any:
+        holder[0], metrics = step(batch, holder[0])
+        return metrics["loss"][0]
+
+    return call
+
+
+VARIANTS: dict[str, Callable[[dict[str, Any], Any], Callable[[], Any]]] = {
+    "hand-written": _hand_written,
+    "eqxdist dp": functools.partial(_eqxdist, strategy="dp"),
+    "eqxdist fsdp": functools.partial(_eqxdist, strategy="fsdp"),
+    "flax tutorial": _flax_tutorial,
+    "naive eqx": _naive,
+}
+
+
+def _time(call: Callable[[], Any], steps: int) -> float:
+    """Seconds per step, at most IN_FLIGHT steps queued (eqxdist bounds its own)."""
+    bounded = getattr(call, "bounded", False)
+    queue: collections.deque[Any] = collections.deque()
+    start = time.perf_counter()
+    for _ in range(steps):
+        queue.append(call())
+        if not bounded and len(queue) > IN_FLIGHT:
+            queue.popleft().block_until_ready()
+    for token in queue:
+        token.block_until_ready()
+    return (time.perf_counter() - start) / steps
+
+
+def run(
+    *,
+    models: tuple[str, ...] = ("tutorial", "tiny"),
+    repeats: int = 7,
+    steps: int = 40,
+) -> list[dict[str, Any]]:
+    """Time every variant on every model; one row per (model, variant) with the
+    median ms/step and the median ratios to `hand-written` and `flax tutorial`."""
+    if len(jax.devices()) < 8:
+        raise RuntimeError(
+            "bench_train needs 8 devices; set XLA_FLAGS="
+            "--xla_force_host_platform_device_count=8 before importing JAX."
+        )
+    mesh = ed.create_data_parallel_mesh(8)
+    cases = _cases()
+    rows = []
+    for name in models:
+        calls = {label: make(cases[name], mesh) for label, make in VARIANTS.items()}
+        for call in calls.values():  # compile and warm up
+            _time(call, IN_FLIGHT + 2)
+        times: dict[str, list[float]] = {label: [] for label in calls}
+        labels = list(calls)
+        for r in range(repeats):
+            for label in labels[r % len(labels) :] + labels[: r % len(labels)]:
+                times[label].append(_time(calls[label], steps))
+        for label in labels:
+            rows.append(
+                {
+                    "model": name,
+                    "variant": label,
+                    "ms_per_step": 1e3 * statistics.median(times[label]),
+                    "vs_hand_written": statistics.median(
+                        a / b
+                        for a, b in zip(
+                            times[label], times["hand-written"], strict=True
+                        )
+                    ),
+                    "vs_flax": statistics.median(
+                        a / b
+                        for a, b in zip(
+                            times[label], times["flax tutorial"], strict=True
+                        )
+                    ),
+                }
+            )
+    return rows
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0],
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    parser.add_argument("--repeats", type=int, default=7, help="interleaved repeats")
+    parser.add_argument("--steps", type=int, default=40, help="steps per timing")
+    parser.add_argument(
+        "--models",
+        nargs="+",
+        default=["tutorial", "tiny"],
+        choices=["tutorial", "tiny"],
+    )
+    args = parser.parse_args()
+    rows = run(models=tuple(args.models), repeats=args.repeats, steps=args.steps)
+    print(
+        f"{'model':9} {'variant':14} {'ms/step':>8} {'/hand-written':>14} {'/flax':>7}"
+    )
+    for row in rows:
+        print(
+            f"{row['model']:9} {row['variant']:14} {row['ms_per_step']:8.3f} "
+            f"{row['vs_hand_written']:14.3f} {row['vs_flax']:7.3f}"
+        )
+
+
+if __name__ == "__main__":
+    main()

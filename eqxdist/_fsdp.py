@@ -1,0 +1,472 @@
+"""Fully sharded data parallelism (FSDP, ZeRO-3): every large parameter is split over
+the devices of the data axis, all-gathered just before it is used, and its gradient
+is reduce-scattered back to the shards.
+
+All layouts come from the one rule of `fsdp_specs`; the functions here act on
+a parameter pytree together with its specs, inside `jax.shard_map`.
+"""
+
+import functools
+from typing import Any
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+from jax.sharding import Mesh, PartitionSpec as P
+from jaxtyping import PyTree
+
+from ._data_parallel import place
+from ._partition import _has_shape, fsdp_specs, leaf_spec
+from ._utils import check_axis_bound, is_array, path_str, typecheck
+
+
+def _spec_names(spec: P) -> set[str]:
+    names: set[str] = set()
+    for entry in spec:
+        if isinstance(entry, str):
+            names.add(entry)
+        elif isinstance(entry, tuple):
+            names.update(entry)
+    return names
+
+
+def sharded_dim(spec: P | None, axis_name: str) -> int | None:
+    """The dimension `spec` shards over `axis_name` alone, or `None`."""
+    if spec is None:
+        return None
+    for dim, entry in enumerate(spec):
+        if entry == axis_name or entry == (axis_name,):
+            return dim
+    return None
+
+
+def _is_spec_leaf(x: Any) -> bool:
+    return x is None or isinstance(x, P)
+
+
+def _spec_leaves(
+    tree: Any, specs: Any, caller: str, argument: str
+) -> tuple[list[Any], list[Any], Any]:
+    """Flatten `tree` and `specs` side by side, with a clear error when they differ.
+
+    `specs` leads (a `PartitionSpec` or `None` per leaf), so `tree` may hold `None`
+    where `specs` has a spec: gradients of non-differentiable leaves are `None`."""
+    spec_def: Any
+    with_path, spec_def = jax.tree_util.tree_flatten_with_path(
+        specs, is_leaf=_is_spec_leaf
+    )
+    try:
+        leaves = spec_def.flatten_up_to(tree)
+    except (ValueError, TypeError) as e:
+        raise ValueError(
+            f"{caller}: `specs` do not match the structure of `{argument}`; build "
+            f"them from the same tree (e.g. with `fsdp_specs`). Details: {e}"
+        ) from None
+    spec_leaves = [s for _, s in with_path]
+    paths = [path_str(p) for p, _ in with_path]
+    for path, leaf, spec in zip(paths, leaves, spec_leaves, strict=True):
+        if not is_array(leaf):
+            continue
+        if not isinstance(spec, P):
+            raise ValueError(
+                f"{caller}: `{argument}` leaf {path} is an array of shape "
+                f"{jnp.shape(leaf)} but its spec is {spec!r}; expected a "
+                "PartitionSpec."
+            )
+        if len(spec) > jnp.ndim(leaf):
+            raise ValueError(
+                f"{caller}: spec {spec} of leaf {path} has {len(spec)} entries but "
+                f"the leaf has shape {jnp.shape(leaf)}; expected at most "
+                f"{jnp.ndim(leaf)}."
+            )
+    return leaves, spec_leaves, spec_def
+
+
+@typecheck
+def shard_params(
+    params: PyTree[Any], axis_name: str = "data", min_weight_size: int = 2**18
+) -> tuple[PyTree[Any], PyTree[Any]]:
+    """Keep only this device's shard of each large parameter, inside `jax.shard_map`.
+
+    For parameters that arrive replicated (the same full value on every device), e.g.
+    freshly initialised ones. Each leaf is split as `fsdp_specs` says; this device
+    keeps the block at its index along `axis_name`.
+
+    **Arguments:**
+
+    - `params`: a pytree of replicated arrays (an Equinox model works; non-array
+      leaves pass through).
+    - `axis_name`: the mesh axis to shard over.
+    - `min_weight_size`: leaves with at most this many elements stay whole.
+
+    **Returns:**
+
+    `(local_shards, specs)`: the local pytree and the `PartitionSpec`s (of the full
+    parameters) that `gather_params`, `sync_gradients` and `out_specs` take.
+
+    **Raises:**
+
+    `ValueError` if `axis_name` is not bound (called outside `shard_map`).
+
+    !!! Example
+
+        ```python
+        def init(params):
+            shards, specs = ed.shard_params(params, "data", min_weight_size=2**4)
+            return shards
+        ```
+    """
+    (name,) = check_axis_bound(axis_name, "shard_params")
+    size = jax.lax.axis_size(name)
+    specs = fsdp_specs(params, size, axis_name=name, min_weight_size=min_weight_size)
+    index = jax.lax.axis_index(name)
+
+    def split(x: Any, spec: Any) -> Any:
+        dim = sharded_dim(spec, name) if is_array(x) else None
+        if dim is None:
+            return x
+        block = x.shape[dim] // size
+        return jax.lax.dynamic_slice_in_dim(x, index * block, block, axis=dim)
+
+    return jax.tree.map(split, params, specs), specs
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2))
+def _gather(x: jax.Array, dim: int, axis_name: str) -> jax.Array:
+    full: jax.Array = jax.lax.all_gather(x, axis_name, axis=dim, tiled=True)
+    return full
+
+
+def _gather_fwd(x: jax.Array, dim: int, axis_name: str) -> tuple[jax.Array, None]:
+    return _gather(x, dim, axis_name), None
+
+
+def _gather_bwd(dim: int, axis_name: str, _: None, g: jax.Array) -> tuple[jax.Array]:
+    # Each device's cotangent is its own gradient of the full parameter; summing
+    # them onto the owning shard and dividing gives the data-parallel mean.
+    size = jax.lax.axis_size(axis_name)
+    scattered = jax.lax.psum_scatter(g, axis_name, scatter_dimension=dim, tiled=True)
+    return (scattered / size,)
+
+
+_gather.defvjp(_gather_fwd, _gather_bwd)
+
+
+def gather_leaf(x: jax.Array, dim: int, axis_name: str) -> jax.Array:
+    """All-gather one shard along `dim`; gradient: mean over the axis, scattered."""
+    if jnp.issubdtype(x.dtype, jnp.inexact):
+        return _gather(x, dim, axis_name)
+    full: jax.Array = jax.lax.all_gather(x, axis_name, axis=dim, tiled=True)
+    return full
+
+
+@typecheck
+def gather_params(
+    params: PyTree[Any], specs: PyTree[Any], axis_name: str = "data"
+) -> PyTree[Any]:
+    """All-gather every parameter that `specs` shards over `axis_name`, inside
+    `jax.shard_map`, so the model can run with full weights.
+
+    The backward pass is a reduce-scatter divided by the axis size: each shard
+    receives the *mean* over devices of the gradient of its block, exactly what a
+    data-parallel step gets from `lax.pmean` of full gradients. So an FSDP step needs
+    no further reduction for sharded leaves (see `sync_gradients`).
+
+    **Arguments:**
+
+    - `params`: this device's shards (as returned by `shard_params`, or the inside
+      of a `shard_map` whose `in_specs` are `specs`). Non-array leaves pass through.
+    - `specs`: the `PartitionSpec` of each leaf's *full* array, e.g. from
+      `fsdp_specs`. A leaf may be sharded on any dimension.
+    - `axis_name`: the mesh axis to gather over.
+
+    **Returns:**
+
+    `params` with every leaf sharded over `axis_name` gathered to full size.
+
+    **Raises:**
+
+    `ValueError` if `axis_name` is not bound, or if `specs` do not match `params`
+    (structure, or a spec with more entries than its leaf has dimensions).
+
+    !!! Example
+
+        ```python
+        def loss(shards, x):
+            model = ed.gather_params(shards, specs)
+            return jnp.mean(model(x) ** 2)
+        ```
+    """
+    (name,) = check_axis_bound(axis_name, "gather_params")
+    leaves, spec_leaves, spec_def = _spec_leaves(
+        params, specs, "gather_params", "params"
+    )
+    out = []
+    for leaf, spec in zip(leaves, spec_leaves, strict=True):
+        dim = sharded_dim(spec, name) if is_array(leaf) else None
+        out.append(leaf if dim is None else gather_leaf(leaf, dim, name))
+    return jax.tree.unflatten(spec_def, out)
+
+
+@typecheck
+def sync_gradients(
+    grads: PyTree[Any],
+    specs: PyTree[Any],
+    axis_names: tuple[str, ...] = ("data",),
+) -> PyTree[Any]:
+    """Average gradients across devices where they are not averaged yet, inside
+    `jax.shard_map` (with `check_vma=False`, as in the training steps).
+
+    Gradients of replicated leaves are per-device values and are `pmean`-ed over all
+    of `axis_names`; gradients of leaves sharded over some of the names (which
+    `gather_params` already averaged over those) are `pmean`-ed over the others only.
+
+    **Arguments:**
+
+    - `grads`: the gradient pytree; `None` leaves (non-differentiable parameters)
+      and other non-array leaves pass through.
+    - `specs`: the parameters' `PartitionSpec`s (as for `gather_params`).
+    - `axis_names`: every mesh axis the batch is split over.
+
+    **Raises:**
+
+    `ValueError` if an axis is not bound or `specs` do not match `grads`.
+
+    !!! Example
+
+        ```python
+        grads = ed.sync_gradients(grads, specs, ("data",))
+        ```
+    """
+    check_axis_bound(axis_names, "sync_gradients")
+    leaves, spec_leaves, spec_def = _spec_leaves(
+        grads, specs, "sync_gradients", "grads"
+    )
+
+    def sync(g: Any, spec: Any) -> Any:
+        if not is_array(g):
+            return g
+        names = _spec_names(spec)
+        rest = tuple(a for a in axis_names if a not in names)
+        return jax.lax.pmean(g, rest) if rest else g
+
+    out = [sync(g, s) for g, s in zip(leaves, spec_leaves, strict=True)]
+    return jax.tree.unflatten(spec_def, out)
+
+
+def _is_fsdp(x: Any) -> bool:
+    return isinstance(x, FSDP)
+
+
+def leaf_plan(
+    tree: Any, axis_size: int, axis_name: str, min_weight_size: int
+) -> tuple[list[P | None], list[bool]]:
+    """Per leaf of `jax.tree.leaves(tree)`: its FSDP spec, and whether it is gathered
+    at this level (`False` inside nested `FSDP` wrappers, which gather their own
+    leaves and keep their own specs)."""
+    specs: list[P | None] = []
+    own: list[bool] = []
+    for part in jax.tree.leaves(tree, is_leaf=_is_fsdp):
+        if isinstance(part, FSDP):
+            if part.axis_name != axis_name:
+                raise ValueError(
+                    f"A nested FSDP module shards over axis {part.axis_name!r}, but "
+                    f"its parent uses {axis_name!r}; use one data axis."
+                )
+            specs.extend(part.leaf_specs)
+            own.extend([False] * len(part.leaf_specs))
+        else:
+            specs.append(
+                leaf_spec(tuple(part.shape), axis_size, axis_name, min_weight_size)
+                if _has_shape(part)
+                else None
+            )
+            own.append(True)
+    return specs, own
+
+
+def tree_specs(tree: Any, axis_size: int, axis_name: str, min_weight_size: int) -> Any:
+    """`fsdp_specs` of `tree`, except that `FSDP` submodules keep their own specs."""
+    specs, _ = leaf_plan(tree, axis_size, axis_name, min_weight_size)
+    return jax.tree.unflatten(jax.tree.structure(tree), specs)
+
+
+def gather_specs(
+    tree: Any, axis_size: int, axis_name: str, min_weight_size: int
+) -> Any:
+    """Like `tree_specs`, but `P()` inside `FSDP` submodules: the specs with which
+    to gather `tree` at the top, leaving nested wrappers to gather themselves."""
+    specs, own = leaf_plan(tree, axis_size, axis_name, min_weight_size)
+    top = [s if o or s is None else P() for s, o in zip(specs, own, strict=True)]
+    return jax.tree.unflatten(jax.tree.structure(tree), top)
+
+
+# `FSDP(..., remat=True)` keeps only matrix-product results (activations) for the
+# backward pass; everything else, the gathered parameters and any casts of them
+# included, is recomputed from the shards. (A policy that only refuses to save the
+# gathered values would save the identical output of the gather's custom VJP.)
+REMAT_POLICY = jax.checkpoint_policies.dots_saveable
+
+
+# XLA:CPU removes optimization barriers early (before its last CSE pass and before
+# scheduling), which would let it hoist every `FSDP` module's all-gather to the
+# start of the step and merge rematerialised all-gathers back into the forward
+# ones. Keeping the barriers makes `FSDP` modules behave on CPU as on GPU and TPU.
+CPU_FSDP_OPTIONS = {"xla_disable_hlo_passes": "cse_barrier_expander"}
+
+
+def has_fsdp_modules(tree: Any) -> bool:
+    """Whether `tree` holds an `FSDP` module."""
+    return any(isinstance(p, FSDP) for p in jax.tree.leaves(tree, is_leaf=_is_fsdp))
+
+
+def _axis_bound(axis_name: str) -> bool:
+    try:
+        jax.lax.axis_size(axis_name)
+    except NameError:
+        return False
+    return True
+
+
+class FSDP(eqx.Module):
+    """Wrap an Equinox module so that its parameters live sharded over the data axis
+    and are all-gathered only when it is called.
+
+    - Inside `jax.shard_map` (the data axis bound), with this module's leaves
+      passed in as shards (`in_specs=module.partition_specs()`, as
+      `make_train_step(..., strategy="fsdp")` does), calling it all-gathers its
+      large parameters (`gather_params`: the gradient is the data-parallel mean,
+      reduce-scattered to the shards) and then calls the wrapped module. Leaves that
+      arrive whole (e.g. under a data-parallel step) are used as they are.
+    - Under plain `jax.jit` on global arrays, or eagerly, it just calls the wrapped
+      module: XLA inserts the communication the shardings need.
+
+    Wrapping each block of a deep model separately (rather than the whole model)
+    means the forward pass holds one block's full parameters at a time: a block
+    gathers only once its inputs exist, just before use. The backward pass needs
+    them again: by default the gathered parameters are kept from the forward pass;
+    with `remat=True` (ZeRO-3 with selective rematerialisation) only the block's
+    matrix-product results are kept, and the backward pass gathers the parameters
+    again and recomputes the rest of the block, so about one block's full
+    parameters are alive at any time, for one more all-gather per block. For the
+    16 x 1024 x 1024 MLP of `benchmarks/bench_memory.py` on 8 devices this takes
+    the step's temporary memory from 65 MiB to 9 MiB per device.
+
+    !!! Example
+
+        ```python
+        blocks = [ed.FSDP(block, mesh, min_weight_size=2**16, remat=True)
+                  for block in blocks]
+        ```
+    """
+
+    module: Any
+    axis_name: str = eqx.field(static=True)
+    remat: bool = eqx.field(static=True)
+    leaf_specs: tuple[P | None, ...] = eqx.field(static=True)
+    gather_shapes: tuple[tuple[int, ...] | None, ...] = eqx.field(static=True)
+
+    def __init__(
+        self,
+        module: Any,
+        mesh: Mesh,
+        *,
+        axis_name: str = "data",
+        min_weight_size: int = 2**18,
+        remat: bool = False,
+    ) -> None:
+        """**Arguments:**
+
+        - `module`: any Equinox module (or pytree) whose `__call__` to wrap. It may
+          itself contain `FSDP` modules, which keep their own layout.
+        - `mesh`: the device mesh; array leaves are placed on it, sharded by the
+          rule of `fsdp_specs` over `axis_name`.
+        - `axis_name`: the data axis parameters are sharded over.
+        - `min_weight_size`: leaves with at most this many elements are replicated.
+        - `remat`: re-gather the parameters in the backward pass instead of keeping
+          them from the forward pass (less memory, one more all-gather).
+
+        **Raises:**
+
+        `ValueError` if `axis_name` is not an axis of `mesh`, or `min_weight_size`
+        is negative.
+        """
+        if axis_name not in mesh.axis_names:
+            raise ValueError(
+                f"FSDP: `axis_name`={axis_name!r} is not an axis of the mesh; the "
+                f"mesh's axes are {tuple(mesh.axis_names)}."
+            )
+        if min_weight_size < 0:
+            raise ValueError(
+                f"FSDP: `min_weight_size` must be >= 0; got {min_weight_size}."
+            )
+        specs, own = leaf_plan(
+            module, mesh.shape[axis_name], axis_name, min_weight_size
+        )
+        leaves = jax.tree.leaves(module)
+        self.leaf_specs = tuple(specs)
+        self.gather_shapes = tuple(
+            tuple(x.shape) if o and sharded_dim(s, axis_name) is not None else None
+            for x, s, o in zip(leaves, specs, own, strict=True)
+        )
+        self.module = place(
+            module, jax.tree.unflatten(jax.tree.structure(module), specs), mesh
+        )
+        self.axis_name = axis_name
+        self.remat = remat
+
+    def partition_specs(self) -> PyTree[Any]:
+        """The `PartitionSpec` of every array leaf of this module (`None` for other
+        leaves), as a pytree of this module's structure: the `in_specs`/`out_specs`
+        for passing it through `jax.shard_map`."""
+        return jax.tree.unflatten(jax.tree.structure(self), list(self.leaf_specs))
+
+    def _gather_plan(self, leaves: list[Any]) -> list[int | None]:
+        size = jax.lax.axis_size(self.axis_name)
+        plan: list[int | None] = []
+        for leaf, spec, shape in zip(
+            leaves, self.leaf_specs, self.gather_shapes, strict=True
+        ):
+            dim = sharded_dim(spec, self.axis_name)
+            if shape is None or dim is None or tuple(leaf.shape) == shape:
+                plan.append(None)
+                continue
+            shard = (*shape[:dim], shape[dim] // size, *shape[dim + 1 :])
+            if tuple(leaf.shape) != shard:
+                raise ValueError(
+                    f"FSDP: a parameter of global shape {shape} arrived with shape "
+                    f"{tuple(leaf.shape)}; expected the whole array or its shard "
+                    f"{shard} (pass the module into shard_map with "
+                    "`in_specs=module.partition_specs()`)."
+                )
+            plan.append(dim)
+        return plan
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        """Call the wrapped module with full parameters (gathered if sharded)."""
+        if not _axis_bound(self.axis_name):
+            return self.module(*args, **kwargs)
+        leaves, treedef = jax.tree.flatten(self.module)
+        plan = self._gather_plan(leaves)
+        if all(dim is None for dim in plan):
+            return self.module(*args, **kwargs)
+
+        def call(module: Any, args: Any, kwargs: Any) -> Any:
+            leaves = jax.tree.leaves(module)
+            shards = [x for x, dim in zip(leaves, plan, strict=True) if dim is not None]
+            inputs, static = eqx.partition((args, kwargs), is_array)
+            # Gather only once the inputs exist, i.e. just before use: otherwise
+            # XLA may hoist every block's all-gather to the start of the step and
+            # hold all the full parameters at once.
+            shards, inputs = jax.lax.optimization_barrier((shards, inputs))
+            gathered = iter(shards)
+            full = [
+                x if dim is None else gather_leaf(next(gathered), dim, self.axis_name)
+                for x, dim in zip(leaves, plan, strict=True)
+            ]
+            args, kwargs = eqx.combine(inputs, static)
+            return jax.tree.unflatten(treedef, full)(*args, **kwargs)
+
+        if self.remat:
+            call = eqx.filter_checkpoint(call, policy=REMAT_POLICY)
+        return call(self.module, args, kwargs)
