@@ -3,6 +3,11 @@
 The whole public API is importable from here (`import eqxdist as ed`).
 """
 
+from ._checkpoint import (
+    latest_step as latest_step,
+    restore_checkpoint as restore_checkpoint,
+    save_checkpoint as save_checkpoint,
+)
 from ._data_parallel import (
     DataParallel as DataParallel,
     all_reduce_gradients as all_reduce_gradients,
@@ -11,6 +16,7 @@ from ._data_parallel import (
     shard_batch as shard_batch,
     shard_model_state as shard_model_state,
 )
+from ._distributed import initialize_distributed as initialize_distributed
 from ._fsdp import (
     FSDP as FSDP,
     gather_params as gather_params,

@@ -1,0 +1,115 @@
+"""Train the UvA tutorial's classifier on several processes, with checkpoints.
+
+Run it as 2 processes with 4 CPU devices each (the same 8 devices, now across
+processes), or plainly as one process with 8 devices; the results agree:
+
+    python -m eqxdist.launch --num-processes 2 --devices-per-process 4 \\
+        examples/multi_process.py --checkpoint-dir /tmp/ckpt
+    python examples/multi_process.py --checkpoint-dir /tmp/ckpt2
+
+Every process builds the same global batch and feeds `shard_batch` its own rows.
+A checkpoint is saved every `--checkpoint-every` steps; started again with the same
+`--checkpoint-dir`, the run resumes from the latest complete one. `--crash-at STEP`
+makes process 1 (or the only process) raise at that step: the launcher stops the
+run at once, and the next run resumes where the last checkpoint left off.
+"""
+
+import argparse
+from pathlib import Path
+
+import _tutorial
+
+
+def parse_args() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0],
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    _tutorial.add_tutorial_arguments(parser)
+    parser.add_argument("--strategy", choices=["dp", "fsdp"], default="fsdp")
+    parser.add_argument(
+        "--min-weight-size",
+        type=int,
+        default=2**10,
+        help="FSDP shards parameters with more elements than this",
+    )
+    parser.add_argument(
+        "--checkpoint-dir",
+        type=Path,
+        help="save here; resume from here (default: none)",
+    )
+    parser.add_argument("--checkpoint-every", type=int, default=5)
+    parser.add_argument(
+        "--crash-at", type=int, help="raise in the last process at this step"
+    )
+    return parser.parse_args()
+
+
+ARGS = parse_args()
+# Plain `python examples/multi_process.py`: 8 simulated devices. Under the launcher
+# `XLA_FLAGS` already gives each process its `--devices-per-process`.
+_tutorial.use_cpu_devices(8)
+
+import jax  # noqa: E402
+import numpy as np  # noqa: E402
+import optax  # noqa: E402
+
+import eqxdist as ed  # noqa: E402
+
+ed.initialize_distributed()  # before anything starts JAX's backend
+
+
+def local_rows(batch: dict[str, jax.Array]) -> dict[str, np.ndarray]:
+    """This process's block of rows of the global batch."""
+    n, p = jax.process_count(), jax.process_index()
+    return {k: np.asarray(v).reshape(n, -1, *v.shape[1:])[p] for k, v in batch.items()}
+
+
+def main() -> None:
+    mesh = ed.create_data_parallel_mesh()  # every device of every process
+    if jax.process_index() == 0:
+        info = ed.get_mesh_info(mesh)
+        print(
+            f"{info['process_count']} process(es) x {info['local_devices']} devices; "
+            f"strategy {ARGS.strategy}"
+        )
+    optimizer = optax.adamw(ARGS.lr)
+    step = ed.make_train_step(
+        _tutorial.loss_fn,
+        optimizer,
+        mesh,
+        strategy=ARGS.strategy,
+        num_minibatches=ARGS.minibatches,
+        min_weight_size=ARGS.min_weight_size,
+    )
+    model_key, state_key, data_key = jax.random.split(jax.random.key(ARGS.seed), 3)
+    state = step.place_state(
+        ed.TrainState.create(_tutorial.Classifier(model_key), optimizer, state_key)
+    )
+
+    start = 0
+    if ARGS.checkpoint_dir is not None:
+        latest = ed.latest_step(ARGS.checkpoint_dir)
+        if latest is not None:
+            # The fresh state is the target: its structure and its shardings.
+            state = ed.restore_checkpoint(ARGS.checkpoint_dir, state, step=latest)
+            start = latest
+            if jax.process_index() == 0:
+                print(f"resumed from step {latest}")
+
+    totals: dict[str, tuple[float, float]] = {}
+    for i in range(start, ARGS.steps):
+        if i == ARGS.crash_at and jax.process_index() == jax.process_count() - 1:
+            raise RuntimeError(f"--crash-at {i}: process {jax.process_index()} fails")
+        batch = _tutorial.make_batch(jax.random.fold_in(data_key, i), ARGS.batch_size)
+        state, metrics = step(state, local_rows(batch))
+        for name, (total, count) in metrics.items():
+            old_total, old_count = totals.get(name, (0.0, 0.0))
+            totals[name] = (old_total + float(total), old_count + float(count))
+        if ARGS.checkpoint_dir is not None and (i + 1) % ARGS.checkpoint_every == 0:
+            ed.save_checkpoint(ARGS.checkpoint_dir, state, step=i + 1)
+    ed.print_metrics(totals, f"Steps {start}-{ARGS.steps - 1}")
+
+
+if __name__ == "__main__":
+    main()

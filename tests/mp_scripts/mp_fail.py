@@ -1,0 +1,36 @@
+"""A multi-process training run in which process 1 raises at step 3, run by
+tests/test_distributed.py as `python -m eqxdist.launch -n 2 -d 4 mp_fail.py OUT`.
+
+Process 0 would train forever (stuck in a collective once process 1 is gone); it
+also starts a child process. Every process id is written to `OUT/pids` so the test
+can check that none survives the launcher."""
+
+import subprocess
+import sys
+from pathlib import Path
+
+import eqxdist as ed
+
+ed.initialize_distributed()
+
+import common  # noqa: E402
+import jax  # noqa: E402
+
+out = Path(sys.argv[1])
+pids = [str(__import__("os").getpid())]
+if jax.process_index() == 0:
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
+    pids.append(str(child.pid))
+with open(out / "pids", "a") as f:
+    f.write("\n".join(pids) + "\n")
+
+mesh = ed.create_data_parallel_mesh()
+step = ed.make_train_step(common.loss_fn, common.OPTIMIZER, mesh)
+state = common.make_state()
+batch = common.local_rows(common.global_batches()[0])
+for i in range(10**6):
+    if i == 3 and jax.process_index() == 1:
+        raise RuntimeError("injected failure in process 1")
+    state, metrics = step(state, batch)
+    jax.block_until_ready(metrics)
+    print(f"step {i} done", flush=True)

@@ -1,0 +1,45 @@
+"""A script for testing `eqxdist.launch` itself, without JAX (so it starts fast).
+
+    plain.py env                  print the environment the launcher set, and exit
+    plain.py fail OUT ID CODE     process ID exits with CODE; the others sleep
+    plain.py sleep OUT            every process sleeps
+
+Sleeping processes start a child that sleeps too; every process id goes to
+`OUT/pids`, so the tests can check that none outlives the launcher."""
+
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+index = int(os.environ["EQXDIST_PROCESS_ID"])
+mode = sys.argv[1]
+if mode == "env":
+    keys = [
+        "EQXDIST_COORDINATOR",
+        "EQXDIST_NUM_PROCESSES",
+        "EQXDIST_PROCESS_ID",
+        "JAX_PLATFORMS",
+        "XLA_FLAGS",
+    ]
+    for key in keys:
+        print(f"{key}={os.environ[key]}")
+    print(f"stderr of {index}", file=sys.stderr)
+    print(
+        "[Gloo] Rank 1 is connected to 7 peer ranks. Expected number of connected "
+        "peer ranks is : 7"
+    )
+    print("no newline at the end", end="")
+    sys.exit(0)
+
+out = Path(sys.argv[2])
+if mode == "fail" and index == int(sys.argv[3]):
+    time.sleep(0.5)
+    print(f"process {index} fails", file=sys.stderr, flush=True)
+    sys.exit(int(sys.argv[4]))
+child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
+with open(out / "pids", "a") as f:
+    f.write(f"{os.getpid()}\n{child.pid}\n")
+print(f"process {index} sleeping", flush=True)
+time.sleep(600)

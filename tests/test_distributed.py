@@ -1,0 +1,428 @@
+"""Multi-process runs with real processes: the launcher, `initialize_distributed`, and
+meshes, batches, metrics, training and checkpoints on 2 processes x 4 devices
+compared with this process's 8 devices on the same global data.
+
+The scripts the launcher runs live in `tests/mp_scripts/`."""
+
+import json
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import jax
+import numpy as np
+import pytest
+from mp_scripts import common
+
+import eqxdist as ed
+from eqxdist import launch
+from eqxdist._distributed import detected_cluster
+
+SCRIPTS = Path(__file__).parent / "mp_scripts"
+# A generous bound: the runs take seconds; a hang (the bug these tests are for)
+# would take forever.
+TIMEOUT = 240
+
+
+def run_launcher(
+    *args: object, timeout: float = TIMEOUT
+) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "eqxdist.launch", *map(str, args)],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+
+
+def explain(result: subprocess.CompletedProcess) -> str:
+    return (
+        f"exit status {result.returncode}\n--- stdout\n{result.stdout}\n"
+        f"--- stderr\n{result.stderr}"
+    )
+
+
+def assert_all_gone(pid_file: Path) -> None:
+    """Every process listed in `pid_file` has ended (zombies waiting for init to
+    reap them count as ended)."""
+    pids = [int(p) for p in pid_file.read_text().split()]
+    assert pids
+    deadline = time.monotonic() + 10
+    while True:
+        alive = []
+        for pid in pids:
+            try:
+                state = (
+                    Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+                )
+            except FileNotFoundError:
+                continue
+            if state != "Z":
+                alive.append(pid)
+        if not alive or time.monotonic() > deadline:
+            break
+        time.sleep(0.05)
+    assert not alive, f"processes {alive} outlived the launcher"
+
+
+# --------------------------------------------------------------------- the launcher
+
+
+def test_launcher_sets_environment_and_prefixes_output():
+    result = run_launcher("-n", 3, "-d", 2, SCRIPTS / "plain.py", "env")
+    assert result.returncode == 0, explain(result)
+    out = result.stdout.splitlines()
+    coordinators = {line for line in out if "EQXDIST_COORDINATOR=" in line}
+    assert len({line.split("=")[1] for line in coordinators}) == 1  # one shared port
+    for i in range(3):
+        assert f"[{i}] EQXDIST_PROCESS_ID={i}" in out
+        assert f"[{i}] EQXDIST_NUM_PROCESSES=3" in out
+        assert f"[{i}] JAX_PLATFORMS=cpu" in out
+        assert f"[{i}] no newline at the end" in out
+        assert f"[{i}] stderr of {i}" in result.stderr.splitlines()
+        [flags] = [line for line in out if line.startswith(f"[{i}] XLA_FLAGS=")]
+        # The test process's own 8-device flag is replaced, not added to.
+        assert flags.count("xla_force_host_platform_device_count") == 1
+        assert flags.endswith("--xla_force_host_platform_device_count=2")
+    assert coordinators.pop().split("=")[1].startswith("127.0.0.1:")
+    assert "Gloo" not in result.stdout  # gloo's connection chatter is dropped
+
+
+def test_launcher_returns_first_failure_and_stops_the_others(tmp_path):
+    result = run_launcher("-n", 3, SCRIPTS / "plain.py", "fail", tmp_path, 1, 3)
+    assert result.returncode == 3, explain(result)
+    assert "[1] process 1 fails" in result.stderr
+    assert "eqxdist.launch: process 1 exited with status 3" in result.stderr
+    assert_all_gone(tmp_path / "pids")  # the sleepers and their children
+
+
+@pytest.mark.parametrize(
+    ("signum", "status"), [(signal.SIGINT, 130), (signal.SIGTERM, 143)]
+)
+def test_launcher_passes_on_ctrl_c_and_sigterm(tmp_path, signum, status):
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "eqxdist.launch",
+            "-n",
+            "2",
+            "--grace-period",
+            "2",
+            str(SCRIPTS / "plain.py"),
+            "sleep",
+            str(tmp_path),
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    pid_file = tmp_path / "pids"
+    deadline = time.monotonic() + 60
+    while not (pid_file.exists() and len(pid_file.read_text().split()) == 4):
+        assert time.monotonic() < deadline and proc.poll() is None
+        time.sleep(0.05)
+    proc.send_signal(signum)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == status, err
+    assert_all_gone(pid_file)
+
+
+def test_launcher_rejects_bad_arguments(tmp_path, capsys):
+    script = SCRIPTS / "plain.py"
+    cases = [
+        (["-n", "0", str(script)], "--num-processes must be >= 1, got 0"),
+        (["-n", "2", "-d", "0", str(script)], "--devices-per-process must be >= 1"),
+        (["-n", "2", "--grace-period", "-1", str(script)], "--grace-period must be"),
+        (["-n", "2", str(tmp_path / "missing.py")], "missing.py' not found"),
+        ([str(script)], "--num-processes"),
+    ]
+    for argv, message in cases:
+        with pytest.raises(SystemExit) as exit_info:
+            launch.main(argv)
+        assert exit_info.value.code == 2
+        assert message in capsys.readouterr().err
+
+
+def test_launcher_reports_a_single_process_status(tmp_path):
+    result = run_launcher("-n", 1, SCRIPTS / "plain.py", "fail", tmp_path, 0, 5)
+    assert result.returncode == 5, explain(result)
+
+
+# ---------------------------------------------------------- initialize_distributed
+
+CLUSTER_VARIABLES = [
+    "EQXDIST_COORDINATOR",
+    "EQXDIST_NUM_PROCESSES",
+    "EQXDIST_PROCESS_ID",
+    "SLURM_JOB_ID",
+    "SLURM_STEP_NODELIST",
+    "SLURM_NTASKS",
+    "SLURM_PROCID",
+    "SLURM_LOCALID",
+    "OMPI_MCA_orte_hnp_uri",
+    "KUBERNETES_SERVICE_HOST",
+]
+
+
+@pytest.fixture
+def plain_environment(monkeypatch):
+    for name in CLUSTER_VARIABLES:
+        monkeypatch.delenv(name, raising=False)
+    return monkeypatch
+
+
+def test_initialize_distributed_is_a_noop_in_a_plain_process(plain_environment):
+    ed.initialize_distributed()
+    ed.initialize_distributed()  # and calling it twice is fine
+    assert not jax.distributed.is_initialized()
+    assert jax.process_count() == 1 and len(jax.devices()) == 8
+
+
+@pytest.mark.parametrize(
+    ("variables", "message"),
+    [
+        ({"EQXDIST_COORDINATOR": "127.0.0.1:1234"}, "EQXDIST_NUM_PROCESSES"),
+        (
+            {
+                "EQXDIST_COORDINATOR": "h:1",
+                "EQXDIST_NUM_PROCESSES": "two",
+                "EQXDIST_PROCESS_ID": "0",
+            },
+            "EQXDIST_NUM_PROCESSES='two' is not an integer",
+        ),
+        (
+            {
+                "EQXDIST_COORDINATOR": "h:1",
+                "EQXDIST_NUM_PROCESSES": "2",
+                "EQXDIST_PROCESS_ID": "2",
+            },
+            "got 2 and 2",
+        ),
+        (
+            {
+                "EQXDIST_COORDINATOR": "nohost",
+                "EQXDIST_NUM_PROCESSES": "2",
+                "EQXDIST_PROCESS_ID": "0",
+            },
+            "must be 'host:port'",
+        ),
+    ],
+)
+def test_initialize_distributed_rejects_a_broken_environment(
+    plain_environment, variables, message
+):
+    for name, value in variables.items():
+        plain_environment.setenv(name, value)
+    with pytest.raises(ValueError, match=message):
+        ed.initialize_distributed()
+    assert not jax.distributed.is_initialized()
+
+
+def test_cluster_detection_follows_jax(plain_environment):
+    assert detected_cluster() is None
+    slurm = {
+        "SLURM_JOB_ID": "42",
+        "SLURM_STEP_NODELIST": "node[1-2]",
+        "SLURM_PROCID": "0",
+        "SLURM_LOCALID": "0",
+    }
+    for name, value in slurm.items():
+        plain_environment.setenv(name, value)
+    plain_environment.setenv("SLURM_NTASKS", "1")
+    assert detected_cluster() is None  # a one-task job is a plain process
+    plain_environment.setenv("SLURM_NTASKS", "2")
+    assert detected_cluster() == "SlurmCluster"
+
+
+# --------------------------------------------------- 2 processes x 4 devices vs 1 x 8
+
+
+@pytest.fixture(scope="module")
+def basics(tmp_path_factory):
+    out = tmp_path_factory.mktemp("basics")
+    result = run_launcher("-n", 2, "-d", 4, SCRIPTS / "mp_basics.py", out)
+    assert result.returncode == 0, explain(result)
+    return json.loads((out / "basics.json").read_text()), result
+
+
+DATA = np.arange(16 * 3, dtype=np.float32).reshape(16, 3) - 20.0  # mp_basics.py's
+
+
+def value(basics, name):
+    checks, _ = basics
+    result = checks[name]
+    assert not (isinstance(result, dict) and "error" in result), result.get("error")
+    return result
+
+
+def test_mesh_spans_all_processes(basics):
+    assert value(basics, "mesh") == {
+        "process_count": 2,
+        "total_devices": 8,
+        "local_devices": 4,
+        "jax_process_count": 2,
+    }
+
+
+def test_shard_batch_assembles_process_local_rows(basics):
+    got = value(basics, "shard_batch")
+    assert got["shape"] == [16, 3] and got["spec"] == "P('data',)"
+    np.testing.assert_array_equal(np.array(got["full"]), DATA)
+    assert got["sum"] == DATA.sum() and got["scalar"] == 2.5 and got["tag"] == "t"
+
+
+def test_reductions_across_processes(basics):
+    assert value(basics, "global_reductions") == {
+        "mean": float(DATA.mean()),
+        "sum": float(DATA.sum()),
+        "max": float(DATA.max()),
+        "min": float(DATA.min()),
+    }
+    got = value(basics, "collectives")
+    assert got["mean"] == pytest.approx(DATA.mean())
+    assert got["sum"] == DATA.sum() and got["max"] == DATA.max()
+    np.testing.assert_array_equal(got["first_column"], DATA[:, 0])
+
+
+def test_metrics_sync_across_processes(basics):
+    labels = np.arange(16) % 3
+    accuracy = np.mean(DATA.argmax(-1) == labels)
+    assert value(basics, "metrics") == {
+        "mean": pytest.approx(DATA[:, 0].mean()),
+        "accuracy": pytest.approx(accuracy),
+        "sum": float(DATA.sum()),
+    }
+
+
+def test_placing_process_local_state_on_a_global_mesh(basics):
+    import equinox as eqx
+
+    model = eqx.nn.MLP(4, 2, 8, 1, key=jax.random.key(0))
+    got = value(basics, "replicate_params")
+    assert got["specs"] == ["P()"]
+    np.testing.assert_array_equal(got["weight"], np.asarray(model.layers[0].weight))
+    np.testing.assert_array_equal(got["key"], jax.random.key_data(jax.random.key(3)))
+    model = eqx.nn.MLP(4, 2, 16, 1, key=jax.random.key(0))
+    got = value(basics, "shard_model_state")
+    assert got["spec"] == "P('data', None)"
+    np.testing.assert_array_equal(got["weight"], np.asarray(model.layers[0].weight))
+    assert value(basics, "jit_on_placed") == pytest.approx(DATA.sum() * 2)
+
+
+def test_print_metrics_prints_once(basics):
+    _, result = basics
+    assert result.stdout.count("printed once") == 1
+    assert "[0] === printed once ===" in result.stdout
+    assert "[0] value: 0.500000" in result.stdout
+
+
+@pytest.fixture(scope="module")
+def training(tmp_path_factory, mesh8):
+    """The `common` problem trained here (1 process x 8 devices) and by
+    `mp_train.py` (2 processes x 4 devices)."""
+    ckpt1 = tmp_path_factory.mktemp("ckpt1")
+    reference = {}
+    for strategy in ("dp", "fsdp"):
+        step = ed.make_train_step(
+            common.loss_fn,
+            common.OPTIMIZER,
+            mesh8,
+            strategy=strategy,
+            min_weight_size=common.MIN_WEIGHT_SIZE,
+        )
+        state, first, _ = common.train(step, common.make_state(), 0, 2)
+        reference[f"{strategy}_step2"] = common.flat(state)
+        if strategy == "dp":
+            ed.save_checkpoint(ckpt1, state, step=2)
+        state, second, _ = common.train(step, state, 2, common.STEPS)
+        reference[strategy] = common.flat(state)
+        reference[f"{strategy}_metrics"] = first + second
+
+    out = tmp_path_factory.mktemp("mp_train")
+    result = run_launcher("-n", 2, "-d", 4, SCRIPTS / "mp_train.py", out, ckpt1)
+    assert result.returncode == 0, explain(result)
+    runs = {
+        name: dict(np.load(out / f"{name}.npz"))
+        for name in ("dp", "fsdp", "fsdp_step2", "fsdp_resumed", "from_one_process")
+    }
+    runs["results"] = json.loads((out / "results.json").read_text())
+    return reference, runs, out, result
+
+
+def assert_same_arrays(got, want, exact=True):
+    assert sorted(got) == sorted(want)
+    for path in want:
+        if exact:
+            np.testing.assert_array_equal(got[path], want[path], err_msg=path)
+        else:
+            # Cross-process all-reduces add in another order than one process does.
+            np.testing.assert_allclose(
+                got[path], want[path], rtol=2e-5, atol=1e-6, err_msg=path
+            )
+
+
+@pytest.mark.parametrize("strategy", ["dp", "fsdp"])
+def test_training_on_2x4_matches_1x8(training, strategy):
+    reference, runs, _, _ = training
+    assert_same_arrays(runs[strategy], reference[strategy], exact=False)
+    got, want = runs["results"][strategy], reference[f"{strategy}_metrics"]
+    assert len(got) == len(want) == common.STEPS
+    for g, w in zip(got, want, strict=True):
+        assert g["loss"] == pytest.approx(w["loss"], rel=1e-5)
+        assert g["accuracy"] == w["accuracy"]
+
+
+def test_training_prints_metrics_once(training):
+    *_, result = training
+    for strategy in ("dp", "fsdp"):
+        heading = f"[0] === {strategy} final metrics ==="
+        assert result.stdout.splitlines().count(heading) == 1
+
+
+def test_resume_on_2_processes_equals_the_uninterrupted_run(training):
+    _, runs, _, _ = training
+    assert runs["results"]["resumed_step"] == 2
+    assert "P('data', None)" in runs["results"]["restored_specs"]  # FSDP layout
+    assert_same_arrays(runs["fsdp_resumed"], runs["fsdp"])
+    assert runs["results"]["fsdp_resumed"] == runs["results"]["fsdp"][2:]
+
+
+def test_checkpoint_from_1_process_restores_on_2(training):
+    reference, runs, _, _ = training
+    assert "P('data', None)" in runs["results"]["from_one_process_specs"]
+    assert_same_arrays(runs["from_one_process"], reference["dp_step2"])
+
+
+def test_checkpoint_from_2_processes_restores_on_1(training, mesh8):
+    _, runs, out, _ = training
+    # Orbax's per-process data files: process 1 wrote the shards it held.
+    assert sorted(p.name for p in (out / "ckpt" / "2").glob("ocdbt.process_*")) == [
+        "ocdbt.process_0",
+        "ocdbt.process_1",
+    ]
+    dp = ed.make_train_step(common.loss_fn, common.OPTIMIZER, mesh8)
+    target = dp.place_state(common.make_state())  # replicated on 8 devices
+    restored = ed.restore_checkpoint(out / "ckpt", target)
+    assert_same_arrays(common.flat(restored), runs["fsdp_step2"])
+    four = ed.create_data_parallel_mesh(4)
+    target = ed.make_train_step(common.loss_fn, common.OPTIMIZER, four).place_state(
+        common.make_state()
+    )
+    restored = ed.restore_checkpoint(out / "ckpt", target, step=2)
+    assert restored.model.layers[0].weight.sharding.mesh.size == 4
+    assert_same_arrays(common.flat(restored), runs["fsdp_step2"])
+
+
+# --------------------------------------------------------------------- failures
+
+
+def test_a_failing_process_stops_the_run(tmp_path):
+    result = run_launcher("-n", 2, "-d", 4, SCRIPTS / "mp_fail.py", tmp_path)
+    assert result.returncode == 1, explain(result)
+    assert "[0] step 2 done" in result.stdout  # training did run across processes
+    assert "[1] RuntimeError: injected failure in process 1" in result.stderr
+    assert "eqxdist.launch: process 1 exited with status 1" in result.stderr
+    assert_all_gone(tmp_path / "pids")
