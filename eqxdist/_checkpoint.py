@@ -39,13 +39,10 @@ class CheckpointNotFoundError(FileNotFoundError, ValueError):
 
 
 def _orbax() -> Any:
-    try:
-        import orbax.checkpoint as ocp
-    except ImportError:
-        raise ImportError(
-            "eqxdist checkpoints need Orbax: `pip install orbax-checkpoint` (or "
-            "`pip install eqxdist[checkpoint]`)."
-        ) from None
+    # Imported on first use: Orbax takes a second or two to import, and most
+    # programs that import eqxdist never save a checkpoint.
+    import orbax.checkpoint as ocp
+
     return ocp
 
 

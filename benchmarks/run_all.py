@@ -1,0 +1,121 @@
+"""Run every eqxdist benchmark in one process and print one table.
+
+- `bench_train`: training-step time of eqxdist's DP and FSDP steps against a
+  hand-written `jax.jit(shard_map)` step and the Flax-linen tutorial's step (ratios
+  measured side by side, interleaved, in this process).
+- `bench_memory`: per-device bytes of the train state, and peak memory of a deep MLP
+  under DP / FSDP / per-block FSDP / per-block FSDP with rematerialised gathers (from
+  `compiled.memory_analysis()`: deterministic).
+- `bench_metrics`: syncing a 16-metric collection: collectives and bytes (from the
+  compiled HLO: deterministic) and time, against one collective per state
+  (torchmetrics/d9d style) and gather-then-reduce (CLU style).
+
+    python benchmarks/run_all.py [--quick]
+
+Needs the `bench` extra (Flax) for the tutorial-style baseline. Sets up 8 simulated
+CPU devices itself unless `XLA_FLAGS` already sets a device count.
+"""
+
+import argparse
+import datetime
+import os
+import platform
+import sys
+from pathlib import Path
+from typing import Any
+
+if "--xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
+    os.environ["XLA_FLAGS"] = (
+        os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
+    )
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import bench_memory
+import bench_metrics
+import bench_train
+import jax
+
+
+def _rows(quick: bool) -> list[tuple[str, str, str, str, str]]:
+    """(benchmark, case, variant, figure, ratio) rows of the combined table."""
+    out = []
+    repeats, steps = (3, 20) if quick else (11, 60)
+    for r in bench_train.run(repeats=repeats, steps=steps):
+        out.append(
+            (
+                "train step",
+                f"{r['model']} model",
+                r["variant"],
+                f"{r['ms_per_step']:.3f} ms/step",
+                f"{r['vs_hand_written']:.2f}x hand-written, {r['vs_flax']:.2f}x flax",
+            )
+        )
+    for r in bench_memory.run(depth=8 if quick else 16):
+        if "bytes_per_device" in r:
+            out.append(
+                (
+                    "train state",
+                    r["case"],
+                    r["variant"],
+                    f"{r['bytes_per_device']:,} B/device",
+                    f"{r['fraction_of_dp']:.4f} of dp",
+                )
+            )
+        else:
+            out.append(
+                (
+                    "peak memory",
+                    r["case"],
+                    r["variant"],
+                    f"{r['total_MiB']:.1f} MiB/device",
+                    f"{r['all_gathers']} all-gathers",
+                )
+            )
+    rounds, calls = (3, 20) if quick else (5, 40)
+    for r in bench_metrics.run(rounds=rounds, calls=calls):
+        out.append(
+            (
+                "metric sync",
+                f"{r['metrics']} metrics",
+                r["strategy"],
+                f"{r['compiled']} collectives, {r['sent_bytes']} B sent",
+                f"{r['time_us']:.0f} us = {r['time_vs_grouped']:.2f}x grouped",
+            )
+        )
+    return out
+
+
+def _format(rows: list[tuple[str, ...]]) -> str:
+    header = ("benchmark", "case", "variant", "figure", "ratio")
+    widths = [max(len(str(x)) for x in col) for col in zip(header, *rows, strict=True)]
+    lines = [
+        "  ".join(h.ljust(w) for h, w in zip(header, widths, strict=True)),
+        "  ".join("-" * w for w in widths),
+    ]
+    lines += [
+        "  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)) for row in rows
+    ]
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0],
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    parser.add_argument(
+        "--quick", action="store_true", help="fewer repeats and a shallower deep MLP"
+    )
+    args = parser.parse_args()
+    rows: list[Any] = _rows(args.quick)
+    device = jax.devices()[0]
+    print(
+        f"eqxdist benchmarks, {datetime.date.today()}, jax {jax.__version__}, "
+        f"{jax.device_count()} x {device.platform} devices ({device.device_kind}), "
+        f"{platform.machine()} with {os.cpu_count()} cores"
+    )
+    print(_format(rows))
+
+
+if __name__ == "__main__":
+    main()
