@@ -32,12 +32,8 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 _COMBINER_OFF = "--xla_disable_hlo_passes=cpu-all-reduce-combiner"
-if "--xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
-    os.environ["XLA_FLAGS"] = (
-        os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
-    )
 if __name__ == "__main__" and "--no-combiner" in sys.argv:
-    os.environ["XLA_FLAGS"] += " " + _COMBINER_OFF
+    os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " " + _COMBINER_OFF
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 import jax  # noqa: E402
@@ -45,6 +41,8 @@ import jax.numpy as jnp  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
 import eqxdist as ed  # noqa: E402
+
+ed.simulate_cpu_devices(8)  # before JAX starts its backend
 
 _KINDS = [ed.Mean] * 4 + [ed.Accuracy] * 4 + [ed.Sum] * 4 + [ed.Max] * 2 + [ed.Min] * 2
 _REDUCE = {"sum": jnp.sum, "max": jnp.max, "min": jnp.min}

@@ -37,10 +37,6 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-if "--xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
-    os.environ["XLA_FLAGS"] = (
-        os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
-    )
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 import equinox as eqx
@@ -55,6 +51,8 @@ import eqxdist as ed
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
 import _tutorial
+
+ed.simulate_cpu_devices(8)  # before JAX starts its backend
 
 IN_FLIGHT = 8
 TINY = {"batch": 64, "input": 32, "hidden": 32, "classes": 4, "minibatches": 1}

@@ -24,10 +24,6 @@ import sys
 from pathlib import Path
 from typing import Any
 
-if "--xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
-    os.environ["XLA_FLAGS"] = (
-        os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
-    )
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import bench_memory

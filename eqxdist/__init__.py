@@ -30,6 +30,7 @@ from ._mesh import (
     create_hybrid_mesh as create_hybrid_mesh,
     create_model_parallel_mesh as create_model_parallel_mesh,
     get_mesh_info as get_mesh_info,
+    simulate_cpu_devices as simulate_cpu_devices,
 )
 from ._metrics import (
     Accuracy as Accuracy,

@@ -1,17 +1,66 @@
 """Building device meshes (Artifex `DeviceMeshManager`, datarax `device_mesh`)."""
 
 import math
+import os
+import re
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 import equinox as eqx
 import jax
 import numpy as np
+from jax._src.xla_bridge import backends_are_initialized
 from jax.sharding import AxisType, Mesh
 
 from ._utils import typecheck
 
 MeshShape = Mapping[str, int] | Sequence[tuple[str, int]]
+
+_DEVICE_COUNT_FLAG = re.compile(r"--xla_force_host_platform_device_count=(\d+)")
+
+
+@typecheck
+def simulate_cpu_devices(count: int = 8) -> None:
+    """Split the host CPU into `count` XLA devices, to run multi-device code (and
+    its tests) on a laptop or a CI machine without accelerators.
+
+    Call it before JAX starts its backend, i.e. before the first array is created
+    or `jax.devices()` is called (importing `jax` or `eqxdist` is fine). It sets
+    `--xla_force_host_platform_device_count` in `XLA_FLAGS`, unless that flag is
+    already set (by you, or by `python -m eqxdist.launch` for each process), which
+    then wins.
+
+    **Raises:**
+
+    `ValueError` if `count < 1`; `RuntimeError` if the backend has already started
+    with another device count, when the flag could no longer take effect.
+
+    !!! Example
+
+        ```python
+        import eqxdist as ed
+
+        ed.simulate_cpu_devices(8)
+        mesh = ed.create_data_parallel_mesh()  # Mesh('data': 8)
+        ```
+    """
+    if count < 1:
+        raise ValueError(f"simulate_cpu_devices: `count` must be >= 1; got {count}.")
+    flags = os.environ.get("XLA_FLAGS", "")
+    if _DEVICE_COUNT_FLAG.search(flags):
+        return
+    if backends_are_initialized():
+        if jax.device_count() == count:
+            return
+        raise RuntimeError(
+            f"simulate_cpu_devices: JAX has already started with "
+            f"{jax.device_count()} devices, so {count} can no longer be simulated; "
+            "call it before creating any array (or set XLA_FLAGS="
+            f"--xla_force_host_platform_device_count={count} before starting Python)."
+        )
+    os.environ["XLA_FLAGS"] = (
+        f"{flags} --xla_force_host_platform_device_count={count}".strip()
+    )
 
 
 def _parse_shape(mesh_shape: Any) -> list[tuple[str, int]]:

@@ -30,12 +30,8 @@ NUM_MINIBATCHES = 4
 SEED = 42
 
 
-def parse_args(description: str) -> argparse.Namespace:
+def add_tutorial_arguments(parser: argparse.ArgumentParser) -> None:
     """The run's settings, defaulting to the tutorial's."""
-    parser = argparse.ArgumentParser(
-        description=description,
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
-    )
     parser.add_argument(
         "--steps", type=int, default=15, help="steps whose metrics are averaged"
     )
@@ -51,6 +47,15 @@ def parse_args(description: str) -> argparse.Namespace:
         help="FSDP replicates parameters this small (the tutorial's 2**4)",
     )
     parser.add_argument("--seed", type=int, default=SEED)
+
+
+def parse_args(description: str) -> argparse.Namespace:
+    """Parse the tutorial's settings (see `add_tutorial_arguments`)."""
+    parser = argparse.ArgumentParser(
+        description=description,
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    add_tutorial_arguments(parser)
     return parser.parse_args()
 
 

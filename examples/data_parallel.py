@@ -11,17 +11,12 @@ dropout, the parameters equal those of the same run on a single device.
     python examples/data_parallel.py [--steps 15] [--minibatches 4]
 """
 
-import os
-
-if "--xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
-    os.environ["XLA_FLAGS"] = (
-        os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
-    )
-
 import _tutorial
 import jax.numpy as jnp
 
 import eqxdist as ed
+
+ed.simulate_cpu_devices(8)  # before JAX starts its backend
 
 
 def main() -> None:

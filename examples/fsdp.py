@@ -12,17 +12,12 @@ of the data-parallel run.
     python examples/fsdp.py [--steps 15] [--min-weight-size 16]
 """
 
-import os
-
-if "--xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
-    os.environ["XLA_FLAGS"] = (
-        os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
-    )
-
 import _tutorial
 import equinox as eqx
 
 import eqxdist as ed
+
+ed.simulate_cpu_devices(8)  # before JAX starts its backend
 
 
 def main() -> None:

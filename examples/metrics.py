@@ -18,10 +18,6 @@ and compared with NumPy on the unpadded data.
 import argparse
 import os
 
-if "--xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
-    os.environ["XLA_FLAGS"] = (
-        os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
-    )
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 import equinox as eqx
@@ -31,6 +27,8 @@ import numpy as np
 from jax.sharding import PartitionSpec as P
 
 import eqxdist as ed
+
+ed.simulate_cpu_devices(8)  # before JAX starts its backend
 
 
 def make_data(num_examples, features, classes, seed):

@@ -18,6 +18,11 @@ import argparse
 from pathlib import Path
 
 import _tutorial
+import jax
+import numpy as np
+import optax
+
+import eqxdist as ed
 
 
 def parse_args() -> argparse.Namespace:
@@ -27,12 +32,6 @@ def parse_args() -> argparse.Namespace:
     )
     _tutorial.add_tutorial_arguments(parser)
     parser.add_argument("--strategy", choices=["dp", "fsdp"], default="fsdp")
-    parser.add_argument(
-        "--min-weight-size",
-        type=int,
-        default=2**10,
-        help="FSDP shards parameters with more elements than this",
-    )
     parser.add_argument(
         "--checkpoint-dir",
         type=Path,
@@ -47,15 +46,8 @@ def parse_args() -> argparse.Namespace:
 
 ARGS = parse_args()
 # Plain `python examples/multi_process.py`: 8 simulated devices. Under the launcher
-# `XLA_FLAGS` already gives each process its `--devices-per-process`.
-_tutorial.use_cpu_devices(8)
-
-import jax  # noqa: E402
-import numpy as np  # noqa: E402
-import optax  # noqa: E402
-
-import eqxdist as ed  # noqa: E402
-
+# `XLA_FLAGS` already gives each process its `--devices-per-process`, which wins.
+ed.simulate_cpu_devices(8)
 ed.initialize_distributed()  # before anything starts JAX's backend
 
 

@@ -9,7 +9,14 @@ data-parallel gradient step of an Equinox model.
 """
 
 import argparse
-import os
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import PartitionSpec as P
+
+import eqxdist as ed
 
 
 def main() -> None:
@@ -18,19 +25,7 @@ def main() -> None:
     parser.add_argument("--batch-size", type=int, default=64, help="global batch size")
     args = parser.parse_args()
 
-    if "--xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
-        os.environ["XLA_FLAGS"] = (
-            os.environ.get("XLA_FLAGS", "")
-            + f" --xla_force_host_platform_device_count={args.devices}"
-        )
-    import equinox as eqx
-    import jax
-    import jax.numpy as jnp
-    import numpy as np
-    from jax.sharding import PartitionSpec as P
-
-    import eqxdist as ed
-
+    ed.simulate_cpu_devices(args.devices)  # before JAX starts its backend
     mesh = ed.create_data_parallel_mesh()
     print("mesh:", ed.get_mesh_info(mesh))
 

@@ -11,12 +11,6 @@ normalisation with `lax.pmean`; a matmul that all-gathers its weight; a
 """
 
 import argparse
-import os
-
-if "--xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
-    os.environ["XLA_FLAGS"] = (
-        os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
-    )
 
 import equinox as eqx
 import jax
@@ -26,6 +20,8 @@ from jax import lax
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 import eqxdist as ed
+
+ed.simulate_cpu_devices(8)  # before JAX starts its backend
 
 
 def heading(text: str) -> None:

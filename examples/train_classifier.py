@@ -12,10 +12,16 @@ the strategies ended with the same parameters.
 """
 
 import argparse
-import os
 import sys
 import time
 from typing import Any
+
+import equinox as eqx
+import jax
+import numpy as np
+import optax
+
+import eqxdist as ed
 
 
 def parse_args() -> argparse.Namespace:
@@ -45,18 +51,7 @@ def parse_args() -> argparse.Namespace:
 
 
 ARGS = parse_args()
-if "--xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
-    os.environ["XLA_FLAGS"] = (
-        os.environ.get("XLA_FLAGS", "")
-        + f" --xla_force_host_platform_device_count={ARGS.devices}"
-    )
-
-import equinox as eqx  # noqa: E402
-import jax  # noqa: E402
-import numpy as np  # noqa: E402
-import optax  # noqa: E402
-
-import eqxdist as ed  # noqa: E402
+ed.simulate_cpu_devices(ARGS.devices)  # before JAX starts its backend
 
 
 def load_digits(seed: int) -> tuple[np.ndarray, ...]:

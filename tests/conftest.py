@@ -2,10 +2,6 @@
 
 import os
 
-# Must happen before JAX initialises its CPU backend (the first `jax.devices()`).
-os.environ["XLA_FLAGS"] = (
-    os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
-)
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 import jax
@@ -14,6 +10,8 @@ import pytest
 
 import eqxdist as ed
 
+# Before JAX initialises its CPU backend (the first array or `jax.devices()`).
+ed.simulate_cpu_devices(8)
 jax.config.update("jax_enable_x64", False)
 
 

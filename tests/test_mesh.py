@@ -1,3 +1,7 @@
+import os
+import subprocess
+import sys
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -145,3 +149,32 @@ def test_mesh_on_one_device_runs_collectives():
     np.testing.assert_array_equal(out, x)
     placed = jax.device_put(x, NamedSharding(mesh, P("data")))
     assert placed.sharding.num_devices == 1
+
+
+def _run_fresh(code: str) -> subprocess.CompletedProcess[str]:
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    return subprocess.run(
+        [sys.executable, "-c", code], env=env, capture_output=True, text=True
+    )
+
+
+def test_simulate_cpu_devices_in_a_fresh_process():
+    ok = _run_fresh(
+        "import eqxdist as ed, jax; ed.simulate_cpu_devices(4); "
+        "print(jax.device_count(), ed.create_data_parallel_mesh().size)"
+    )
+    assert ok.returncode == 0, ok.stderr
+    assert ok.stdout.split() == ["4", "4"]
+    late = _run_fresh(
+        "import eqxdist as ed, jax; jax.numpy.ones(1); ed.simulate_cpu_devices(4)"
+    )
+    assert late.returncode != 0
+    assert "already started with 1 devices" in late.stderr
+
+
+def test_simulate_cpu_devices_keeps_an_existing_flag():
+    before = os.environ["XLA_FLAGS"]
+    ed.simulate_cpu_devices(2)  # the flag conftest set wins; nothing changes
+    assert os.environ["XLA_FLAGS"] == before and jax.device_count() == 8
+    with pytest.raises(ValueError, match="`count` must be >= 1"):
+        ed.simulate_cpu_devices(0)
