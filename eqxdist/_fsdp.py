@@ -7,6 +7,7 @@ a parameter pytree together with its specs, inside `jax.shard_map`.
 """
 
 import functools
+from collections.abc import Sequence
 from typing import Any
 
 import equinox as eqx
@@ -212,7 +213,7 @@ def gather_params(
 def sync_gradients(
     grads: PyTree[Any],
     specs: PyTree[Any],
-    axis_names: tuple[str, ...] = ("data",),
+    axis_names: str | Sequence[str] = ("data",),
 ) -> PyTree[Any]:
     """Average gradients across devices where they are not averaged yet, inside
     `jax.shard_map` (with `check_vma=False`, as in the training steps).
@@ -238,7 +239,10 @@ def sync_gradients(
         grads = ed.sync_gradients(grads, specs, ("data",))
         ```
     """
-    check_axis_bound(axis_names, "sync_gradients")
+    axis_names = check_axis_bound(
+        axis_names if isinstance(axis_names, str) else tuple(axis_names),
+        "sync_gradients",
+    )
     leaves, spec_leaves, spec_def = _spec_leaves(
         grads, specs, "sync_gradients", "grads"
     )

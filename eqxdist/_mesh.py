@@ -150,6 +150,8 @@ def create_device_mesh(
     """
     pairs = _parse_shape(mesh_shape)
     available = list(jax.devices() if devices is None else devices)
+    if not available:
+        raise ValueError("create_device_mesh: `devices` is empty; pass some devices.")
     known = math.prod(size for _, size in pairs if size != -1)
     if any(size == -1 for _, size in pairs):
         if len(available) % known != 0:

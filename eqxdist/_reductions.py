@@ -41,7 +41,7 @@ def _reduce(metrics: Any, op: str, axis_name: AxisName | None, caller: str) -> A
     if axis_name is None:
         fn = _GLOBAL[op]
         return map_arrays(lambda x: fn(x) if jnp.ndim(x) > 0 else x, metrics)
-    names = check_axis_bound(axis_name, caller)
+    names = check_axis_bound(axis_name, caller, has_global_mode=True)
     collective = _COLLECTIVE[op]
     return map_arrays(lambda x: collective(x, names), metrics)
 
@@ -190,11 +190,16 @@ def all_gather(
         ```
     """
     names = check_axis_bound(axis_name, "all_gather")
+    # Inside shard_map the invariant gather tells JAX that every device holds the
+    # same result; under `vmap`/`pmap` with a named axis there is no such
+    # bookkeeping and the plain gather is the one that applies.
+    manual = set(jax.sharding.get_abstract_mesh().manual_axes)
+    gather_fn = all_gather_invariant if manual.issuperset(names) else jax.lax.all_gather
 
     def gather(x: Any) -> Any:
         if tiled and jnp.ndim(x) == 0:
             x = jnp.reshape(x, (1,))
-        return all_gather_invariant(x, names, axis=0, tiled=tiled)
+        return gather_fn(x, names, axis=0, tiled=tiled)
 
     return map_arrays(gather, metrics)
 

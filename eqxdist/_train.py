@@ -322,8 +322,10 @@ def print_metrics(metrics: Mapping[str, Any], title: str | None = None) -> None:
     !!! Example
 
         ```python
-        ed.print_metrics({"loss": (loss_sum, count)}, "Final metrics")
-        # === Final metrics ===
+        ed.print_metrics({"accuracy": (correct, count), "loss": (loss_sum, count)},
+                         "Final")
+        # ===== Final ======
+        # accuracy: 0.884375
         # loss: 0.510231
         ```
     """
@@ -331,11 +333,9 @@ def print_metrics(metrics: Mapping[str, Any], title: str | None = None) -> None:
     if jax.process_index() != 0:
         return
     if title:
-        # As wide as the longest line (the tutorial's rule), with at least three
-        # `=` on each side so that a long title still reads as a heading.
+        # The tutorial's rule: the title centred in `=` to the longest line's width.
         heading = f" {title} "
-        width = max([len(heading) + 6, *map(len, lines)])
-        lines = [heading.center(width, "="), *lines]
+        lines = [heading.center(max([len(heading), *map(len, lines)]), "="), *lines]
     print("\n".join(lines))
 
 
@@ -383,6 +383,18 @@ class _Layout:
         self.state_template = [None if _is_state_array(x) else x for x in state_leaves]
         self.batch_template = [None if _is_state_array(x) else x for x in batch_leaves]
         self.fn: Any = None
+        self.state_shardings: tuple[list[Any], list[Any]] = ([], [])
+
+    def placed(self, state_leaves: list[Any]) -> bool:
+        """Whether the state's arrays already lie where the step keeps them (else
+        the step places a copy, as on its first call)."""
+        updated, kept = self.state_shardings
+        return all(
+            isinstance(x := state_leaves[i], jax.Array)
+            and x.sharding.is_equivalent_to(sharding, x.ndim)
+            for indices, shardings in ((self.updated, updated), (self.kept, kept))
+            for i, sharding in zip(indices, shardings, strict=True)
+        )
 
     def batch_matches(self, batch_leaves: list[Any], batch_def: Any) -> bool:
         if batch_def != self.batch_def:
@@ -604,6 +616,7 @@ class TrainStep:
         updated = [NamedSharding(self.mesh, state_specs[i]) for i in layout.updated]
         replicated = NamedSharding(self.mesh, P())
         kept = [replicated for _ in layout.kept]
+        layout.state_shardings = (updated, kept)
         batch_shardings = [
             NamedSharding(
                 self.mesh, P(self.data_axis) if batch_leaves[i].shape else P()
@@ -744,6 +757,10 @@ class TrainStep:
                 self._last = layout
                 state_leaves = jax.tree.leaves(state)
                 batch_leaves = jax.tree.leaves(batch)
+            elif not layout.placed(state_leaves):
+                # A new state of a known structure (a fresh model, say): place a
+                # copy, so that donation never deletes the caller's arrays.
+                state_leaves = jax.tree.leaves(self.place_state(state))
             updated = [state_leaves[i] for i in layout.updated]
             kept = [state_leaves[i] for i in layout.kept]
         batch_arrays = [batch_leaves[i] for i in layout.batch_arrays]

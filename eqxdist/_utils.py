@@ -49,12 +49,15 @@ def axis_names(axis_name: AxisName) -> tuple[str, ...]:
     return (axis_name,) if isinstance(axis_name, str) else tuple(axis_name)
 
 
-def check_axis_bound(axis_name: AxisName, caller: str) -> tuple[str, ...]:
+def check_axis_bound(
+    axis_name: AxisName, caller: str, *, has_global_mode: bool = False
+) -> tuple[str, ...]:
     """Raise a `ValueError` telling the user what to do if `axis_name` is not bound.
 
     A collective (`psum`, `all_gather`, `axis_index`, ...) only means something inside
     `jax.shard_map` (or `vmap` with that `axis_name`); outside it JAX raises a bare
-    `NameError`. Returns the names as a tuple."""
+    `NameError`. `has_global_mode`: the caller also accepts `axis_name=None`, so the
+    message offers it. Returns the names as a tuple."""
     names = axis_names(axis_name)
     if not names:
         raise ValueError(f"{caller}: `axis_name` is an empty tuple; name a mesh axis.")
@@ -62,10 +65,14 @@ def check_axis_bound(axis_name: AxisName, caller: str) -> tuple[str, ...]:
         try:
             jax.lax.axis_size(name)
         except NameError:
+            alternative = (
+                ", or pass `axis_name=None` to reduce global (sharded) arrays instead"
+                if has_global_mode
+                else ""
+            )
             raise ValueError(
                 f"{caller}: mesh axis {name!r} is not bound here. Call it inside "
-                f"`jax.shard_map` over a mesh that has an axis {name!r}, or pass "
-                "`axis_name=None` to reduce global (sharded) arrays instead."
+                f"`jax.shard_map` over a mesh that has an axis {name!r}{alternative}."
             ) from None
     return names
 

@@ -292,3 +292,15 @@ def test_one_device_reductions_are_identity(mesh1):
     for out in (mean, total, hi, tiled):
         np.testing.assert_array_equal(out, x)
     np.testing.assert_array_equal(gathered, x[None])
+
+
+def test_collectives_under_vmap_with_a_named_axis():
+    # datarax-style: collectives over a `vmap` axis rather than a mesh axis.
+    tree = {"loss": jnp.array([1.0, 3.0]), "g": {"w": jnp.array([[2.0], [4.0]])}}
+    gathered = jax.vmap(lambda t: ed.all_gather(t, "batch"), axis_name="batch")(tree)
+    np.testing.assert_array_equal(gathered["loss"], [[1.0, 3.0], [1.0, 3.0]])
+    assert gathered["g"]["w"].shape == (2, 2, 1)
+    tiled = jax.vmap(lambda t: ed.all_gather(t, "batch", tiled=True), axis_name="batch")
+    np.testing.assert_array_equal(tiled(tree)["loss"], [[1.0, 3.0], [1.0, 3.0]])
+    mean = jax.vmap(lambda t: ed.reduce_mean(t, "batch"), axis_name="batch")(tree)
+    np.testing.assert_array_equal(mean["loss"], [2.0, 2.0])

@@ -165,6 +165,17 @@ def test_state_is_placed_sharded_and_compiled_once(mesh8, rng, caplog):
     batch = jax.device_put(_batch(rng), NamedSharding(mesh8, P()))
     state, metrics = step(state, batch)
     assert int(metrics["loss"][1]) == 32
+    # A second fresh state of the same structure is placed (a copy) as well,
+    # without compiling again.
+    model2 = _model(key=5)
+    with jax.log_compiles():
+        fresh, _ = step(
+            ed.TrainState.create(model2, OPTIMIZER, jax.random.key(2)), _batch(rng)
+        )
+    assert "Compiling" not in caplog.text
+    assert fresh.model.layers[0].weight.sharding.spec == P("data", None)
+    assert fresh.key.sharding.spec == P()
+    np.testing.assert_array_equal(model2.layers[0].weight, _model(5).layers[0].weight)
 
 
 def test_minibatches_give_the_same_update(mesh8, rng):
@@ -300,9 +311,13 @@ def test_print_metrics_format(capsys):
     ed.print_metrics(
         {"loss": (jnp.array(2.0), 4), "accuracy": accuracy}, "FSDP - Final metrics"
     )
+    # The tutorial's rule: centred in `=` to the longest line's width, so a title
+    # longer than every line stands alone.
     assert capsys.readouterr().out == (
-        "=== FSDP - Final metrics ===\nloss: 0.500000\naccuracy: 0.500000\n"
+        " FSDP - Final metrics \nloss: 0.500000\naccuracy: 0.500000\n"
     )
+    ed.print_metrics({"loss": (jnp.array(2.0), 4)}, "Final")
+    assert capsys.readouterr().out == "=== Final ====\nloss: 0.500000\n"
     ed.print_metrics({"a_long_metric_name": (jnp.array(1.0), 2)}, "T")
     assert capsys.readouterr().out == (
         "============ T =============\na_long_metric_name: 0.500000\n"
