@@ -120,20 +120,25 @@ def test_sync_gradients_averages_over_unsharded_axes(rng):
     }
     specs = {"by_data": P("data"), "replicated": P(), "none": P()}
 
-    def local(by_data, replicated):
-        return ed.sync_gradients(
-            {"by_data": by_data, "replicated": replicated, "none": None},
-            specs,
-            ("data", "model"),
-        )
+    def run(axis_names):
+        def local(by_data, replicated):
+            return ed.sync_gradients(
+                {"by_data": by_data, "replicated": replicated, "none": None},
+                specs,
+                axis_names,
+            )
 
-    out = jax.shard_map(
-        local,
-        mesh=mesh,
-        in_specs=(P("data", "model"), P(("data", "model"))),
-        out_specs={"by_data": P("data"), "replicated": P(), "none": P()},
-        check_vma=False,
-    )(g["by_data"], g["replicated"])
+        return jax.shard_map(
+            local,
+            mesh=mesh,
+            in_specs=(P("data", "model"), P(("data", "model"))),
+            out_specs={"by_data": P("data"), "replicated": P(), "none": P()},
+            check_vma=False,
+        )(g["by_data"], g["replicated"])
+
+    out = run(("data", "model"))
+    as_list = run(["data", "model"])  # any sequence of names, as in the tutorial
+    np.testing.assert_array_equal(as_list["replicated"], out["replicated"])
     # by_data: block i holds rows [2 model shards] -> mean over the model axis
     expected = np.asarray(g["by_data"]).reshape(4, 2, 4, 2).mean(1)
     np.testing.assert_allclose(out["by_data"], expected, rtol=1e-6)

@@ -76,6 +76,11 @@ def test_invalid_shapes_raise_value_error(shape, match):
         ed.create_device_mesh(shape)
 
 
+def test_empty_device_list_is_a_value_error():
+    with pytest.raises(ValueError, match="`devices` is empty"):
+        ed.create_device_mesh({"data": -1}, devices=[])
+
+
 @pytest.mark.parametrize("shape", [{"data": 2.0}, {"data": "2"}, [("data", True)]])
 def test_non_int_sizes_raise_type_error(shape):
     with pytest.raises(TypeError):
