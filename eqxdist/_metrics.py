@@ -132,6 +132,42 @@ def _replace(module: Any, **changes: Any) -> Any:
     return new
 
 
+def _two_sum(a: Array, b: Array) -> tuple[Array, Array]:
+    """`a + b` rounded, and its rounding error, exactly (Knuth's TwoSum: the two add
+    up to `a + b` with no rounding at all). A non-finite sum has error 0, where the
+    formula would give NaN."""
+    total = a + b
+    b_part = total - a
+    error = (a - (total - b_part)) + (b - b_part)
+    return total, jnp.where(jnp.isfinite(total), error, jnp.zeros_like(error))
+
+
+def _add_pairs(
+    hi: Array, lo: Array, other_hi: Array, other_lo: Array
+) -> tuple[Array, Array]:
+    """The sum of two double-word numbers `hi + lo`, renormalised so that `lo` is
+    within half a unit in the last place of `hi` (then `hi` is the sum rounded)."""
+    total, error = _two_sum(hi, other_hi)
+    return _two_sum(total, error + (lo + other_lo))
+
+
+def _split_for_psum(hi: Array) -> tuple[Array, Array]:
+    """`hi` as `top + bottom` exactly, `top` a multiple of `q = 2**ceil(p / 2)` (`p`
+    the dtype's significand bits) and `|bottom| < q`.
+
+    A collective sum of `hi`s rounds as soon as the total outgrows the precision of
+    the parts (8 devices holding 16777218.0 and 16777216.0 do not add up exactly in
+    float32). Summed separately, multiples of `q` stay exact up to `2**p * q` and
+    integers below `q` stay exact for up to `2**p / q` devices: in float32, integer
+    totals below 2**36 on up to 4096 devices are summed exactly.
+    """
+    precision = jnp.finfo(hi.dtype).nmant + 1
+    q = jnp.asarray(2.0 ** -(-precision // 2), hi.dtype)
+    finite = jnp.isfinite(hi)
+    top = jnp.where(finite, jnp.trunc(hi / q) * q, hi)
+    return top, jnp.where(finite, hi - top, jnp.zeros_like(hi))
+
+
 class MetricAccumulator(eqx.Module):
     """One linearly additive piece of metric state, with a *local* and a
     *synchronized* version (d9d's `MetricAccumulator`).
@@ -147,16 +183,26 @@ class MetricAccumulator(eqx.Module):
     pytree structure: a `jax.lax.scan` carry must be in the same state on entry and
     exit (update or merge inside the loop, sync after it).
 
+    A float sum stops growing once it is 2**24 times larger than what is added to
+    it (float32: `16777216.0 + 1.0 == 16777216.0`). A *compensated* sum keeps, next
+    to `local`, the rounding error `local_lo` of every addition (Knuth's TwoSum), so
+    that `local + local_lo` holds about twice the dtype's precision: float32
+    counts stay exact to about 2**48 through `update` and `merge`, and up to 2**36
+    through `sync` (see `sync`). `Sum` and `Mean` use it for their float states.
+
     **Arguments:**
 
     - `initial_value`: the starting state, also what `reset` returns to (e.g. `0.0`
       for a sum, `-jnp.inf` for a maximum). Its shape and dtype are the state's.
     - `reduce_op`: a `ReduceOp` or its string, `"sum"` (default), `"max"`, `"min"`.
+    - `compensated`: keep a float sum compensated (default `False`); only for
+      `"sum"` with a float `initial_value`.
 
     **Raises:**
 
-    `ValueError` for an unknown `reduce_op`; `TypeError` for a non-numeric
-    `initial_value`.
+    `ValueError` for an unknown `reduce_op`, or `compensated=True` with a reduce op
+    other than `"sum"`; `TypeError` for a non-numeric `initial_value`, or
+    `compensated=True` with a non-float one.
 
     !!! Example
 
@@ -167,15 +213,28 @@ class MetricAccumulator(eqx.Module):
             return acc.value                                  # replicated
 
         jax.shard_map(per_device, mesh=mesh, in_specs=P("data"), out_specs=P())(x)
+
+        big = ed.MetricAccumulator(jnp.float32(2**24), compensated=True)
+        big.update(1.0).update(1.0).value  # 16777218.0 (16777216.0 uncompensated)
         ```
     """
 
     initial: Array
     local: Array
     synchronized: Array | None
+    # Rounding errors of a compensated sum (`None` when not compensated); the state
+    # is `local + local_lo`, or `synchronized + synchronized_lo`.
+    local_lo: Array | None
+    synchronized_lo: Array | None
     reduce_op: ReduceOp = eqx.field(static=True)
 
-    def __init__(self, initial_value: ArrayLike, reduce_op: ReduceOp | str = "sum"):
+    def __init__(
+        self,
+        initial_value: ArrayLike,
+        reduce_op: ReduceOp | str = "sum",
+        *,
+        compensated: bool = False,
+    ):
         self.reduce_op = _reduce_op(reduce_op)
         initial = _as_array(initial_value, "MetricAccumulator", "initial_value")
         if initial.dtype == jnp.bool_:
@@ -186,9 +245,27 @@ class MetricAccumulator(eqx.Module):
         # A Python scalar gives a weakly typed array, whose dtype would drift to that
         # of the first update (e.g. bfloat16); the state keeps the dtype it has now.
         initial = initial.astype(initial.dtype)
+        if compensated and self.reduce_op is not ReduceOp.SUM:
+            raise ValueError(
+                "MetricAccumulator: `compensated=True` is for sums, got reduce_op "
+                f"{self.reduce_op.value!r}."
+            )
+        if compensated and not jnp.issubdtype(initial.dtype, jnp.floating):
+            raise TypeError(
+                "MetricAccumulator: `compensated=True` needs a float "
+                f"`initial_value`, got dtype {initial.dtype} (integer sums are "
+                "exact already)."
+            )
         self.initial = initial
         self.local = initial
         self.synchronized = None
+        self.local_lo = jnp.zeros_like(initial) if compensated else None
+        self.synchronized_lo = None
+
+    @property
+    def compensated(self) -> bool:
+        """Whether this is a compensated sum (a Python `bool`)."""
+        return self.local_lo is not None
 
     @property
     def is_synchronized(self) -> bool:
@@ -197,8 +274,13 @@ class MetricAccumulator(eqx.Module):
 
     @property
     def value(self) -> Array:
-        """The synchronized state if `is_synchronized`, else the local one."""
-        return self.synchronized if self.synchronized is not None else self.local
+        """The synchronized state if `is_synchronized`, else the local one (for a
+        compensated sum: `local + local_lo`, rounded to the state's dtype)."""
+        if self.synchronized is not None:
+            hi, lo = self.synchronized, self.synchronized_lo
+        else:
+            hi, lo = self.local, self.local_lo
+        return hi if lo is None else hi + lo
 
     def update(self, value: ArrayLike) -> "MetricAccumulator":
         """Fold `value` into the local state (add for `"sum"`, elementwise max/min
@@ -215,6 +297,11 @@ class MetricAccumulator(eqx.Module):
             value, self.local.shape, "MetricAccumulator.update", "value", "the state"
         )
         value = _cast_into(value, self.local.dtype, "MetricAccumulator.update", "value")
+        if self.local_lo is not None:
+            zero = jnp.zeros_like(value)
+            return self._unsynchronized(
+                *_add_pairs(self.local, self.local_lo, value, zero)
+            )
         return self._unsynchronized(_COMBINE[self.reduce_op](self.local, value))
 
     def merge(self, other: "MetricAccumulator") -> "MetricAccumulator":
@@ -223,19 +310,25 @@ class MetricAccumulator(eqx.Module):
 
         **Raises:**
 
-        `ValueError` if the reduce ops, shapes or dtypes differ.
+        `ValueError` if the reduce ops, shapes, dtypes or compensation differ.
         """
         if not isinstance(other, MetricAccumulator):
             raise TypeError(
                 "MetricAccumulator.merge: `other` must be a MetricAccumulator, got "
                 f"{type(other).__name__}."
             )
-        mine = (self.reduce_op.value, self.local.shape, self.local.dtype)
-        theirs = (other.reduce_op.value, other.local.shape, other.local.dtype)
+        mine, theirs = (
+            (acc.reduce_op.value, acc.local.shape, acc.local.dtype, acc.compensated)
+            for acc in (self, other)
+        )
         if mine != theirs:
             raise ValueError(
-                "MetricAccumulator.merge: cannot merge a (reduce_op, shape, dtype) = "
-                f"{theirs} accumulator into a {mine} one."
+                "MetricAccumulator.merge: cannot merge a (reduce_op, shape, dtype, "
+                f"compensated) = {theirs} accumulator into a {mine} one."
+            )
+        if self.local_lo is not None and other.local_lo is not None:
+            return self._unsynchronized(
+                *_add_pairs(self.local, self.local_lo, other.local, other.local_lo)
             )
         return self._unsynchronized(_COMBINE[self.reduce_op](self.local, other.local))
 
@@ -246,6 +339,12 @@ class MetricAccumulator(eqx.Module):
 
         `axis_name=None` is global mode (the state was built from global arrays and
         already covers every device): the synchronized state is the local one.
+
+        A compensated sum is reduced in three parts (a coarse and a fine part of
+        `local`, and `local_lo`), in the same collective as the other sums of its
+        dtype: integer-valued float32 totals below 2**36 stay exact on up to 4096
+        devices, larger or fractional ones keep about twice the dtype's precision
+        relative to the largest device's state.
 
         **Raises:**
 
@@ -265,33 +364,48 @@ class MetricAccumulator(eqx.Module):
         missing = tuple(sorted(_varying_axes(self.local) - _varying_axes(initial)))
         if missing:
             initial = jax.lax.pcast(initial, missing, to="varying")
-        return self._unsynchronized(initial)
+        lo = None if self.local_lo is None else jnp.zeros_like(initial)
+        return self._unsynchronized(initial, lo)
 
     def state_dict(self) -> dict[str, Array]:
-        """`{"local": ...}`, plus `"synchronized"` when synchronized: everything
-        `load_state_dict` needs to rebuild this accumulator exactly."""
-        state = {"local": self.local}
-        if self.synchronized is not None:
-            state["synchronized"] = self.synchronized
-        return state
+        """`{"local": ...}`, plus `"synchronized"` when synchronized, plus (for a
+        compensated sum) their rounding errors `"local_lo"` and `"synchronized_lo"`:
+        everything `load_state_dict` needs to rebuild this accumulator exactly."""
+        state = {
+            "local": self.local,
+            "synchronized": self.synchronized,
+            "local_lo": self.local_lo,
+            "synchronized_lo": self.synchronized_lo,
+        }
+        return {key: arr for key, arr in state.items() if arr is not None}
 
     def load_state_dict(
         self, state_dict: Mapping[str, ArrayLike]
     ) -> "MetricAccumulator":
-        """An accumulator like this one (same initial value and reduce op) holding
-        `state_dict` (from `state_dict()`); synchronized if it has a
-        `"synchronized"` entry.
+        """An accumulator like this one (same initial value, reduce op and
+        compensation) holding `state_dict` (from `state_dict()`); synchronized if it
+        has a `"synchronized"` entry. A compensated sum missing `"local_lo"` or
+        `"synchronized_lo"` takes them as 0.
 
         **Raises:**
 
         `ValueError` for a missing or unexpected key, or an array whose shape or
         dtype differs from this accumulator's state.
         """
-        unexpected = sorted(set(state_dict) - {"local", "synchronized"})
-        if "local" not in state_dict or unexpected:
+        allowed = {"local", "synchronized"}
+        if self.local_lo is not None:
+            allowed |= {"local_lo", "synchronized_lo"}
+        if "local" not in state_dict or set(state_dict) - allowed:
+            optional = ", ".join(repr(key) for key in sorted(allowed - {"local"}))
             raise ValueError(
-                "MetricAccumulator.load_state_dict: expected the keys 'local' and "
-                f"optionally 'synchronized', got {sorted(state_dict)}."
+                "MetricAccumulator.load_state_dict: expected the key 'local' and "
+                f"optionally {optional}, got {sorted(state_dict)}."
+            )
+        if "synchronized_lo" in state_dict and "synchronized" not in state_dict:
+            raise ValueError(
+                "MetricAccumulator.load_state_dict: 'synchronized_lo' is the rounding "
+                "error of 'synchronized', which is missing; got "
+                f"{sorted(state_dict)}."
             )
         arrays = {}
         for key, raw in state_dict.items():
@@ -303,42 +417,86 @@ class MetricAccumulator(eqx.Module):
                     f"{self.local.shape} and dtype {self.local.dtype}."
                 )
             arrays[key] = arr.astype(arr.dtype)  # not weakly typed
-        loaded = self._unsynchronized(arrays["local"])
+        if self.local_lo is not None:
+            for key in ("local", "synchronized"):
+                if key in arrays:
+                    arrays.setdefault(f"{key}_lo", jnp.zeros_like(arrays[key]))
+        loaded = self._unsynchronized(arrays["local"], arrays.get("local_lo"))
         if "synchronized" in arrays:
-            loaded = loaded._synchronized(arrays["synchronized"])
+            loaded = loaded._synchronized(
+                arrays["synchronized"], arrays.get("synchronized_lo")
+            )
         return loaded
 
-    def _unsynchronized(self, local: Array) -> "MetricAccumulator":
-        out: MetricAccumulator = _replace(self, local=local, synchronized=None)
+    def _unsynchronized(
+        self, local: Array, local_lo: Array | None = None
+    ) -> "MetricAccumulator":
+        out: MetricAccumulator = _replace(
+            self,
+            local=local,
+            local_lo=local_lo,
+            synchronized=None,
+            synchronized_lo=None,
+        )
         return out
 
-    def _synchronized(self, synchronized: Array) -> "MetricAccumulator":
-        out: MetricAccumulator = _replace(self, synchronized=synchronized)
+    def _synchronized(
+        self, synchronized: Array, synchronized_lo: Array | None = None
+    ) -> "MetricAccumulator":
+        out: MetricAccumulator = _replace(
+            self, synchronized=synchronized, synchronized_lo=synchronized_lo
+        )
         return out
+
+    def _synchronized_as_local(self) -> "MetricAccumulator":
+        """The synchronized state as the (unsynchronized) local one."""
+        if self.synchronized is None:
+            return self._unsynchronized(self.local, self.local_lo)
+        return self._unsynchronized(self.synchronized, self.synchronized_lo)
+
+    def _sync_parts(self) -> list[Array]:
+        """The arrays whose reductions over the devices make the synchronized state
+        (see `_from_sync_parts`)."""
+        if self.local_lo is None:
+            return [self.local]
+        return [*_split_for_psum(self.local), self.local_lo]
+
+    def _from_sync_parts(self, parts: Sequence[Array]) -> "MetricAccumulator":
+        if self.local_lo is None:
+            (reduced,) = parts
+            return self._synchronized(reduced)
+        top, bottom, lo = parts
+        return self._synchronized(*_add_pairs(top, jnp.zeros_like(lo), bottom, lo))
 
 
 def _sync_accumulators(
     accumulators: Sequence[MetricAccumulator], axis_name: AxisName | None, caller: str
 ) -> list[MetricAccumulator]:
-    """Sync every accumulator with one collective per (reduce op, dtype): the local
-    states of a group are flattened into one vector, reduced, and split back."""
+    """Sync every accumulator with one collective per (reduce op, dtype): the parts
+    of the local states of a group are flattened into one vector, reduced, and split
+    back."""
     if axis_name is None:
-        return [acc._synchronized(acc.local) for acc in accumulators]
+        return [acc._synchronized(acc.local, acc.local_lo) for acc in accumulators]
     names = check_axis_bound(axis_name, caller)
-    groups: dict[tuple[ReduceOp, jnp.dtype], list[int]] = {}
-    for i, acc in enumerate(accumulators):
-        groups.setdefault((acc.reduce_op, acc.local.dtype), []).append(i)
-    synced = list(accumulators)
+    parts = [acc._sync_parts() for acc in accumulators]
+    groups: dict[tuple[ReduceOp, jnp.dtype], list[tuple[int, int]]] = {}
+    for i, (acc, arrays) in enumerate(zip(accumulators, parts, strict=True)):
+        for j, arr in enumerate(arrays):
+            groups.setdefault((acc.reduce_op, arr.dtype), []).append((i, j))
+    reduced = [list(arrays) for arrays in parts]
     for (op, _), members in groups.items():
-        locals_ = [accumulators[i].local for i in members]
-        flat = jnp.concatenate([jnp.ravel(x) for x in locals_])
-        reduced = _COLLECTIVE[op](flat, names)
-        offsets = np.cumsum([x.size for x in locals_])[:-1].tolist()
-        for i, x, part in zip(
-            members, locals_, jnp.split(reduced, offsets), strict=True
+        inputs = [parts[i][j] for i, j in members]
+        flat = jnp.concatenate([jnp.ravel(x) for x in inputs])
+        summed = _COLLECTIVE[op](flat, names)
+        offsets = np.cumsum([x.size for x in inputs])[:-1].tolist()
+        for (i, j), x, piece in zip(
+            members, inputs, jnp.split(summed, offsets), strict=True
         ):
-            synced[i] = accumulators[i]._synchronized(part.reshape(x.shape))
-    return synced
+            reduced[i][j] = piece.reshape(x.shape)
+    return [
+        acc._from_sync_parts(arrays)
+        for acc, arrays in zip(accumulators, reduced, strict=True)
+    ]
 
 
 _M = TypeVar("_M", bound="Metric")
@@ -446,9 +604,7 @@ class Metric(eqx.Module):
         already holds every device's data, so it would be counted `axis_size` times.
         """
         synced = self.sync(axis_name)._accumulators()
-        return self._with_accumulators(
-            [acc._unsynchronized(acc.value) for acc in synced]
-        )
+        return self._with_accumulators([acc._synchronized_as_local() for acc in synced])
 
     def reset(self: _M) -> _M:
         """The metric with every accumulator back to its initial value (what a fresh
@@ -537,6 +693,10 @@ class Sum(Metric):
       integer dtype to add up integers exactly.
 
     `update(values)` adds `values.sum()`; `compute()` is the total, 0 when empty.
+    A float total is a compensated sum (see `MetricAccumulator`): it keeps
+    growing past 2**24 times the size of each addition, and float32 integers stay
+    exact to about 2**48 (state dict keys `"local"` and `"local_lo"`, whose sum is
+    the total); `compute()` rounds it to the dtype.
 
     !!! Example
 
@@ -548,7 +708,10 @@ class Sum(Metric):
     total: MetricAccumulator
 
     def __init__(self, dtype: DTypeLike | None = None):
-        self.total = MetricAccumulator(jnp.zeros((), _state_dtype(dtype)))
+        dtype = _state_dtype(dtype)
+        self.total = MetricAccumulator(
+            jnp.zeros((), dtype), compensated=jnp.issubdtype(dtype, jnp.floating)
+        )
 
     def update(self, values: ArrayLike) -> "Sum":
         """Add `values.sum()` (any shape, empty included)."""
@@ -566,8 +729,14 @@ class Mean(Metric):
 
     The total weight is kept in two parts: unweighted values (`weights=None`) and
     integer or boolean weights (masks) are *counted* in an integer state, exact far
-    beyond the 2**24 where float32 stops counting; float weights are added in the
-    float state.
+    beyond the 2**24 where float32 stops counting; float weights are added in a
+    compensated float sum (see `MetricAccumulator`), which does not stop at 2**24
+    either: 0/1 float weights stay exact counts to about 2**48 through `update` and
+    `merge`, and to 2**36 through `sync` (as long as each update's own weights add
+    up to less than 2**24). The weighted sum of the values is a
+    compensated sum too, so that a mean of many small values does not drift.
+    Compensated states have two entries in `state_dict()`, `"local"` and
+    `"local_lo"` (its rounding error; the state is their exact sum).
 
     **Arguments:**
 
@@ -593,8 +762,8 @@ class Mean(Metric):
         dtype = _state_dtype(dtype)
         if not jnp.issubdtype(dtype, jnp.floating):
             raise TypeError(f"Mean: `dtype` must be a float dtype, got {dtype}.")
-        self.total = MetricAccumulator(jnp.zeros((), dtype))
-        self.weight = MetricAccumulator(jnp.zeros((), dtype))
+        self.total = MetricAccumulator(jnp.zeros((), dtype), compensated=True)
+        self.weight = MetricAccumulator(jnp.zeros((), dtype), compensated=True)
         self.count = MetricAccumulator(jnp.zeros((), _count_dtype()))
 
     def update(self, values: ArrayLike, weights: ArrayLike | None = None) -> "Mean":

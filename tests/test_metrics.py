@@ -280,6 +280,110 @@ def test_counts_exact_beyond_2_pow_24(mesh8):
     assert int(synced) == N_DEV * (big + 2)  # 2**27 + 16: not a float32 integer
 
 
+def _pair(acc, synchronized=False):
+    """The exact total `hi + lo` of a compensated accumulator, as a Python int."""
+    state = acc.state_dict()
+    key = "synchronized" if synchronized else "local"
+    return int(state[key]) + int(state[f"{key}_lo"])
+
+
+def test_float_weights_beyond_2_pow_24_audit_repro():
+    big = 2**24
+    m = ed.Mean().update(jnp.zeros(big), weights=jnp.ones(big))
+    assert _pair(m.weight) == big  # one float32 sum of 2**24 ones is exact
+    for _ in range(4):
+        m = m.update(jnp.array([4.0]), weights=jnp.array([1.0]))
+    assert float(m.weight.value) == big + 4 and int(m.count.value) == 0
+    np.testing.assert_allclose(m.compute(), np.float32(16.0) / np.float32(big + 4))
+    assert m.compute() != np.float32(16.0) / np.float32(big)  # the saturated answer
+    m = m.update(jnp.array([4.0]), weights=jnp.array([1.0]))
+    assert _pair(m.weight) == big + 5 and _pair(m.total) == 20  # 16777221: not f32
+    assert m.state_dict()["weight"] == {"local": big + 4.0, "local_lo": 1.0}
+    restored = ed.Mean().load_state_dict(m.state_dict())
+    assert_same_tree(restored, m)
+    assert _pair(restored.update(1.0, weights=2.0).weight) == big + 7
+
+    # The weighted sum of values is compensated the same way, and so is `Sum`.
+    s = ed.Sum().update(jnp.ones(big))
+    ones = ed.Mean().update(jnp.ones(big))
+    for _ in range(3):
+        s, ones = s.update(1.0), ones.update(jnp.ones(1))
+    assert _pair(s.total) == big + 3 and float(s.compute()) == big + 4  # rounded
+    assert float(ones.compute()) == 1.0 and _pair(ones.total) == big + 3
+    assert int(ed.Sum(jnp.int32).update(np.array([2, 3])).total.value) == 5
+    assert ed.Sum(jnp.int32).state_dict() == {"total": {"local": jnp.int32(0)}}
+    inf = ed.Sum().update(np.array([1.0, np.inf])).update(1.0)
+    assert float(inf.compute()) == np.inf and float(inf.total.local_lo) == 0.0
+
+
+def _seeded_mean(index):
+    """A Mean whose float weight total is 2**24 + 3 * index + 1 and whose weighted
+    sum is 2**25 + 5 * index + 1 (neither a float32 number for most indices)."""
+    big = 2**24
+    weight_hi = jnp.float32(big) + jnp.asarray(index, jnp.float32) * 2
+    total_hi = jnp.float32(2 * big) + jnp.asarray(index, jnp.float32) * 4
+    return ed.Mean().load_state_dict(
+        {
+            "total": {"local": total_hi, "local_lo": jnp.float32(1) + index},
+            "weight": {"local": weight_hi, "local_lo": jnp.float32(1) + index},
+            "count": {"local": jnp.int32(0)},
+        }
+    )
+
+
+def _exact_totals(m):
+    return _pair(m.weight), _pair(m.total)
+
+
+def test_compensated_sync_and_merge_equal_the_global_totals(mesh8):
+    big = 2**24
+    values = np.arange(16, dtype=np.float32) % 3  # two rows per device
+    weights = np.array([1.0, 0.0] * 8, np.float32)
+    global_weight = sum(big + 3 * i + 1 for i in range(N_DEV)) + int(weights.sum())
+    global_total = sum(2 * big + 5 * i + 1 for i in range(N_DEV))
+    global_total += int(values @ weights)
+    # Past float32's integers: a float32 state, or a plain float32 all-reduce of the
+    # devices' totals, could not hold them.
+    assert int(np.float32(global_weight)) != global_weight
+    assert int(np.float32(global_total)) != global_total
+
+    def synchronized(m):  # the replicated part of a synced Mean
+        pairs = [(acc.synchronized, acc.synchronized_lo) for acc in (m.weight, m.total)]
+        return pairs, m.compute()
+
+    def per_device(index, values, weights):
+        local = _seeded_mean(index[0]).update(values, weights)
+        collection = ed.MetricCollection({"m": local, "n": ed.Accuracy()}).sync()
+        return (
+            jax.tree.map(lambda x: x[None], local.state_dict()),
+            synchronized(local.sync("data")),
+            synchronized(collection["m"]),
+            local.reduce("data"),
+        )
+
+    fn = smap(mesh8, per_device, P("data"), (P("data"), P(), P(), P()))
+    states, synced, in_collection, reduced = fn(
+        jnp.arange(N_DEV), jnp.asarray(values), jnp.asarray(weights)
+    )
+    for pairs, mean in (synced, in_collection):
+        exact = [int(hi) + int(lo) for hi, lo in pairs]
+        assert exact == [global_weight, global_total]
+        np.testing.assert_allclose(mean, global_total / global_weight, rtol=1e-6)
+    assert not reduced.is_synchronized
+    assert _exact_totals(reduced) == (global_weight, global_total)
+
+    # Merging the eight local states, in either order, gives the same totals.
+    devices = [
+        ed.Mean().load_state_dict(jax.tree.map(lambda x, i=i: x[i], states))
+        for i in range(N_DEV)
+    ]
+    for order in (devices, devices[::-1]):
+        merged = order[0]
+        for other in order[1:]:
+            merged = merged.merge(other)
+        assert _exact_totals(merged) == (global_weight, global_total)
+
+
 # ------------------------------------------------------------ merge, state dicts
 
 
@@ -335,6 +439,23 @@ def test_state_dict_round_trips(mesh8):
         return ed.Sum().load_state_dict(summed.state_dict()).compute()
 
     assert float(smap(mesh8, per_device, P("data"))(jnp.arange(8.0))) == 28.0
+
+    # Compensated sums: the rounding errors are saved too; states saved without
+    # them (or written by hand) load with errors 0.
+    big = ed.MetricAccumulator(jnp.float32(2**24), compensated=True)
+    big = big.update(1.0).update(1.0).update(1.0)
+    assert big.compensated and not ed.MetricAccumulator(0.0).compensated
+    for a in (big, big.sync(None), big.sync(None).reset()):
+        assert_same_tree(big.load_state_dict(a.state_dict()), a)
+    assert big.sync(None).state_dict().keys() == {
+        "local",
+        "local_lo",
+        "synchronized",
+        "synchronized_lo",
+    }
+    assert int(big.local) + int(big.local_lo) == 2**24 + 3
+    old = big.load_state_dict({"local": big.local, "synchronized": big.local})
+    assert float(old.local_lo) == 0.0 and float(old.synchronized_lo) == 0.0
 
 
 def test_reset_returns_to_the_initial_state():
@@ -511,6 +632,18 @@ def test_bad_inputs_raise_clear_errors():
         metrics.merge(ed.MetricCollection({"acc": ed.Accuracy()}))
     with pytest.raises(ValueError, match="reduce_op, shape, dtype"):
         ed.MetricAccumulator(0.0).merge(ed.MetricAccumulator(0.0, "max"))
+    with pytest.raises(ValueError, match=r"compensated\) = \(.*True\).*False\)"):
+        ed.MetricAccumulator(0.0).merge(ed.MetricAccumulator(0.0, compensated=True))
+    with pytest.raises(ValueError, match="`compensated=True` is for sums.*'max'"):
+        ed.MetricAccumulator(0.0, "max", compensated=True)
+    with pytest.raises(TypeError, match="`compensated=True` needs a float.*int32"):
+        ed.MetricAccumulator(jnp.int32(0), compensated=True)
+    with pytest.raises(ValueError, match=r"optionally 'synchronized', got.*local_lo"):
+        ed.MetricAccumulator(0.0).load_state_dict({"local": 0.0, "local_lo": 0.0})
+    with pytest.raises(ValueError, match="error of 'synchronized', which is missing"):
+        ed.MetricAccumulator(0.0, compensated=True).load_state_dict(
+            {"local": jnp.float32(0), "synchronized_lo": jnp.float32(0)}
+        )
     with pytest.raises(ValueError, match="'data' is not bound.*shard_map"):
         ed.Sum().sync("data")
     with pytest.raises(
