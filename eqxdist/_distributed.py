@@ -7,6 +7,7 @@ import sys
 from types import TracebackType
 
 import jax
+from jax._src import distributed as jax_distributed
 from jax.experimental import multihost_utils
 
 from ._utils import typecheck
@@ -105,11 +106,34 @@ def _exit_at_once_on_uncaught_exception() -> None:
     sys.excepthook = hook
 
 
+# How long a process at its normal exit waits for the others to reach theirs.
+_EXIT_WAIT_SECONDS = 30
+
+
 def _drain_before_exit() -> None:
     # Runs before JAX's own exit handler (atexit is last-in, first-out). Steps are
     # dispatched asynchronously: a script may end while collectives are still
     # queued, and tearing the runtime down under them leaves the other processes
     # spinning forever. A last collective on every device drains those queues.
+    # It runs only once every process is here: this may also be a failing process
+    # (`sys.exit(3)` skips the exception hook; `eqxdist.launch` catches it, other
+    # launchers do not) whose peers are stuck in a collective waiting for it, and a
+    # collective would then wait for them without end. The coordinator's barrier
+    # gives up instead.
+    client = jax_distributed.global_state.client
+    if client is not None:
+        try:
+            client.wait_at_barrier("eqxdist_exit", _EXIT_WAIT_SECONDS * 1000)
+        except jax.errors.JaxRuntimeError:
+            print(
+                f"eqxdist: process {jax.process_index()}: the processes did not all "
+                f"reach their exit within {_EXIT_WAIT_SECONDS} s of each other (one "
+                "failed, waits for another or is slow); exiting without the final "
+                "drain.",
+                file=sys.stderr,
+                flush=True,
+            )
+            return
     barrier("eqxdist_exit")
 
 
@@ -143,7 +167,10 @@ def initialize_distributed() -> None:
       stops the others;
     - a normal exit first waits for every process's queued computations (one last
       collective), so a script may end without blocking on its last step's
-      results.
+      results. That collective runs only once every process has reached its
+      exit; when they do not all get there within 30 s of each other, it is
+      skipped (this process may be the failing one: the hook above does not see
+      `sys.exit(n)`, which only `eqxdist.launch` turns into an immediate exit).
 
     **Raises:**
 

@@ -8,9 +8,11 @@ Each process gets `EQXDIST_COORDINATOR` (a free loopback port),
 `XLA_FLAGS=--xla_force_host_platform_device_count=D`; the script calls
 `eqxdist.initialize_distributed()` to join the others. Output lines are prefixed with
 the process index (`[0] ...`). When a process exits with a non-zero status the others
-are killed at once and the launcher exits with that status. Ctrl-C (or SIGTERM to the
-launcher) is passed on to the processes, which are killed if still running
-`--grace-period` seconds later.
+are killed at once and the launcher exits with that status. A process that has joined
+the run ends at once when it fails (an uncaught exception, or `sys.exit(n)` with `n`
+non-zero) instead of first waiting at its exit for the others, which wait for it.
+Ctrl-C (or SIGTERM to the launcher) is passed on to the processes, which are killed
+if still running `--grace-period` seconds later.
 """
 
 import argparse
@@ -49,6 +51,10 @@ def _is_gloo_noise(line: bytes) -> bool:
 
 
 _PR_SET_PDEATHSIG = 1
+# Runs each script as `python SCRIPT` would, but ends a failing process at once
+# (`sys.exit(3)` included, which skips the exception hook `initialize_distributed`
+# installs).
+_CHILD = Path(__file__).with_name("_launch_child.py")
 
 
 class _Stopped(Exception):
@@ -195,7 +201,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     130 after Ctrl-C)."""
     args = _parse(argv)
     port = _free_port() if args.port is None else args.port
-    command = [sys.executable, "-u", args.script, *args.script_args]
+    command = [sys.executable, "-u", str(_CHILD), args.script, *args.script_args]
     stdout, stderr = sys.stdout.buffer, sys.stderr.buffer
     locks = {id(stdout): threading.Lock(), id(stderr): threading.Lock()}
     exits: queue.Queue[int] = queue.Queue()

@@ -5,6 +5,7 @@ compared with this process's 8 devices on the same global data.
 The scripts the launcher runs live in `tests/mp_scripts/`."""
 
 import json
+import re
 import signal
 import subprocess
 import sys
@@ -88,6 +89,26 @@ def test_launcher_sets_environment_and_prefixes_output():
         assert flags.endswith("--xla_force_host_platform_device_count=2")
     assert coordinators.pop().split("=")[1].startswith("127.0.0.1:")
     assert "Gloo" not in result.stdout  # gloo's connection chatter is dropped
+
+
+def test_launcher_runs_the_script_as_python_would():
+    script = SCRIPTS / "plain.py"
+    # Relative to the working directory, as typed on a command line.
+    args = [script.relative_to(SCRIPTS.parent.parent), "script", "a b", "--flag"]
+    cwd = SCRIPTS.parent.parent
+    direct = subprocess.run(
+        [sys.executable, *map(str, args)], capture_output=True, text=True, cwd=cwd
+    )
+    assert direct.returncode == 0, direct.stderr
+    launched = subprocess.run(
+        [sys.executable, "-m", "eqxdist.launch", "-n", "1", *map(str, args)],
+        capture_output=True,
+        text=True,
+        cwd=cwd,
+        timeout=TIMEOUT,
+    )
+    assert launched.returncode == 0, explain(launched)
+    assert launched.stdout == "[0] " + direct.stdout
 
 
 def test_launcher_returns_first_failure_and_stops_the_others(tmp_path):
@@ -315,7 +336,8 @@ def test_placing_process_local_state_on_a_global_mesh(basics):
 def test_print_metrics_prints_once(basics):
     _, result = basics
     assert result.stdout.count("printed once") == 1
-    assert "[0] === printed once ===" in result.stdout
+    # The title centred in `=` to the width of the longest line.
+    assert "[0] = printed once " in result.stdout.splitlines()
     assert "[0] value: 0.500000" in result.stdout
 
 
@@ -378,8 +400,10 @@ def test_training_on_2x4_matches_1x8(training, strategy):
 def test_training_prints_metrics_once(training):
     *_, result = training
     for strategy in ("dp", "fsdp"):
-        heading = f"[0] === {strategy} final metrics ==="
-        assert result.stdout.splitlines().count(heading) == 1
+        # The title centred in `=` (none when it is the widest line), by process 0.
+        heading = re.compile(rf"\[\d\] =* {strategy} final metrics =*")
+        headings = [line for line in result.stdout.splitlines() if heading.match(line)]
+        assert len(headings) == 1 and headings[0].startswith("[0] ")
 
 
 def test_resume_on_2_processes_equals_the_uninterrupted_run(training):
@@ -419,10 +443,25 @@ def test_checkpoint_from_2_processes_restores_on_1(training, mesh8):
 # --------------------------------------------------------------------- failures
 
 
-def test_a_failing_process_stops_the_run(tmp_path):
-    result = run_launcher("-n", 2, "-d", 4, SCRIPTS / "mp_fail.py", tmp_path)
-    assert result.returncode == 1, explain(result)
+@pytest.mark.parametrize(
+    ("how", "status", "message"),
+    [
+        ("raise", 1, "[1] RuntimeError: injected failure in process 1"),
+        # sys.exit skips the exception hook; it used to leave process 1 waiting at
+        # its exit for process 0, stuck in a step waiting for process 1.
+        ("exit", 3, "[1] process 1 exits with status 3"),
+    ],
+)
+def test_a_failing_process_stops_the_run(tmp_path, how, status, message):
+    # The runs take seconds; a process waiting at its exit would take minutes.
+    result = run_launcher(
+        "-n", 2, "-d", 4, SCRIPTS / "mp_fail.py", tmp_path, how, timeout=60
+    )
+    assert result.returncode == status, explain(result)
     assert "[0] step 2 done" in result.stdout  # training did run across processes
-    assert "[1] RuntimeError: injected failure in process 1" in result.stderr
-    assert "eqxdist.launch: process 1 exited with status 1" in result.stderr
+    assert message in result.stdout + result.stderr
+    assert f"eqxdist.launch: process 1 exited with status {status}" in result.stderr
+    # The traceback starts in the script, as under `python mp_fail.py`.
+    assert "_launch_child" not in result.stderr
+    assert "DEADLINE_EXCEEDED" not in result.stderr
     assert_all_gone(tmp_path / "pids")

@@ -1,6 +1,7 @@
 """A script for testing `eqxdist.launch` itself, without JAX (so it starts fast).
 
     plain.py env                  print the environment the launcher set, and exit
+    plain.py script ARGS...       print what the script sees of how it was started
     plain.py fail OUT ID CODE     process ID exits with CODE; the others sleep
     plain.py sleep OUT            every process sleeps
 
@@ -13,7 +14,7 @@ import sys
 import time
 from pathlib import Path
 
-index = int(os.environ["EQXDIST_PROCESS_ID"])
+index = int(os.environ.get("EQXDIST_PROCESS_ID", "0"))
 mode = sys.argv[1]
 if mode == "env":
     keys = [
@@ -31,6 +32,10 @@ if mode == "env":
         "peer ranks is : 7"
     )
     print("no newline at the end", end="")
+    sys.exit(0)
+
+if mode == "script":
+    print({"argv": sys.argv, "file": __file__, "path0": sys.path[0], "name": __name__})
     sys.exit(0)
 
 out = Path(sys.argv[2])
