@@ -333,9 +333,12 @@ def print_metrics(metrics: Mapping[str, Any], title: str | None = None) -> None:
     if jax.process_index() != 0:
         return
     if title:
-        # The tutorial's rule: the title centred in `=` to the longest line's width.
+        # The tutorial's rule: the title centred in `=` to the longest line's width;
+        # a title at least that wide still gets one `=` on each side.
         heading = f" {title} "
-        lines = [heading.center(max([len(heading), *map(len, lines)]), "="), *lines]
+        width = max(map(len, lines), default=0)
+        width = width if width > len(heading) else len(heading) + 2
+        lines = [heading.center(width, "="), *lines]
     print("\n".join(lines))
 
 

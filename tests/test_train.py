@@ -311,10 +311,10 @@ def test_print_metrics_format(capsys):
     ed.print_metrics(
         {"loss": (jnp.array(2.0), 4), "accuracy": accuracy}, "FSDP - Final metrics"
     )
-    # The tutorial's rule: centred in `=` to the longest line's width, so a title
-    # longer than every line stands alone.
+    # The tutorial's rule: centred in `=` to the longest line's width; a title
+    # wider than every line still gets one `=` on each side.
     assert capsys.readouterr().out == (
-        " FSDP - Final metrics \nloss: 0.500000\naccuracy: 0.500000\n"
+        "= FSDP - Final metrics =\nloss: 0.500000\naccuracy: 0.500000\n"
     )
     ed.print_metrics({"loss": (jnp.array(2.0), 4)}, "Final")
     assert capsys.readouterr().out == "=== Final ====\nloss: 0.500000\n"
