@@ -579,11 +579,9 @@ class TrainStep:
             f"{self.num_minibatches} = {shards * self.num_minibatches}",
         )
 
-    def _layout(
-        self, state: Any, batch: Any, *, place_batch: bool = False
-    ) -> tuple[_Layout, Any, Any]:
+    def _layout(self, state: Any, batch: Any) -> tuple[_Layout, Any, Any]:
         """The slow path: find or build the layout for this structure; place the
-        state (and, if asked, the batch) on the mesh.
+        state on the mesh.
 
         A host batch is left to `jit`, which moves it as its `in_shardings` say:
         placing it here would give the first call a different input type from
@@ -597,7 +595,6 @@ class TrainStep:
             isinstance(x, jax.ShapeDtypeStruct) for x in jax.tree.leaves(state)
         )
         state = state if abstract else self.place_state(state)
-        batch = self._place_batch(batch) if place_batch else batch
         self._check_batch(batch)
         state_leaves, state_def = jax.tree.flatten(state)
         batch_leaves, batch_def = jax.tree.flatten(batch)
@@ -776,18 +773,11 @@ class TrainStep:
         try:
             new_arrays, metrics, token = layout.fn(updated, kept, batch_arrays)
         except ValueError:
-            # Arrays already on the mesh in another layout: jit rejects those
-            # rather than moving them. Place the batch (the usual culprit) and, if
-            # that was not enough, the state; then try again.
+            # A batch already on the mesh in another layout: jit rejects it rather
+            # than moving it. (The state was placed above.) Place it; try again.
             placed = jax.tree.leaves(self._place_batch(batch))
             batch_arrays = [placed[i] for i in layout.batch_arrays]
-            try:
-                new_arrays, metrics, token = layout.fn(updated, kept, batch_arrays)
-            except ValueError:
-                layout, state, batch = self._layout(state, batch, place_batch=True)
-                self._last = layout
-                updated, kept, batch_arrays = self._arrays(layout, state, batch)
-                new_arrays, metrics, token = layout.fn(updated, kept, batch_arrays)
+            new_arrays, metrics, token = layout.fn(updated, kept, batch_arrays)
         new_state: TrainState = layout.state(new_arrays, kept)
         self._last_state = weakref.ref(new_state, self._forget)
         self._last_arrays = (new_arrays, kept)
