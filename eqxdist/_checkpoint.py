@@ -23,7 +23,7 @@ from jaxtyping import PyTree
 
 from ._distributed import barrier
 from ._mesh import create_data_parallel_mesh
-from ._utils import is_array, path_str, typecheck
+from ._utils import is_array, is_array_like, path_str, typecheck
 
 _MARKER = "eqxdist_checkpoint.json"
 _FORMAT = "eqxdist-checkpoint"
@@ -48,11 +48,6 @@ def _orbax() -> Any:
 
 def _is_key(x: Any) -> bool:
     return bool(jnp.issubdtype(x.dtype, jax.dtypes.prng_key))
-
-
-def _is_array_like(x: Any) -> bool:
-    # Concrete arrays and the abstract leaves of `eqx.filter_eval_shape`.
-    return is_array(x) or isinstance(x, jax.ShapeDtypeStruct)
 
 
 def _default_sharding() -> NamedSharding:
@@ -315,7 +310,7 @@ def restore_checkpoint(
     wanted = {
         path_str(path): i
         for i, (path, leaf) in enumerate(leaves)
-        if _is_array_like(leaf)
+        if is_array_like(leaf)
     }
     missing = [p for p in wanted if p not in saved]
     extra = [p for p in saved if p not in wanted]

@@ -17,8 +17,8 @@ from jax.sharding import Mesh, PartitionSpec as P
 from jaxtyping import PyTree
 
 from ._data_parallel import place
-from ._partition import _has_shape, fsdp_specs, leaf_spec
-from ._utils import check_axis_bound, is_array, path_str, typecheck
+from ._partition import fsdp_specs, leaf_spec
+from ._utils import check_axis_bound, is_array, is_array_like, path_str, typecheck
 
 
 def _spec_names(spec: P) -> set[str]:
@@ -282,7 +282,7 @@ def leaf_plan(
         else:
             specs.append(
                 leaf_spec(tuple(part.shape), axis_size, axis_name, min_weight_size)
-                if _has_shape(part)
+                if is_array_like(part)
                 else None
             )
             own.append(True)

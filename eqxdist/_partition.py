@@ -10,12 +10,7 @@ import jax
 from jax.sharding import PartitionSpec as P
 from jaxtyping import PyTree
 
-from ._utils import typecheck
-
-
-def _has_shape(x: Any) -> bool:
-    # Concrete arrays and abstract ones (`jax.ShapeDtypeStruct`, from eval_shape).
-    return hasattr(x, "shape") and hasattr(x, "dtype")
+from ._utils import is_array_like, typecheck
 
 
 def leaf_spec(
@@ -80,7 +75,7 @@ def fsdp_specs(
     return jax.tree.map(
         lambda x: (
             leaf_spec(tuple(x.shape), axis_size, axis_name, min_weight_size)
-            if _has_shape(x)
+            if is_array_like(x)
             else None
         ),
         tree,

@@ -32,7 +32,14 @@ from ._fsdp import (
     tree_specs,
 )
 from ._metrics import Metric
-from ._utils import AxisName, check_axis_bound, is_array, path_str, typecheck
+from ._utils import (
+    AxisName,
+    check_axis_bound,
+    is_array,
+    is_array_like,
+    path_str,
+    typecheck,
+)
 
 STRATEGIES = ("dp", "fsdp")
 
@@ -368,23 +375,23 @@ class _Layout:
     ) -> None:
         self.state_def = state_def
         self.batch_def = batch_def
-        arrays = [i for i, x in enumerate(state_leaves) if _is_state_array(x)]
+        arrays = [i for i, x in enumerate(state_leaves) if is_array_like(x)]
         first_key_leaf = len(state_leaves) - num_key_leaves
         self.updated = tuple(i for i in arrays if i < first_key_leaf)
         self.kept = tuple(i for i in arrays if i >= first_key_leaf)
         self.state_others = tuple(
-            i for i, x in enumerate(state_leaves) if not _is_state_array(x)
+            i for i, x in enumerate(state_leaves) if not is_array_like(x)
         )
         self.batch_arrays = tuple(
-            i for i, x in enumerate(batch_leaves) if _is_state_array(x)
+            i for i, x in enumerate(batch_leaves) if is_array_like(x)
         )
         self.batch_others = tuple(
-            i for i, x in enumerate(batch_leaves) if not _is_state_array(x)
+            i for i, x in enumerate(batch_leaves) if not is_array_like(x)
         )
         self.state_static = tuple(state_leaves[i] for i in self.state_others)
         self.batch_static = tuple(batch_leaves[i] for i in self.batch_others)
-        self.state_template = [None if _is_state_array(x) else x for x in state_leaves]
-        self.batch_template = [None if _is_state_array(x) else x for x in batch_leaves]
+        self.state_template = [None if is_array_like(x) else x for x in state_leaves]
+        self.batch_template = [None if is_array_like(x) else x for x in batch_leaves]
         self.fn: Any = None
         self.state_shardings: tuple[list[Any], list[Any]] = ([], [])
 
@@ -518,7 +525,7 @@ class TrainStep:
     def _compatible_spec(self, x: Any, spec: Any) -> Any:
         # Optimizer states whose leaves are not parameter-shaped (factored
         # moments, say) keep a spec only if it fits the leaf.
-        if not _is_state_array(x):
+        if not is_array_like(x):
             return None
         dim = sharded_dim(spec, self.data_axis) if isinstance(spec, P) else None
         if not isinstance(spec, P) or len(spec) > len(x.shape):
@@ -795,18 +802,12 @@ def _flatten_up_to(tree: Any, specs: Any) -> list[Any]:
     return leaves
 
 
-def _is_state_array(x: Any) -> bool:
-    """Array leaves of a state or batch: concrete, or abstract (`ShapeDtypeStruct`,
-    from `eqx.filter_eval_shape`) to lower the step without allocating it."""
-    return is_array(x) or isinstance(x, jax.ShapeDtypeStruct)
-
-
 def _is_param(x: Any) -> bool:
-    return _is_state_array(x) and jnp.issubdtype(x.dtype, jnp.inexact)
+    return is_array_like(x) and jnp.issubdtype(x.dtype, jnp.inexact)
 
 
 def _replicated_spec(x: Any) -> P | None:
-    return P() if _is_state_array(x) else None
+    return P() if is_array_like(x) else None
 
 
 @typecheck

@@ -28,6 +28,12 @@ def is_array(x: Any) -> bool:
     return eqx.is_array(x)
 
 
+def is_array_like(x: Any) -> bool:
+    """An array leaf, concrete or abstract (`jax.ShapeDtypeStruct`, e.g. from
+    `eqx.filter_eval_shape`): what layouts and restore targets are computed from."""
+    return is_array(x) or isinstance(x, jax.ShapeDtypeStruct)
+
+
 def map_arrays(fn: Callable[[Any], Any], tree: Any) -> Any:
     """Apply `fn` to every array leaf of `tree`; every other leaf is kept as it is."""
     return jax.tree.map(lambda x: fn(x) if is_array(x) else x, tree)
