@@ -17,19 +17,12 @@ from ._utils import (
     AxisName,
     axis_names,
     check_axis_bound,
+    check_axis_in_mesh,
     is_array,
     map_arrays,
     path_str,
     typecheck,
 )
-
-
-def _check_axis_in_mesh(mesh: Mesh, axis: str, caller: str, argument: str) -> None:
-    if axis not in mesh.axis_names:
-        raise ValueError(
-            f"{caller}: `{argument}`={axis!r} is not an axis of the mesh; the mesh's "
-            f"axes are {tuple(mesh.axis_names)}."
-        )
 
 
 @typecheck
@@ -41,7 +34,7 @@ def create_data_parallel_sharding(mesh: Mesh, data_axis: str = "data") -> NamedS
 
     `ValueError` naming the mesh's axes if `data_axis` is not one of them.
     """
-    _check_axis_in_mesh(mesh, data_axis, "create_data_parallel_sharding", "data_axis")
+    check_axis_in_mesh(mesh, data_axis, "create_data_parallel_sharding", "data_axis")
     return NamedSharding(mesh, P(data_axis))
 
 
@@ -209,7 +202,7 @@ def shard_model_state(
             "'replicate' (data parallel) or 'shard' (FSDP)."
         )
     axis = mesh.axis_names[0] if axis_name is None else axis_name
-    _check_axis_in_mesh(mesh, axis, "shard_model_state", "axis_name")
+    check_axis_in_mesh(mesh, axis, "shard_model_state", "axis_name")
     specs = fsdp_specs(
         state, mesh.shape[axis], axis_name=axis, min_weight_size=min_weight_size
     )

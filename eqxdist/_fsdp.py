@@ -18,7 +18,15 @@ from jaxtyping import PyTree
 
 from ._data_parallel import place
 from ._partition import fsdp_specs, leaf_spec
-from ._utils import check_axis_bound, is_array, is_array_like, path_str, typecheck
+from ._utils import (
+    check_axis_bound,
+    check_axis_in_mesh,
+    check_min_weight_size,
+    is_array,
+    is_array_like,
+    path_str,
+    typecheck,
+)
 
 
 def _spec_names(spec: P) -> set[str]:
@@ -395,15 +403,8 @@ class FSDP(eqx.Module):
         `ValueError` if `axis_name` is not an axis of `mesh`, or `min_weight_size`
         is negative.
         """
-        if axis_name not in mesh.axis_names:
-            raise ValueError(
-                f"FSDP: `axis_name`={axis_name!r} is not an axis of the mesh; the "
-                f"mesh's axes are {tuple(mesh.axis_names)}."
-            )
-        if min_weight_size < 0:
-            raise ValueError(
-                f"FSDP: `min_weight_size` must be >= 0; got {min_weight_size}."
-            )
+        check_axis_in_mesh(mesh, axis_name, "FSDP", "axis_name")
+        check_min_weight_size(min_weight_size, "FSDP")
         specs, own = leaf_plan(
             module, mesh.shape[axis_name], axis_name, min_weight_size
         )

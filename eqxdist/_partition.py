@@ -10,7 +10,7 @@ import jax
 from jax.sharding import PartitionSpec as P
 from jaxtyping import PyTree
 
-from ._utils import is_array_like, typecheck
+from ._utils import check_min_weight_size, is_array_like, typecheck
 
 
 def leaf_spec(
@@ -68,10 +68,7 @@ def fsdp_specs(
     """
     if axis_size < 1:
         raise ValueError(f"fsdp_specs: `axis_size` must be >= 1; got {axis_size}.")
-    if min_weight_size < 0:
-        raise ValueError(
-            f"fsdp_specs: `min_weight_size` must be >= 0; got {min_weight_size}."
-        )
+    check_min_weight_size(min_weight_size, "fsdp_specs")
     return jax.tree.map(
         lambda x: (
             leaf_spec(tuple(x.shape), axis_size, axis_name, min_weight_size)

@@ -16,7 +16,6 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from jaxtyping import Array, Int, PRNGKeyArray, PyTree
 
 from ._data_parallel import (
-    _check_axis_in_mesh,
     create_data_parallel_sharding,
     local_shard_count,
     place,
@@ -35,6 +34,8 @@ from ._metrics import Metric
 from ._utils import (
     AxisName,
     check_axis_bound,
+    check_axis_in_mesh,
+    check_min_weight_size,
     is_array,
     is_array_like,
     path_str,
@@ -905,16 +906,13 @@ def make_train_step(
             f"{list(STRATEGIES)}."
         )
     _check_num_minibatches(num_minibatches, "make_train_step")
-    if min_weight_size < 0:
-        raise ValueError(
-            f"make_train_step: `min_weight_size` must be >= 0; got {min_weight_size}."
-        )
+    check_min_weight_size(min_weight_size, "make_train_step")
     if max_steps_in_flight is not None and max_steps_in_flight < 1:
         raise ValueError(
             "make_train_step: `max_steps_in_flight` must be >= 1 or None; got "
             f"{max_steps_in_flight}."
         )
-    _check_axis_in_mesh(mesh, data_axis, "make_train_step", "data_axis")
+    check_axis_in_mesh(mesh, data_axis, "make_train_step", "data_axis")
     return TrainStep(
         loss_fn,
         optimizer,

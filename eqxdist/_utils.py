@@ -5,8 +5,8 @@ from typing import Any, TypeAlias, TypeVar
 
 import equinox as eqx
 import jax
-import numpy as np
 from beartype import beartype
+from jax.sharding import Mesh
 from jaxtyping import jaxtyped
 
 _F = TypeVar("_F", bound=Callable[..., Any])
@@ -37,13 +37,6 @@ def is_array_like(x: Any) -> bool:
 def map_arrays(fn: Callable[[Any], Any], tree: Any) -> Any:
     """Apply `fn` to every array leaf of `tree`; every other leaf is kept as it is."""
     return jax.tree.map(lambda x: fn(x) if is_array(x) else x, tree)
-
-
-def map_arrays_with_path(fn: Callable[[str, Any], Any], tree: Any) -> Any:
-    """Like `map_arrays`, but `fn` also gets the leaf's path (for error messages)."""
-    return jax.tree_util.tree_map_with_path(
-        lambda path, x: fn(path_str(path), x) if is_array(x) else x, tree
-    )
 
 
 def path_str(path: tuple[Any, ...]) -> str:
@@ -83,6 +76,41 @@ def check_axis_bound(
     return names
 
 
-def axis_size(names: tuple[str, ...]) -> int:
-    """Number of devices along the (bound) axes `names`."""
-    return int(np.prod([jax.lax.axis_size(n) for n in names]))
+def check_axis_in_mesh(mesh: Mesh, axis: str, caller: str, argument: str) -> None:
+    """Raise a `ValueError` naming `argument` and the mesh's axes if `axis` is not an
+    axis of `mesh`."""
+    if axis not in mesh.axis_names:
+        raise ValueError(
+            f"{caller}: `{argument}`={axis!r} is not an axis of the mesh; the mesh's "
+            f"axes are {tuple(mesh.axis_names)}."
+        )
+
+
+def check_min_weight_size(min_weight_size: int, caller: str) -> None:
+    if min_weight_size < 0:
+        raise ValueError(
+            f"{caller}: `min_weight_size` must be >= 0; got {min_weight_size}."
+        )
+
+
+def deleted_leaf(tree: Any) -> str | None:
+    """The path of the first `jax.Array` leaf of `tree` whose buffers were deleted
+    (donated to an earlier step), or `None`.
+
+    JAX on CPU crashes the process when a compiled function receives such an array,
+    so every entry point that takes a state checks this first."""
+    for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
+        if isinstance(leaf, jax.Array) and leaf.is_deleted():
+            return path_str(path)
+    return None
+
+
+def check_not_consumed(tree: Any, caller: str, argument: str = "state") -> None:
+    """Raise the `ValueError` of a consumed (donated) state; see `deleted_leaf`."""
+    path = deleted_leaf(tree)
+    if path is not None:
+        raise ValueError(
+            f"{caller}: `{argument}` was consumed by an earlier step (its array at "
+            f"{path} was donated and deleted); pass the state the step returned "
+            "instead."
+        )
