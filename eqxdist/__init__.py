@@ -32,6 +32,7 @@ from ._mesh import (
     get_mesh_info as get_mesh_info,
     simulate_cpu_devices as simulate_cpu_devices,
 )
+from ._metric_tree import print_metrics as print_metrics
 from ._metrics import (
     Accuracy as Accuracy,
     Max as Max,
@@ -60,7 +61,6 @@ from ._train import (
     accumulate_gradients as accumulate_gradients,
     fold_rng_over_axis as fold_rng_over_axis,
     make_train_step as make_train_step,
-    print_metrics as print_metrics,
 )
 
 __version__ = "0.1.0"

@@ -5,6 +5,7 @@ from typing import Any, TypeAlias, TypeVar
 
 import equinox as eqx
 import jax
+import numpy as np
 from beartype import beartype
 from jax.sharding import Mesh
 from jaxtyping import jaxtyped
@@ -114,3 +115,76 @@ def check_not_consumed(tree: Any, caller: str, argument: str = "state") -> None:
             f"{path} was donated and deleted); pass the state the step returned "
             "instead."
         )
+
+
+def check_rows(batch: Any, divisor: int, caller: str, why: str) -> None:
+    """Raise a `ValueError` naming the first batch leaf (rank >= 1) whose leading
+    dimension `divisor` does not divide; `why` says what `divisor` is."""
+    for path, leaf in jax.tree_util.tree_flatten_with_path(batch)[0]:
+        if is_array(leaf) and np.ndim(leaf) > 0 and np.shape(leaf)[0] % divisor:
+            raise ValueError(
+                f"{caller}: batch leaf {path_str(path)} has leading dimension "
+                f"{np.shape(leaf)[0]}, which is not divisible by {why}; make the "
+                f"batch size a multiple of {divisor}."
+            )
+
+
+def cast_floating(tree: Any, dtype: Any) -> Any:
+    """Every floating-point array leaf of `tree` cast to `dtype` (`None`: `tree`
+    as it is); other leaves are kept."""
+    if dtype is None:
+        return tree
+    return jax.tree.map(
+        lambda x: (
+            x.astype(dtype)
+            if is_array(x) and jax.numpy.issubdtype(x.dtype, jax.numpy.floating)
+            else x
+        ),
+        tree,
+    )
+
+
+def state_like(
+    state: Any, model: Any, *, opt_state: Any, step: Any, key: Any, model_state: Any
+) -> Any:
+    """A tree of `state`'s (a `TrainState`'s) structure with the given value per
+    part, one leaf per leaf of that part (e.g. the parts' `PartitionSpec`s), built
+    without running `TrainState.__init__` (which checks real states)."""
+    parts = [
+        flatten_up_to(part, value)
+        for part, value in (
+            (state.model, model),
+            (state.opt_state, opt_state),
+            (state.step, step),
+            (state.key, key),
+            (state.model_state, model_state),
+        )
+    ]
+    return jax.tree.unflatten(
+        jax.tree.structure(state), [leaf for part in parts for leaf in part]
+    )
+
+
+def check_compute_dtype(dtype: Any, caller: str) -> Any:
+    """`dtype` as a NumPy floating dtype, or a `TypeError` naming it (`None` stays
+    `None`: no cast)."""
+    if dtype is None:
+        return None
+    try:
+        resolved = np.dtype(dtype)
+    except TypeError:
+        resolved = None
+    if resolved is None or not jax.numpy.issubdtype(resolved, jax.numpy.floating):
+        raise TypeError(
+            f"{caller}: `compute_dtype` must be a floating-point dtype such as "
+            f"jnp.bfloat16 or jnp.float32, or None; got {dtype!r}."
+        )
+    return resolved
+
+
+def flatten_up_to(tree: Any, values: Any) -> list[Any]:
+    """`values`' leaves, one per leaf of `tree` (`values` has `tree`'s structure
+    down to `tree`'s leaves, e.g. `None` or a `PartitionSpec` at each)."""
+    treedef: Any = jax.tree.structure(tree)
+    leaves: list[Any] = treedef.flatten_up_to(values)
+    return leaves

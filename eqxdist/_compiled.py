@@ -1,0 +1,306 @@
+"""The compiled-step cache: one `jax.jit` per structure of `(state, batch)`, with
+donation that never deletes the caller's arrays and a fast path for the state the
+last call returned.
+
+It knows nothing of optimizers, FSDP or metrics: its owner gives it a pure
+function `fn(state, batch) -> (new_state, aux)` and says where every state and
+batch leaf lives. The train and evaluation steps are built on it."""
+
+import collections
+import weakref
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+from ._data_parallel import place, shard_batch
+from ._utils import check_not_consumed, flatten_up_to, is_array_like
+
+
+def _same(a: tuple[Any, ...], b: tuple[Any, ...]) -> bool:
+    try:
+        # Tuple equality checks identity first, so the usual case (the very same
+        # functions and numbers as last time) costs no comparisons.
+        return bool(a == b)
+    except (ValueError, TypeError):  # an array where a number was: no match
+        return False
+
+
+class _Entry:
+    """One compiled function for one structure of (state, batch): where the array
+    leaves are, the non-array leaves to put back, and the jitted function.
+
+    The state's arrays go to the jitted function in two groups: those the step
+    replaces (donated), and those it only reads (`kept`: a PRNG key, frozen
+    parameters), which go back into the new state as they are, at no cost."""
+
+    def __init__(
+        self,
+        state_leaves: list[Any],
+        state_def: Any,
+        kept_mask: list[bool],
+        batch_leaves: list[Any],
+        batch_def: Any,
+    ) -> None:
+        self.state_def = state_def
+        self.batch_def = batch_def
+        arrays = [i for i, x in enumerate(state_leaves) if is_array_like(x)]
+        self.updated = tuple(i for i in arrays if not kept_mask[i])
+        self.kept = tuple(i for i in arrays if kept_mask[i])
+        self.state_others = tuple(
+            i for i, x in enumerate(state_leaves) if not is_array_like(x)
+        )
+        self.batch_arrays = tuple(
+            i for i, x in enumerate(batch_leaves) if is_array_like(x)
+        )
+        self.batch_others = tuple(
+            i for i, x in enumerate(batch_leaves) if not is_array_like(x)
+        )
+        self.state_static = tuple(state_leaves[i] for i in self.state_others)
+        self.batch_static = tuple(batch_leaves[i] for i in self.batch_others)
+        self.state_template = [None if is_array_like(x) else x for x in state_leaves]
+        self.batch_template = [None if is_array_like(x) else x for x in batch_leaves]
+        self.fn: Any = None
+        self.specs: Any = None
+        self.shardings: tuple[list[Any], list[Any], list[Any]] = ([], [], [])
+
+    def batch_matches(self, batch_leaves: list[Any], batch_def: Any) -> bool:
+        if batch_def != self.batch_def:
+            return False
+        return _same(
+            tuple(batch_leaves[i] for i in self.batch_others), self.batch_static
+        )
+
+    def matches(
+        self,
+        state_leaves: list[Any],
+        state_def: Any,
+        batch_leaves: list[Any],
+        batch_def: Any,
+    ) -> bool:
+        return (
+            state_def == self.state_def
+            and _same(
+                tuple(state_leaves[i] for i in self.state_others), self.state_static
+            )
+            and self.batch_matches(batch_leaves, batch_def)
+        )
+
+    def state(self, updated: list[Any], kept: list[Any]) -> Any:
+        leaves = list(self.state_template)
+        for i, x in zip(self.updated, updated, strict=True):
+            leaves[i] = x
+        for i, x in zip(self.kept, kept, strict=True):
+            leaves[i] = x
+        return jax.tree.unflatten(self.state_def, leaves)
+
+    def batch(self, arrays: list[Any]) -> Any:
+        leaves = list(self.batch_template)
+        for i, x in zip(self.batch_arrays, arrays, strict=True):
+            leaves[i] = x
+        return jax.tree.unflatten(self.batch_def, leaves)
+
+
+class CompiledStep:
+    """A cached, sharded `jax.jit` of `fn(state, batch) -> (new_state, aux)`.
+
+    - `state_specs(state)`: the `PartitionSpec` of every state leaf (`None` at
+      non-arrays), computed once per new structure.
+    - `kept(state)`: a tree of bools, `True` at leaves `fn` only reads; `fn` must
+      return them unchanged (they are not donated and go back as they came).
+    - `batch_sharding`: the sharding of batch leaves of rank >= 1 (0-d leaves are
+      replicated); a batch already on the mesh in another layout is moved.
+    - `check_batch(batch)`: raises for a batch `fn` cannot take (called whenever
+      the batch's shapes change: `jit` would otherwise reject rows that do not
+      split evenly before `fn` is traced, with an error of its own).
+    - `aux` (metrics) comes back replicated.
+    - `donate`: the updated leaves are donated, but only for the state that this
+      object returned last; any other state is placed as a copy first, so the
+      caller's arrays stay valid. A consumed state is a `ValueError`, never a
+      crash.
+    - `max_in_flight`: at most this many calls are queued before the oldest is
+      waited for (XLA's CPU collectives deadlock when too many are queued).
+    """
+
+    def __init__(
+        self,
+        fn: Callable[[Any, Any], tuple[Any, Any]],
+        mesh: Mesh,
+        *,
+        state_specs: Callable[[Any], Any],
+        kept: Callable[[Any], Any],
+        batch_sharding: NamedSharding,
+        donate: bool,
+        max_in_flight: int | None,
+        check_batch: Callable[[Any], None] | None = None,
+        compiler_options: Callable[[Any], dict[str, Any] | None] | None = None,
+        name: str = "step",
+    ) -> None:
+        self.fn = fn
+        self.mesh = mesh
+        self.state_specs = state_specs
+        self.kept = kept
+        self.batch_sharding = batch_sharding
+        self.donate = donate
+        self.max_in_flight = max_in_flight
+        self.compiler_options = compiler_options
+        self.check_batch = check_batch
+        self._checked_shapes: Any = None
+        self.name = name
+        self._entries: list[_Entry] = []
+        self._last: _Entry | None = None
+        # The state the last call returned (weakly: the cache must not keep a state
+        # the caller dropped alive), with its arrays in the groups the jitted
+        # function takes: passed straight back in, it needs no flattening.
+        self._last_state: weakref.ref[Any] | None = None
+        self._last_arrays: tuple[list[Any], list[Any]] = ([], [])
+        self._in_flight: collections.deque[Any] = collections.deque()
+
+    # -- the slow path: find or build the entry, place a copy of the state -------
+
+    def entry(self, state: Any, batch: Any) -> tuple[_Entry, Any]:
+        """The entry for this structure (compiled on first use) and `state` placed
+        as it wants it (a copy when the step donates; abstract states as given)."""
+        check_not_consumed(state, self.name)
+        state_leaves, state_def = jax.tree.flatten(state)
+        batch_leaves, batch_def = jax.tree.flatten(batch)
+        for entry in self._entries:
+            if entry.matches(state_leaves, state_def, batch_leaves, batch_def):
+                break
+        else:
+            specs = self.state_specs(state)
+            kept_mask = flatten_up_to(state, self.kept(state))
+            entry = _Entry(state_leaves, state_def, kept_mask, batch_leaves, batch_def)
+            entry.specs = specs
+            options = self.compiler_options(state) if self.compiler_options else None
+            entry.fn = self._compile(entry, flatten_up_to(state, specs), batch, options)
+            self._entries.append(entry)
+        if not any(isinstance(x, jax.ShapeDtypeStruct) for x in state_leaves):
+            state = place(state, entry.specs, self.mesh, copy=self.donate)
+        return entry, state
+
+    def _compile(
+        self,
+        entry: _Entry,
+        spec_leaves: list[Any],
+        batch: Any,
+        options: dict[str, Any] | None,
+    ) -> Any:
+        updated = [NamedSharding(self.mesh, spec_leaves[i]) for i in entry.updated]
+        kept = [NamedSharding(self.mesh, spec_leaves[i]) for i in entry.kept]
+        replicated = NamedSharding(self.mesh, P())
+        leaves = jax.tree.leaves(batch)
+        batch_shardings = [
+            self.batch_sharding if jnp.ndim(leaves[i]) else replicated
+            for i in entry.batch_arrays
+        ]
+        entry.shardings = (updated, kept, batch_shardings)
+
+        def run(
+            updated_arrays: list[Any], kept_arrays: list[Any], batch_arrays: list[Any]
+        ) -> Any:
+            new_state, aux = self.fn(
+                entry.state(updated_arrays, kept_arrays), entry.batch(batch_arrays)
+            )
+            new_leaves, new_def = jax.tree.flatten(new_state)
+            if new_def != entry.state_def:
+                raise ValueError(
+                    f"{self.name}: the update changed the structure of the state "
+                    f"from {entry.state_def} to {new_def}; the optimizer state and "
+                    "the model state must keep their structure between steps."
+                )
+            # A token that is ready when the step is: never donated, so the bound on
+            # steps in flight can wait on it.
+            token = jnp.zeros((), jnp.int32)
+            return [new_leaves[i] for i in entry.updated], aux, token
+
+        return jax.jit(
+            run,
+            in_shardings=(updated, kept, batch_shardings),
+            out_shardings=(updated, replicated, replicated),
+            donate_argnums=(0,) if self.donate else (),
+            compiler_options=options,
+        )
+
+    @staticmethod
+    def _state_arrays(entry: _Entry, state: Any) -> tuple[list[Any], list[Any]]:
+        leaves = jax.tree.leaves(state)
+        return [leaves[i] for i in entry.updated], [leaves[i] for i in entry.kept]
+
+    def _placed_batch(self, entry: _Entry, arrays: list[Any], batch: Any) -> list[Any]:
+        """The batch's arrays where the compiled function takes them. Host arrays
+        are left to `jit`, which moves them; arrays already on the mesh in another
+        layout are moved here (`jit` would reject them); in a multi-process run
+        each process's host rows are assembled by `shard_batch`."""
+        if not self.batch_sharding.is_fully_addressable:
+            if all(isinstance(x, jax.Array) for x in arrays):
+                return arrays
+            placed = jax.tree.leaves(shard_batch(batch, self.batch_sharding))
+            return [placed[i] for i in entry.batch_arrays]
+        out = arrays
+        for j, (x, want) in enumerate(zip(arrays, entry.shardings[2], strict=True)):
+            if (
+                isinstance(x, jax.Array)
+                and x.committed
+                and x.sharding != want
+                and not x.sharding.is_equivalent_to(want, x.ndim)
+            ):
+                out = list(out) if out is arrays else out
+                out[j] = jax.device_put(x, want)
+        return out
+
+    # -- calling -------------------------------------------------------------------
+
+    def lower(self, state: Any, batch: Any) -> Any:
+        """`jax.jit(...).lower` of the compiled function for these arguments."""
+        if self.check_batch is not None:
+            self.check_batch(batch)
+        entry, state = self.entry(state, batch)
+        batch_leaves = jax.tree.leaves(batch)
+        return entry.fn.lower(
+            *self._state_arrays(entry, state),
+            [batch_leaves[i] for i in entry.batch_arrays],
+        )
+
+    def _forget(self, _: Any) -> None:
+        self._last_arrays = ([], [])
+
+    def __call__(self, state: Any, batch: Any) -> tuple[Any, Any]:
+        # The hot path: the state the last call returned needs no flattening and no
+        # copy, the batch one C++ flatten and a structure check; then one call to
+        # the jitted function over the array leaves.
+        batch_leaves, batch_def = jax.tree.flatten(batch)
+        entry = self._last
+        if (
+            entry is not None
+            and self._last_state is not None
+            and state is self._last_state()
+            and entry.batch_matches(batch_leaves, batch_def)
+        ):
+            updated, kept = self._last_arrays
+            # Donation deletes every donated array at once: one look is enough to
+            # catch a state that another step consumed since.
+            if updated and updated[0].is_deleted():
+                check_not_consumed(state, self.name)
+        else:
+            entry, state = self.entry(state, batch)
+            self._last = entry
+            updated, kept = self._state_arrays(entry, state)
+        batch_arrays = [batch_leaves[i] for i in entry.batch_arrays]
+        if self.check_batch is not None:
+            shapes = [getattr(x, "shape", None) for x in batch_arrays]
+            if shapes != self._checked_shapes:
+                self.check_batch(batch)
+                self._checked_shapes = shapes
+        batch_arrays = self._placed_batch(entry, batch_arrays, batch)
+        new_arrays, aux, token = entry.fn(updated, kept, batch_arrays)
+        new_state = entry.state(new_arrays, kept)
+        self._last_state = weakref.ref(new_state, self._forget)
+        self._last_arrays = (new_arrays, kept)
+        if self.max_in_flight is not None:
+            self._in_flight.append(token)
+            if len(self._in_flight) > self.max_in_flight:
+                self._in_flight.popleft().block_until_ready()
+        return new_state, aux

@@ -1,0 +1,394 @@
+"""Where a training or evaluation step keeps every array: the layout of a strategy
+(`"dp"` / `"fsdp"`) over the data axes of a mesh, with tensor-parallel rules over
+the other axes.
+
+One object answers every placement question of a step: the `PartitionSpec` of each
+model, optimizer-state and model-state leaf, the part of those specs that
+`jax.shard_map` handles by hand (the data axes) and the part left to XLA (rule axes),
+what the FSDP gather collects, and how a batch is split. It computes nothing of the
+step itself."""
+
+import math
+import re
+from collections.abc import Sequence
+from typing import Any
+
+import equinox as eqx
+import jax
+import numpy as np
+import optax
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+from ._data_parallel import local_shard_count, place
+from ._fsdp import leaf_plan, sharded_dim
+from ._partition import leaf_spec
+from ._utils import (
+    AxisName,
+    axis_names,
+    check_axis_in_mesh,
+    check_min_weight_size,
+    check_rows,
+    flatten_up_to,
+    is_array,
+    is_array_like,
+    path_str,
+    state_like,
+)
+
+STRATEGIES = ("dp", "fsdp")
+
+ParamRules = Sequence[tuple[str, P]]
+
+
+def spec_axes(spec: P | None) -> set[str]:
+    """Every mesh axis a `PartitionSpec` names."""
+    names: set[str] = set()
+    for entry in spec or ():
+        if isinstance(entry, str):
+            names.add(entry)
+        elif isinstance(entry, tuple):
+            names.update(entry)
+    return names
+
+
+def _restrict(spec: P | None, keep: tuple[str, ...]) -> P | None:
+    """`spec` with only the axes in `keep` (the others become `None`)."""
+    if spec is None:
+        return None
+    out: list[Any] = []
+    for entry in spec:
+        names = (entry,) if isinstance(entry, str) else tuple(entry or ())
+        kept = tuple(n for n in names if n in keep)
+        out.append(kept[0] if len(kept) == 1 else (kept or None))
+    while out and out[-1] is None:
+        out.pop()
+    return P(*out)
+
+
+def _entry_size(mesh: Mesh, entry: Any) -> int:
+    names = (entry,) if isinstance(entry, str) else tuple(entry or ())
+    return math.prod(mesh.shape[n] for n in names)
+
+
+class Layout:
+    """The placement of a step's arrays; see the module docstring.
+
+    **Arguments:**
+
+    - `mesh`, `strategy`, `data_axis`, `fsdp_axis`, `min_weight_size`,
+      `param_rules`: as `make_train_step` takes them (validated here, once).
+    - `caller`: named in error messages.
+    """
+
+    def __init__(
+        self,
+        mesh: Mesh,
+        *,
+        strategy: str,
+        data_axis: AxisName,
+        fsdp_axis: str | None,
+        min_weight_size: int,
+        param_rules: ParamRules,
+        caller: str,
+    ) -> None:
+        if strategy not in STRATEGIES:
+            raise ValueError(
+                f"{caller}: unknown strategy {strategy!r}; use one of "
+                f"{list(STRATEGIES)}."
+            )
+        data_axes = axis_names(data_axis)
+        if not data_axes:
+            raise ValueError(f"{caller}: `data_axis` is empty; name a mesh axis.")
+        if len(set(data_axes)) != len(data_axes):
+            raise ValueError(f"{caller}: `data_axis`={data_axis!r} repeats an axis.")
+        for axis in data_axes:
+            check_axis_in_mesh(mesh, axis, caller, "data_axis")
+        check_min_weight_size(min_weight_size, caller)
+        if fsdp_axis is not None and strategy != "fsdp":
+            raise ValueError(
+                f"{caller}: `fsdp_axis`={fsdp_axis!r} is given but strategy is "
+                f"{strategy!r}; it only applies to strategy='fsdp'."
+            )
+        if fsdp_axis is not None and fsdp_axis not in data_axes:
+            raise ValueError(
+                f"{caller}: `fsdp_axis`={fsdp_axis!r} is not one of the data axes "
+                f"{data_axes}; parameters are sharded over one of the axes the "
+                "batch is split over."
+            )
+        self.mesh = mesh
+        self.strategy = strategy
+        self.caller = caller
+        self.data_axes = data_axes
+        self.fsdp_axis = (fsdp_axis or data_axes[-1]) if strategy == "fsdp" else None
+        self.min_weight_size = min_weight_size
+        self.rules = self._check_rules(param_rules)
+        self.batch_spec = P(data_axes[0] if len(data_axes) == 1 else data_axes)
+        self.batch_sharding = NamedSharding(mesh, self.batch_spec)
+        self.num_shards = math.prod(mesh.shape[a] for a in data_axes)
+        self._specs_cache: dict[Any, Any] = {}
+
+    # -- rules ---------------------------------------------------------------------
+
+    def _check_rules(self, rules: ParamRules) -> tuple[tuple[re.Pattern[str], P], ...]:
+        checked = []
+        for i, rule in enumerate(rules):
+            if not (isinstance(rule, tuple | list) and len(rule) == 2):
+                raise TypeError(
+                    f"{self.caller}: param_rules[{i}] is {rule!r}; expected a pair "
+                    "(pattern, PartitionSpec)."
+                )
+            pattern, spec = rule
+            if not isinstance(pattern, str) or not isinstance(spec, P):
+                raise TypeError(
+                    f"{self.caller}: param_rules[{i}] is ({pattern!r}, {spec!r}); "
+                    "expected (a regular expression string, a PartitionSpec)."
+                )
+            try:
+                compiled = re.compile(pattern)
+            except re.error as e:
+                raise ValueError(
+                    f"{self.caller}: param_rules pattern {pattern!r} is not a valid "
+                    f"regular expression: {e}."
+                ) from None
+            for axis in spec_axes(spec):
+                if axis not in self.mesh.axis_names:
+                    raise ValueError(
+                        f"{self.caller}: param_rules pattern {pattern!r}: spec {spec} "
+                        f"names axis {axis!r}, which is not an axis of the mesh "
+                        f"{tuple(self.mesh.axis_names)}."
+                    )
+                if axis in self.data_axes:
+                    raise ValueError(
+                        f"{self.caller}: param_rules pattern {pattern!r}: spec {spec} "
+                        f"names the data axis {axis!r}; rules shard parameters over "
+                        "the other (model) axes, the strategy handles data axes."
+                    )
+            checked.append((compiled, spec))
+        return tuple(checked)
+
+    def _rule_specs(self, paths: list[str], leaves: list[Any]) -> list[P | None]:
+        """The rule spec of each leaf (`None`: no rule matched or not an array),
+        every mistake a `ValueError` naming the pattern, leaf and dimension."""
+        out: list[P | None] = [None] * len(leaves)
+        used = [False] * len(self.rules)
+        for j, (path, leaf) in enumerate(zip(paths, leaves, strict=True)):
+            if not is_array_like(leaf):
+                continue
+            for r, (pattern, spec) in enumerate(self.rules):
+                if not pattern.search(path):
+                    continue
+                used[r] = True
+                shape = tuple(leaf.shape)
+                if len(spec) > len(shape):
+                    raise ValueError(
+                        f"{self.caller}: param_rules pattern {pattern.pattern!r} "
+                        f"gives spec {spec} to {path} of shape {shape}; the spec has "
+                        f"more entries than the leaf has dimensions."
+                    )
+                for dim, entry in enumerate(spec):
+                    size = _entry_size(self.mesh, entry)
+                    if entry is not None and shape[dim] % size:
+                        raise ValueError(
+                            f"{self.caller}: param_rules pattern "
+                            f"{pattern.pattern!r}: dimension {dim} of {path} (shape "
+                            f"{shape}) has size {shape[dim]}, not divisible by the "
+                            f"{size} devices of {entry!r}."
+                        )
+                out[j] = spec
+                break
+        for r, was_used in enumerate(used):
+            if not was_used:
+                raise ValueError(
+                    f"{self.caller}: param_rules pattern "
+                    f"{self.rules[r][0].pattern!r} matches no array of the model "
+                    "(paths are written as jax.tree_util.keystr writes them, e.g. "
+                    f"{paths[0] if paths else '.layers[0].weight'!r})."
+                )
+        return out
+
+    def _fsdp_spec(self, shape: tuple[int, ...], rule: P | None) -> P:
+        """The FSDP rule (`leaf_spec`) on the dimensions `rule` leaves unsharded;
+        `min_weight_size` compares the leaf's full size."""
+        assert self.fsdp_axis is not None
+        rule = rule or P()
+        if math.prod(shape) <= self.min_weight_size:
+            return rule
+        taken = {d for d, e in enumerate(rule) if e is not None}
+        free_shape = tuple(1 if d in taken else n for d, n in enumerate(shape))
+        size = self.mesh.shape[self.fsdp_axis]
+        dim = sharded_dim(
+            leaf_spec(free_shape, size, self.fsdp_axis, 0), self.fsdp_axis
+        )
+        if dim is None or dim in taken:
+            return rule
+        entries = list(rule) + [None] * (len(shape) - len(rule))
+        entries[dim] = self.fsdp_axis
+        return P(*entries)
+
+    # -- specs ---------------------------------------------------------------------
+
+    def model_specs(self, model: Any) -> Any:
+        """The `PartitionSpec` of every array leaf of `model` (`None` at other
+        leaves): rule axes, plus `fsdp_axis` under FSDP. `FSDP` submodules keep
+        their own layout."""
+        with_path = jax.tree_util.tree_flatten_with_path(model)[0]
+        leaves = [x for _, x in with_path]
+        rules = self._rule_specs([path_str(p) for p, _ in with_path], leaves)
+        if self.fsdp_axis is None:
+            specs: list[Any] = [
+                (r or P()) if is_array_like(x) else None
+                for x, r in zip(leaves, rules, strict=True)
+            ]
+        else:
+            size = self.mesh.shape[self.fsdp_axis]
+            own_specs, own = leaf_plan(
+                model, size, self.fsdp_axis, self.min_weight_size
+            )
+            specs = [
+                self._fsdp_spec(tuple(x.shape), r) if o and is_array_like(x) else s
+                for x, r, s, o in zip(leaves, rules, own_specs, own, strict=True)
+            ]
+        return jax.tree.unflatten(jax.tree.structure(model), specs)
+
+    def manual_specs(self, specs: Any) -> Any:
+        """`specs` restricted to the data axes: what `shard_map` (manual over the data
+        axes only) takes; the rule axes stay with XLA."""
+        return jax.tree.map(
+            lambda s: _restrict(s, self.data_axes),
+            specs,
+            is_leaf=lambda x: x is None or isinstance(x, P),
+        )
+
+    def gather_specs(self, model: Any, specs: Any) -> Any:
+        """The specs with which the step gathers `model` at the top: `fsdp_axis`
+        only, and nothing inside `FSDP` submodules (they gather themselves)."""
+        if self.fsdp_axis is None:
+            return None
+        size = self.mesh.shape[self.fsdp_axis]
+        _, own = leaf_plan(model, size, self.fsdp_axis, self.min_weight_size)
+        spec_leaves = flatten_up_to(model, specs)
+        top = [
+            _restrict(s, (self.fsdp_axis,))
+            if o and s is not None
+            else (P() if s is not None else None)
+            for s, o in zip(spec_leaves, own, strict=True)
+        ]
+        return jax.tree.unflatten(jax.tree.structure(model), top)
+
+    def opt_state_specs(
+        self,
+        optimizer: optax.GradientTransformation,
+        opt_state: Any,
+        params: Any,
+        param_specs: Any,
+    ) -> Any:
+        """The optimizer state laid out like the parameters it belongs to
+        (`optax.tree_map_params`); other leaves replicated."""
+
+        def replicated(x: Any) -> P | None:
+            return P() if is_array_like(x) else None
+
+        if all(s == P() for s in jax.tree.leaves(param_specs)):
+            return jax.tree.map(replicated, opt_state)
+        try:
+            specs = optax.tree_map_params(
+                optimizer,
+                lambda _, spec: spec,
+                opt_state,
+                param_specs,
+                transform_non_params=replicated,
+            )
+        except (TypeError, ValueError, AttributeError, KeyError):
+            # An optimizer whose `init` cannot run on Optax's placeholder: give
+            # parameter-shaped leaves the layout of the parameter of that shape.
+            by_shape = {
+                tuple(p.shape): s
+                for p, s in zip(
+                    jax.tree.leaves(params), jax.tree.leaves(param_specs), strict=True
+                )
+            }
+            return jax.tree.map(
+                lambda x: (
+                    by_shape.get(tuple(x.shape), P()) if is_array_like(x) else None
+                ),
+                opt_state,
+            )
+        return jax.tree.map(self._fits, opt_state, specs)
+
+    def _fits(self, x: Any, spec: Any) -> Any:
+        # Optimizer states whose leaves are not parameter-shaped (factored
+        # moments, say) keep a spec only if it fits the leaf.
+        if not is_array_like(x):
+            return None
+        if not isinstance(spec, P) or len(spec) > len(x.shape):
+            return P()
+        for dim, entry in enumerate(spec):
+            if entry is not None and x.shape[dim] % _entry_size(self.mesh, entry):
+                return P()
+        return spec
+
+    def state_specs(self, state: Any, optimizer: optax.GradientTransformation) -> Any:
+        """The specs of a whole `TrainState` (model, optimizer state, replicated
+        model state, step and key), cached per structure and shapes."""
+        leaves, treedef = jax.tree.flatten(state)
+        key = (
+            treedef,
+            tuple((tuple(x.shape), str(x.dtype)) for x in leaves if is_array_like(x)),
+        )
+        if key not in self._specs_cache:
+            self._specs_cache[key] = self._state_specs(state, optimizer)
+        return self._specs_cache[key]
+
+    def _state_specs(self, state: Any, optimizer: optax.GradientTransformation) -> Any:
+        model_specs = self.model_specs(state.model)
+        mask = state.trainable_mask()
+        param_specs = jax.tree.map(
+            lambda s, t: s if t else None,
+            model_specs,
+            mask,
+            is_leaf=lambda x: x is None or isinstance(x, P),
+        )
+        params = eqx.filter(state.model, mask)
+        opt_specs = self.opt_state_specs(
+            optimizer, state.opt_state, params, param_specs
+        )
+
+        def replicated(tree: Any) -> Any:
+            return jax.tree.map(lambda x: P() if is_array_like(x) else None, tree)
+
+        return state_like(
+            state,
+            model_specs,
+            opt_state=opt_specs,
+            step=P(),
+            key=replicated(state.key),
+            model_state=replicated(state.model_state),
+        )
+
+    def place(self, tree: Any, specs: Any, *, copy: bool = False) -> Any:
+        return place(tree, specs, self.mesh, copy=copy)
+
+    # -- batches -------------------------------------------------------------------
+
+    def check_rows(
+        self, batch: Any, num_minibatches: int, *, traced: bool = False
+    ) -> None:
+        """Rows must split evenly over the devices of the data axes and then the
+        minibatches. In a multi-process run a host batch holds this process's rows
+        only, so it is checked against this process's devices; global arrays (and
+        the traced batch inside the step) against all of them."""
+        shards = self.num_shards
+        if not traced and not self.batch_sharding.is_fully_addressable:
+            rows = [x for x in jax.tree.leaves(batch) if is_array(x) and np.ndim(x)]
+            if not all(
+                isinstance(x, jax.Array) and not x.is_fully_addressable for x in rows
+            ):
+                shards = local_shard_count(self.batch_sharding, self.num_shards)
+        divisor = shards * num_minibatches
+        check_rows(
+            batch,
+            divisor,
+            self.caller,
+            f"{shards} devices along {self.data_axes} x num_minibatches="
+            f"{num_minibatches} = {divisor}",
+        )
