@@ -17,6 +17,7 @@ from ._data_parallel import (
     shard_model_state as shard_model_state,
 )
 from ._distributed import initialize_distributed as initialize_distributed
+from ._eval import EvalStep as EvalStep, make_eval_step as make_eval_step
 from ._fsdp import (
     FSDP as FSDP,
     gather_params as gather_params,
@@ -55,12 +56,11 @@ from ._reductions import (
     reduce_min as reduce_min,
     reduce_sum as reduce_sum,
 )
+from ._steps import TrainStep as TrainStep, make_train_step as make_train_step
 from ._train import (
     TrainState as TrainState,
-    TrainStep as TrainStep,
     accumulate_gradients as accumulate_gradients,
     fold_rng_over_axis as fold_rng_over_axis,
-    make_train_step as make_train_step,
 )
 
 __version__ = "0.1.0"

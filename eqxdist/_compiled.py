@@ -297,8 +297,11 @@ class CompiledStep:
         batch_arrays = self._placed_batch(entry, batch_arrays, batch)
         new_arrays, aux, token = entry.fn(updated, kept, batch_arrays)
         new_state = entry.state(new_arrays, kept)
-        self._last_state = weakref.ref(new_state, self._forget)
-        self._last_arrays = (new_arrays, kept)
+        try:
+            self._last_state = weakref.ref(new_state, self._forget)
+            self._last_arrays = (new_arrays, kept)
+        except TypeError:  # a state type without weak references: no fast path
+            self._last_state, self._last_arrays = None, ([], [])
         if self.max_in_flight is not None:
             self._in_flight.append(token)
             if len(self._in_flight) > self.max_in_flight:

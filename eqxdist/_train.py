@@ -1,37 +1,35 @@
-"""Training: per-device randomness, the train state, gradient accumulation and the
-step math of the data-parallel / FSDP training step.
+"""Training: per-device randomness, the train state, gradient accumulation and what
+one data-parallel / FSDP training step computes (`StepMath`).
 
 Where the step's arrays live is `_layout.Layout`'s business, why it does not
-recompile is `_compiled.CompiledStep`'s; this module says what a step computes."""
+recompile is `_compiled.CompiledStep`'s, and `_steps.make_train_step` puts the
+three together."""
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import Any
 
 import equinox as eqx
 import jax
 import jax.numpy as jnp
 import optax
-from jax.sharding import Mesh, PartitionSpec as P
+from jax.sharding import PartitionSpec as P
 from jaxtyping import Array, Int, PRNGKeyArray, PyTree
 
-from ._compiled import CompiledStep
-from ._fsdp import CPU_FSDP_OPTIONS, gather_params, has_fsdp_modules, sync_gradients
+from ._fsdp import gather_params, sync_gradients
 from ._layout import Layout
 from ._metric_tree import check_metrics, merge_metrics, reduce_metrics
 from ._utils import (
     AxisName,
     cast_floating,
     check_axis_bound,
-    check_compute_dtype,
-    check_not_consumed,
     check_rows,
     is_array,
     is_array_like,
-    state_like,
     typecheck,
 )
 
 FSDP_GATHERS = ("step", "minibatch")
+"""`make_train_step(fsdp_gather=...)`: gather once per step, or per minibatch."""
 
 
 @typecheck
@@ -171,7 +169,7 @@ class TrainState(eqx.Module):
                     "TrainState.create: `trainable` selects no floating-point array "
                     "of the model; nothing would be trained."
                 )
-        params = eqx.filter(model, _mask_tree(model, mask))
+        params = eqx.filter(model, trainable_mask_tree(model, mask))
         return cls(
             model,
             optimizer.init(params),
@@ -183,7 +181,7 @@ class TrainState(eqx.Module):
 
     def trainable_mask(self) -> Any:
         """A pytree of `model`'s structure: `True` at every trained leaf."""
-        return _mask_tree(self.model, self.trainable)
+        return trainable_mask_tree(self.model, self.trainable)
 
     def params(self) -> Any:
         """The trained leaves of `model` (`None` elsewhere): what the optimizer
@@ -191,7 +189,9 @@ class TrainState(eqx.Module):
         return eqx.filter(self.model, self.trainable_mask())
 
 
-def _mask_tree(model: Any, trainable: tuple[bool, ...] | None) -> Any:
+def trainable_mask_tree(model: Any, trainable: tuple[bool, ...] | None) -> Any:
+    """A pytree of `model`'s structure: `True` at every leaf `trainable` (a
+    `TrainState.trainable`) trains."""
     leaves, treedef = jax.tree.flatten(model)
     if trainable is None:
         return jax.tree.unflatten(treedef, [_is_inexact(x) for x in leaves])
@@ -205,7 +205,7 @@ def _mask_tree(model: Any, trainable: tuple[bool, ...] | None) -> Any:
     return jax.tree.unflatten(treedef, mask)
 
 
-def _check_num_minibatches(num_minibatches: int, caller: str) -> None:
+def check_num_minibatches(num_minibatches: int, caller: str) -> None:
     if num_minibatches < 1:
         raise ValueError(
             f"{caller}: `num_minibatches` must be >= 1; got {num_minibatches}."
@@ -387,7 +387,7 @@ def accumulate_gradients(
         grads, metrics = ed.accumulate_gradients(loss_fn, model, batch, key, 4)
         ```
     """
-    _check_num_minibatches(num_minibatches, "accumulate_gradients")
+    check_num_minibatches(num_minibatches, "accumulate_gradients")
     n = num_minibatches
     check_rows(batch, n, "accumulate_gradients", f"num_minibatches={n}")
     with_state = model_state is not None
@@ -544,272 +544,9 @@ class StepMath(eqx.Module):
         return new_state, metrics
 
 
-class TrainStep:
-    """The callable `make_train_step` returns: `step(state, batch) -> (state,
-    metrics)`. See `make_train_step`."""
-
-    def __init__(
-        self, math: StepMath, *, donate: bool, max_steps_in_flight: int | None
-    ) -> None:
-        self.math = math
-        self.layout = math.layout
-        self.optimizer = math.optimizer
-        self.mesh = math.layout.mesh
-        self._cache = CompiledStep(
-            self._update,
-            self.mesh,
-            state_specs=self.state_specs,
-            kept=_kept,
-            batch_sharding=self.layout.batch_sharding,
-            donate=donate,
-            max_in_flight=max_steps_in_flight,
-            check_batch=self._check_batch,
-            compiler_options=_compiler_options,
-            name="train step",
-        )
-
-    def _update(self, state: Any, batch: Any) -> tuple[Any, Any]:
-        return self.math(state, batch)
-
-    def _check_batch(self, batch: Any) -> None:
-        self.layout.check_rows(batch, self.math.num_minibatches)
-
-    def model_specs(self, model: Any) -> Any:
-        """The `PartitionSpec` of every array leaf of `model` under this step's
-        layout (`None` at other leaves)."""
-        return self.layout.model_specs(model)
-
-    def state_specs(self, state: TrainState) -> Any:
-        """The `PartitionSpec` of every array leaf of `state` under this step's
-        layout, as a pytree of `state`'s structure: `P()` everywhere for `"dp"`
-        without rules; the rule axes of `param_rules`; for `"fsdp"` the
-        `fsdp_specs` rule over `fsdp_axis` (or an `FSDP` wrapper's own layout);
-        optimizer-state leaves as their parameters; the model state, step and key
-        replicated. Useful for checkpoint restore targets and custom placements.
-
-        **Raises:**
-
-        `TypeError` if `state` is not a `TrainState`; `ValueError` if its optimizer
-        state was not made by this step's optimizer, or a rule does not fit.
-        """
-        _check_state(state)
-        expected: Any = jax.tree.structure(
-            jax.eval_shape(self.optimizer.init, state.params())
-        )
-        if expected != jax.tree.structure(state.opt_state):
-            raise ValueError(
-                "train step: `state.opt_state` is not what this step's optimizer "
-                "makes (`optimizer.init` gives a state of structure "
-                f"{expected}, the state holds {jax.tree.structure(state.opt_state)})."
-                " Create the state with the same optimizer you pass to "
-                "make_train_step."
-            )
-        return self.layout.state_specs(state, self.optimizer)
-
-    def place_state(self, state: TrainState) -> TrainState:
-        """A copy of `state` placed on the mesh as this step keeps it (a copy, so
-        that the step's donation never deletes arrays the caller still holds, such
-        as those of the model the state was created from)."""
-        check_not_consumed(state, "place_state")
-        placed: TrainState = self.layout.place(
-            state, self.state_specs(state), copy=True
-        )
-        return placed
-
-    def lower(self, state: TrainState, batch: PyTree[Any]) -> Any:
-        """`jax.jit(...).lower` of the step for these arguments (placed first), e.g.
-        for `.compile().memory_analysis()` or `.as_text()`. `state` may be abstract
-        (`eqx.filter_eval_shape(TrainState.create, ...)`), to inspect the step of a
-        model too large to allocate here."""
-        _check_state(state)
-        return self._cache.lower(state, batch)
-
-    def __call__(self, state: TrainState, batch: PyTree[Any]) -> tuple[TrainState, Any]:
-        """One training step; see `make_train_step`."""
-        return self._cache(state, batch)
-
-
-def _check_state(state: Any) -> None:
+def check_train_state(state: Any, caller: str) -> None:
     if not isinstance(state, TrainState):
         raise TypeError(
-            "train step: `state` must be an eqxdist.TrainState (see "
+            f"{caller}: `state` must be an eqxdist.TrainState (see "
             f"TrainState.create); got {type(state).__name__}."
         )
-
-
-def _kept(state: TrainState) -> Any:
-    """The leaves a step only reads: the key (each step's randomness is
-    `fold_in(key, step)`) and the frozen parameters."""
-    _check_state(state)
-    return state_like(
-        state,
-        jax.tree.map(lambda t: not t, state.trainable_mask()),
-        opt_state=jax.tree.map(lambda _: False, state.opt_state),
-        step=False,
-        key=jax.tree.map(lambda _: True, state.key),
-        model_state=jax.tree.map(lambda _: False, state.model_state),
-    )
-
-
-def _compiler_options(state: Any) -> dict[str, Any] | None:
-    on_cpu = jax.devices()[0].platform == "cpu"
-    return CPU_FSDP_OPTIONS if on_cpu and has_fsdp_modules(state.model) else None
-
-
-@typecheck
-def make_train_step(
-    loss_fn: Callable[..., Any],
-    optimizer: optax.GradientTransformation,
-    mesh: Mesh,
-    *,
-    strategy: str = "dp",
-    data_axis: AxisName = "data",
-    num_minibatches: int = 1,
-    min_weight_size: int = 2**18,
-    donate: bool = True,
-    compute_dtype: Any = None,
-    fsdp_axis: str | None = None,
-    param_rules: Sequence[tuple[str, P]] = (),
-    fsdp_gather: str = "step",
-    use_scan: bool = True,
-    max_steps_in_flight: int | None = 8,
-) -> TrainStep:
-    """Build a compiled, sharded training step `step(state, batch) -> (state,
-    metrics)`.
-
-    Each call computes the gradients of `loss_fn` on every device's rows of
-    `batch` (in `num_minibatches` blocks, `accumulate_gradients`), averages them
-    across the devices of the data axes, applies `optimizer` to the trainable
-    parameters and returns the new state and the step's metrics summed over every
-    device and minibatch.
-
-    - `strategy="dp"` (data parallel): the state is replicated on every device
-      (except for the axes of `param_rules`); gradients are averaged with `pmean`.
-    - `strategy="fsdp"`: parameters larger than `min_weight_size` (and the matching
-      optimizer state) are sharded over `fsdp_axis` (`fsdp_specs`); they are
-      all-gathered for the forward pass and their gradients reduce-scattered
-      (`gather_params`), so `loss_fn` still sees the full model and the update
-      equals data parallel's. `FSDP` submodules keep their own layout and gather
-      themselves, one block at a time. Data axes other than `fsdp_axis` hold
-      replicas (HSDP).
-
-    `loss_fn(model, minibatch, key) -> (loss, metrics)` is written as for a single
-    device, for a minibatch of this device's rows. When `state.model_state` is not
-    `None` it is `loss_fn(model, model_state, minibatch, key) -> (loss, metrics,
-    new_model_state)`: minibatches run in order, each seeing the model state the
-    previous one returned; after the step, floating-point leaves of the model
-    state are averaged over the data axes (a no-op for statistics the model
-    already synchronises, e.g. `eqx.nn.BatchNorm(..., axis_name=("batch",
-    "data"))`), other leaves come from the first device. Its `key` differs on
-    every step, minibatch and device: the step's key is `fold_in(state.key,
-    state.step)`, split into one key per minibatch and folded over the data axes
-    (`fold_rng_over_axis`), so dropout masks differ between devices and a run
-    restarted from a checkpoint draws the same numbers.
-
-    The step is compiled on the first call (and again only for a new structure or
-    shape). The state the step returned last is donated (its buffers are reused
-    for the new state); any other state, placed or not, is copied once on entry, so
-    arrays the caller still holds stay valid, and a state an earlier step consumed
-    is a `ValueError`. Unplaced (host or single-device) states and batches are
-    placed as the layout needs, and the returned state is placed that way. At most
-    `max_steps_in_flight` steps are queued before the step waits for the oldest,
-    so a loop that never blocks cannot deadlock XLA's CPU collectives.
-
-    **Arguments:**
-
-    - `loss_fn`: see above.
-    - `optimizer`: an Optax gradient transformation (the one the state was created
-      with). It runs on the sharded global arrays, so even whole-tree
-      transformations (e.g. global-norm clipping) see every parameter.
-    - `mesh`: the device mesh.
-    - `strategy`: `"dp"` or `"fsdp"`.
-    - `data_axis`: the mesh axis, or tuple of axes, the batch is split over (rows
-      in mesh order); gradients and metrics are reduced over all of them.
-    - `num_minibatches`: gradient accumulation steps per call.
-    - `min_weight_size`: for `"fsdp"`, leaves this small or smaller (full size)
-      are not sharded over `fsdp_axis`.
-    - `donate`: reuse the buffers of the state the step returned last.
-    - `compute_dtype`: e.g. `jnp.bfloat16`: trainable floating-point parameters
-      are cast to it before `loss_fn` sees them (under FSDP before the all-gather,
-      so gathers and gradient reduce-scatters move the smaller dtype); gradients
-      come back in the parameters' dtype, and parameters and optimizer state keep
-      theirs (float32 master weights). `None`: no cast.
-    - `fsdp_axis`: under `"fsdp"`, the data axis parameters are sharded over;
-      `None`: the last of the data axes.
-    - `param_rules`: tensor parallelism: `(pattern, PartitionSpec)` pairs; a
-      parameter whose path inside the model (`jax.tree_util.keystr`, e.g.
-      `".layers[0].weight"`) `re.search`-matches `pattern` (first match wins) is
-      sharded as the spec says over non-data mesh axes, and XLA partitions the
-      computation over them; `loss_fn` still sees full-size arrays. Under
-      `"fsdp"` the FSDP rule then shards one of the dimensions the spec leaves
-      free over `fsdp_axis`.
-    - `fsdp_gather`: with `num_minibatches > 1` under `"fsdp"`: `"step"` (the
-      default) gathers every parameter once per step and reduce-scatters its
-      gradient once per step, holding the full parameters and one full-size
-      gradient buffer for the whole step; `"minibatch"` gathers and
-      reduce-scatters once per minibatch, holding only shards between
-      minibatches (less memory, `num_minibatches` times the communication).
-    - `use_scan`: see `accumulate_gradients`.
-    - `max_steps_in_flight`: the bound on queued steps (`None`: unbounded).
-
-    **Returns:**
-
-    A `TrainStep`: call it as `step(state, batch)`. The metrics come back already
-    reduced across devices (arrays and `(sum, count)` parts summed, `Metric`s
-    `reduce`d). It also has `state_specs(state)`, `place_state(state)` and
-    `lower(state, batch)` (for inspecting the compiled step).
-
-    **Raises:**
-
-    `ValueError` for an unknown `strategy` or `fsdp_gather`, `num_minibatches <
-    1`, a negative `min_weight_size`, a `data_axis` or `fsdp_axis` not in `mesh`,
-    a rule naming an unknown or data axis; when called, `ValueError` for a batch
-    leaf whose leading dimension is not divisible by (devices along the data
-    axes) x `num_minibatches`, a non-scalar loss, a consumed state, an optimizer
-    state made by another optimizer, a rule that matches nothing or does not
-    divide its dimension, and `TypeError` if `state` is not a `TrainState` or
-    `loss_fn` returns something else than documented.
-
-    !!! Example
-
-        ```python
-        step = ed.make_train_step(loss_fn, optax.adamw(1e-3), mesh,
-                                  strategy="fsdp", num_minibatches=4,
-                                  compute_dtype=jnp.bfloat16)
-        state = ed.TrainState.create(model, optax.adamw(1e-3), jax.random.key(0))
-        for batch in batches:
-            state, metrics = step(state, batch)
-        ed.print_metrics(metrics, "Last step")
-        ```
-    """
-    _check_num_minibatches(num_minibatches, "make_train_step")
-    if max_steps_in_flight is not None and max_steps_in_flight < 1:
-        raise ValueError(
-            "make_train_step: `max_steps_in_flight` must be >= 1 or None; got "
-            f"{max_steps_in_flight}."
-        )
-    if fsdp_gather not in FSDP_GATHERS:
-        raise ValueError(
-            f"make_train_step: unknown fsdp_gather {fsdp_gather!r}; use 'step' "
-            "(gather once per step) or 'minibatch' (gather per minibatch: less "
-            "memory, one all-gather and reduce-scatter per minibatch)."
-        )
-    layout = Layout(
-        mesh,
-        strategy=strategy,
-        data_axis=data_axis,
-        fsdp_axis=fsdp_axis,
-        min_weight_size=min_weight_size,
-        param_rules=param_rules,
-        caller="make_train_step",
-    )
-    math = StepMath(
-        loss_fn,
-        optimizer,
-        layout,
-        num_minibatches,
-        use_scan,
-        check_compute_dtype(compute_dtype, "make_train_step"),
-        fsdp_gather,
-    )
-    return TrainStep(math, donate=donate, max_steps_in_flight=max_steps_in_flight)

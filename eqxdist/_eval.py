@@ -1,0 +1,262 @@
+"""The evaluation step: metrics of a model (or a `TrainState`) on a batch of any
+number of rows, padded and masked inside, reduced across devices like a training
+step's."""
+
+import math
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh, PartitionSpec as P
+
+from ._compiled import CompiledStep
+from ._data_parallel import local_shard_count
+from ._fsdp import gather_params
+from ._layout import Layout
+from ._metric_tree import check_metrics, reduce_metrics
+from ._train import TrainState, trainable_mask_tree
+from ._utils import (
+    AxisName,
+    cast_floating,
+    check_compute_dtype,
+    flatten_up_to,
+    is_array,
+    path_str,
+    typecheck,
+)
+
+
+class EvalInput(eqx.Module):
+    """What an evaluation reads of a state: the model, its model state and which
+    leaves are trained (cast to `compute_dtype` as in training)."""
+
+    model: Any
+    model_state: Any
+    trainable: tuple[bool, ...] | None = eqx.field(static=True)
+
+    def cast_mask(self) -> Any:
+        return trainable_mask_tree(self.model, self.trainable)
+
+
+class EvalMath(eqx.Module):
+    """What one evaluation computes: `eval_fn` on every device's rows inside
+    `jax.shard_map` (manual over the data axes), with the FSDP-sharded
+    parameters gathered first, and its metrics reduced over the data axes."""
+
+    eval_fn: Callable[..., Any] = eqx.field(static=True)
+    layout: Layout = eqx.field(static=True)
+    compute_dtype: Any = eqx.field(static=True)
+
+    def __call__(self, inputs: EvalInput, batch: Any) -> tuple[EvalInput, Any]:
+        layout = self.layout
+        batch, mask = batch
+        specs = layout.model_specs(inputs.model)
+        manual = layout.manual_specs(specs)
+        gspecs = layout.gather_specs(inputs.model, specs)
+        cast_mask = inputs.cast_mask()
+        arrays, static = eqx.partition(inputs.model, is_array)
+        trained, frozen = eqx.partition(arrays, cast_mask)
+        ms_arrays, ms_static = eqx.partition(inputs.model_state, is_array)
+        batch_arrays, batch_static = eqx.partition(batch, is_array)
+        batch_specs = jax.tree.map(
+            lambda x: layout.batch_spec if jnp.ndim(x) else P(), batch_arrays
+        )
+        with_state = inputs.model_state is not None
+
+        def gather(tree: Any) -> Any:
+            if gspecs is None or layout.fsdp_axis is None:
+                return tree
+            return gather_params(tree, gspecs, layout.fsdp_axis)
+
+        def per_device(t: Any, f: Any, ms: Any, local: Any, local_mask: Any) -> Any:
+            model = eqx.combine(gather(cast_floating(t, self.compute_dtype)), gather(f))
+            model = eqx.combine(model, static)
+            local = eqx.combine(local, batch_static)
+            if with_state:
+                out = self.eval_fn(model, eqx.combine(ms, ms_static), local, local_mask)
+            else:
+                out = self.eval_fn(model, local, local_mask)
+            check_metrics(out, "eval_fn")
+            return reduce_metrics(out, layout.data_axes)
+
+        metrics = jax.shard_map(
+            per_device,
+            mesh=layout.mesh,
+            in_specs=(manual, manual, P(), batch_specs, layout.batch_spec),
+            out_specs=P(),
+            axis_names=frozenset(layout.data_axes),
+            check_vma=False,
+        )(trained, frozen, ms_arrays, batch_arrays, mask)
+        return inputs, metrics
+
+
+def padded_rows(rows: int, shards: int) -> int:
+    """`rows` rounded up to a multiple of `shards`, with rows per shard rounded up
+    to one of about eight sizes per power of two (at most 12.5% padding), so that
+    a stream of batches of different sizes compiles a handful of steps, not one
+    per size."""
+    per_shard = max(1, math.ceil(rows / shards))
+    quantum = 1 << max(0, (per_shard - 1).bit_length() - 3)
+    return math.ceil(per_shard / quantum) * quantum * shards
+
+
+def _pad(x: Any, target: int) -> Any:
+    extra = target - x.shape[0]
+    if extra == 0:
+        return x
+    if isinstance(x, np.ndarray | np.generic):
+        zeros = np.zeros((extra, *x.shape[1:]), x.dtype)
+        return np.concatenate([x, zeros])
+    return jnp.concatenate([x, jnp.zeros((extra, *x.shape[1:]), x.dtype)])
+
+
+class EvalStep:
+    """The callable `make_eval_step` returns: `eval_step(state_or_model, batch) ->
+    metrics`. See `make_eval_step`."""
+
+    def __init__(self, math_: EvalMath) -> None:
+        self.math = math_
+        self.layout = math_.layout
+        self._cache = CompiledStep(
+            math_,
+            self.layout.mesh,
+            state_specs=self._specs,
+            kept=lambda inputs: jax.tree.map(lambda _: True, inputs),
+            batch_sharding=self.layout.batch_sharding,
+            donate=False,
+            max_in_flight=8,
+            name="eval step",
+        )
+
+    def _specs(self, inputs: EvalInput) -> Any:
+        model = self.layout.model_specs(inputs.model)
+        model_state = jax.tree.map(
+            lambda x: P() if is_array(x) else None, inputs.model_state
+        )
+        leaves = [
+            *flatten_up_to(inputs.model, model),
+            *flatten_up_to(inputs.model_state, model_state),
+        ]
+        return jax.tree.unflatten(jax.tree.structure(inputs), leaves)
+
+    def _rows(self, batch: Any) -> int:
+        rows: dict[int, str] = {}
+        for path, leaf in jax.tree_util.tree_flatten_with_path(batch)[0]:
+            if is_array(leaf) and np.ndim(leaf) > 0:
+                rows.setdefault(np.shape(leaf)[0], path_str(path))
+        if len(rows) > 1:
+            found = ", ".join(f"{p}: {n}" for n, p in rows.items())
+            raise ValueError(
+                f"eval step: every batch leaf must have the same number of rows; got "
+                f"{found}."
+            )
+        if not rows:
+            raise ValueError(
+                "eval step: the batch has no array with rows (rank >= 1); pass the "
+                "examples to evaluate as arrays with a leading batch dimension."
+            )
+        return next(iter(rows))
+
+    def _inputs(self, state_or_model: Any) -> EvalInput:
+        if isinstance(state_or_model, TrainState):
+            s = state_or_model
+            return EvalInput(s.model, s.model_state, s.trainable)
+        return EvalInput(state_or_model, None, None)
+
+    def padded(self, batch: Any) -> tuple[Any, Any]:
+        """`batch` padded along axis 0 as the step pads it, and its mask."""
+        rows = self._rows(batch)
+        sharding = self.layout.batch_sharding
+        shards = self.layout.num_shards
+        if not sharding.is_fully_addressable:
+            shards = local_shard_count(sharding, shards)
+        target = padded_rows(rows, shards)
+        padded = jax.tree.map(
+            lambda x: _pad(x, target) if is_array(x) and np.ndim(x) else x, batch
+        )
+        return padded, np.arange(target) < rows
+
+    def lower(self, state_or_model: Any, batch: Any) -> Any:
+        """`jax.jit(...).lower` of the evaluation for these arguments."""
+        return self._cache.lower(self._inputs(state_or_model), self.padded(batch))
+
+    def __call__(self, state_or_model: Any, batch: Any) -> Any:
+        """Evaluate; see `make_eval_step`."""
+        _, metrics = self._cache(self._inputs(state_or_model), self.padded(batch))
+        return metrics
+
+
+@typecheck
+def make_eval_step(
+    eval_fn: Callable[..., Any],
+    mesh: Mesh,
+    *,
+    strategy: str = "dp",
+    data_axis: AxisName = "data",
+    min_weight_size: int = 2**18,
+    compute_dtype: Any = None,
+    fsdp_axis: str | None = None,
+    param_rules: Sequence[tuple[str, P]] = (),
+) -> EvalStep:
+    """Build a compiled, sharded evaluation step `eval_step(state_or_model, batch)
+    -> metrics` for batches of any number of rows.
+
+    Each call pads every batch leaf along axis 0 to a multiple of the devices on
+    the data axes (rounded up further to one of a few sizes, so that batches of
+    many sizes compile only a few steps), runs `eval_fn` on every device's rows
+    with a `mask` that is `False` on the padding, and returns the metrics reduced
+    across devices as the training step's are. When `eval_fn` honours `mask`
+    (e.g. `ed.Accuracy().update(logits, labels, mask)`,
+    `ed.Mean().update(losses, mask)`), the result equals `eval_fn` on the whole
+    unpadded batch on one device. No gradients, no donation.
+
+    **Arguments:**
+
+    - `eval_fn`: `eval_fn(model, batch, mask) -> metrics`, or
+      `eval_fn(model, model_state, batch, mask)` when called with a `TrainState`
+      whose `model_state` is not `None`. `mask` is a bool vector over the rows
+      `eval_fn` sees. Metrics as a training step's: `Metric`s, arrays, numbers,
+      `(sum, count)` tuples (sum them with the mask).
+    - `mesh`, `strategy`, `data_axis`, `min_weight_size`, `fsdp_axis`,
+      `param_rules`: the layout, as for `make_train_step` (use the same as the
+      training step's, so that its state needs no copy).
+    - `compute_dtype`: the dtype trained parameters are cast to, as in training.
+
+    **Returns:**
+
+    An `EvalStep`: call it as `eval_step(state_or_model, batch)` with a
+    `TrainState` or a bare model. In a multi-process run each process passes its
+    own rows, the same number on every process.
+
+    **Raises:**
+
+    `ValueError` for the layout mistakes of `make_train_step`; when called, for
+    batch leaves with different numbers of rows, a batch without rows, or a state
+    consumed by a training step; `TypeError` for metrics that are not arrays,
+    numbers or `Metric`s.
+
+    !!! Example
+
+        ```python
+        def eval_fn(model, batch, mask):
+            logits = jax.vmap(model)(batch["x"])
+            return {"accuracy": ed.Accuracy().update(logits, batch["y"], mask)}
+
+        eval_step = ed.make_eval_step(eval_fn, mesh)
+        metrics = eval_step(state, {"x": x_test, "y": y_test})  # any number of rows
+        ```
+    """
+    layout = Layout(
+        mesh,
+        strategy=strategy,
+        data_axis=data_axis,
+        fsdp_axis=fsdp_axis,
+        min_weight_size=min_weight_size,
+        param_rules=param_rules,
+        caller="make_eval_step",
+    )
+    dtype = check_compute_dtype(compute_dtype, "make_eval_step")
+    return EvalStep(EvalMath(eval_fn, layout, dtype))

@@ -1,0 +1,96 @@
+"""Safe donation: a step donates only the state it returned itself; a consumed
+state is a ValueError everywhere, never a crash. Each scenario runs in a fresh
+process, so that a segfault fails the test instead of killing pytest."""
+
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+PRELUDE = textwrap.dedent(
+    """
+    import os
+    import eqxdist as ed
+    ed.simulate_cpu_devices(8)
+    import equinox as eqx, jax, numpy as np, optax
+
+    mesh = ed.create_data_parallel_mesh()
+    opt = optax.adam(1e-2)
+
+    def loss_fn(model, batch, key):
+        return ((jax.vmap(model)(batch["x"]) - batch["y"]) ** 2).mean(), {}
+
+    def eval_fn(model, batch, mask):
+        return {"n": mask.sum()}
+
+    rng = np.random.default_rng(0)
+    batch = {"x": rng.normal(size=(16, 4)).astype(np.float32),
+             "y": rng.normal(size=(16, 2)).astype(np.float32)}
+    model = eqx.nn.MLP(4, 2, 32, 1, key=jax.random.key(0))
+    step = ed.make_train_step(loss_fn, opt, mesh, strategy=os.environ["STRATEGY"],
+                              min_weight_size=16)
+    s1 = ed.TrainState.create(model, opt, jax.random.key(0))
+    s2, _ = step(s1, batch)
+    s3, _ = step(s2, batch)   # s2 is consumed (donated) now
+
+    def expect_consumed(fn):
+        try:
+            fn()
+        except ValueError as e:
+            assert "consumed by an earlier step" in str(e), e
+            assert "pass the state the step returned" in str(e), e
+        else:
+            raise AssertionError("no ValueError")
+    """
+)
+
+SCENARIOS = {
+    "step": "expect_consumed(lambda: step(s2, batch))",
+    "place_state": "expect_consumed(lambda: step.place_state(s2))",
+    "lower": "expect_consumed(lambda: step.lower(s2, batch))",
+    "eval": "expect_consumed(lambda: ed.make_eval_step(eval_fn, mesh)(s2, batch))",
+    "save_checkpoint": (
+        "import tempfile\n"
+        "expect_consumed(lambda: ed.save_checkpoint(tempfile.mkdtemp(), s2, step=1))"
+    ),
+    # Another step object never consumes a state it did not return: the state
+    # `step` returned last stays valid for `step`.
+    "other_step": (
+        "other = ed.make_train_step(loss_fn, opt, mesh,"
+        " strategy=os.environ['STRATEGY'], min_weight_size=16)\n"
+        "s4, _ = other(s3, batch); w4 = np.asarray(s4.model.layers[0].weight)\n"
+        "s5, _ = other(s4, batch)\n"
+        "s4b, _ = step(s3, batch)\n"
+        "np.testing.assert_array_equal(w4, s4b.model.layers[0].weight)"
+    ),
+    # The caller's arrays survive: a fresh state (s1 is not the step's own) is
+    # copied, and a model placed by the caller is used by two fresh states.
+    "caller_arrays_survive": (
+        "placed = ed.replicate_params(model, mesh)\n"
+        "a = ed.TrainState.create(placed, opt, jax.random.key(0))\n"
+        "b = ed.TrainState.create(placed, opt, jax.random.key(1))\n"
+        "a2, _ = step(a, batch); a3, _ = step(a2, batch)\n"
+        "b2, _ = step(b, batch)\n"
+        "arrays = jax.tree.leaves(eqx.filter(placed, eqx.is_array))\n"
+        "assert not any(x.is_deleted() for x in arrays)\n"
+        "assert np.isfinite(float(arrays[0].sum()))\n"
+        "again, _ = step(s1, batch)  # s1 was never consumed: copied, still valid\n"
+        "assert int(again.step) == 1"
+    ),
+}
+
+
+@pytest.mark.parametrize("strategy", ["dp", "fsdp"])
+@pytest.mark.parametrize("scenario", sorted(SCENARIOS))
+def test_consumed_state(scenario, strategy):
+    code = PRELUDE + "\n" + SCENARIOS[scenario] + "\nprint('OK')\n"
+    proc = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**__import__("os").environ, "STRATEGY": strategy},
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert proc.stdout.strip().endswith("OK")

@@ -1,0 +1,107 @@
+"""make_eval_step: any number of rows, padded and masked inside, equal to the
+unpadded single-device metrics; dp and fsdp; a TrainState with model state."""
+
+import equinox as eqx
+import jax
+import numpy as np
+import optax
+import pytest
+
+import eqxdist as ed
+from eqxdist._eval import padded_rows
+
+
+def eval_fn(model, batch, mask):
+    logits = jax.vmap(model)(batch["x"])
+    losses = optax.softmax_cross_entropy_with_integer_labels(logits, batch["y"])
+    return {
+        "accuracy": ed.Accuracy().update(logits, batch["y"], mask),
+        "loss": ed.Mean().update(losses, mask),
+        "count": (mask.sum(), None)[0],
+    }
+
+
+def _batch(rng, n):
+    return {
+        "x": rng.normal(size=(n, 8)).astype(np.float32),
+        "y": rng.integers(0, 4, size=n).astype(np.int32),
+    }
+
+
+@pytest.mark.parametrize("strategy", ["dp", "fsdp"])
+def test_any_row_count_equals_single_device(mesh8, rng, strategy):
+    model = eqx.nn.MLP(8, 4, 64, 1, key=jax.random.key(0))
+    step = ed.make_eval_step(eval_fn, mesh8, strategy=strategy, min_weight_size=16)
+    for n in [1, 7, 13, 100, 129]:
+        batch = _batch(rng, n)
+        got = step(model, batch)
+        # One device, no padding, no eqxdist step.
+        logits = jax.vmap(model)(batch["x"])
+        losses = optax.softmax_cross_entropy_with_integer_labels(logits, batch["y"])
+        accuracy = np.mean(np.argmax(np.asarray(logits), -1) == batch["y"])
+        assert float(got["accuracy"].compute()) == pytest.approx(accuracy, abs=1e-7)
+        assert float(got["loss"].compute()) == pytest.approx(
+            float(losses.mean()), rel=1e-6
+        )
+        assert int(got["count"]) == n
+
+
+def test_compiles_once_per_padded_size(mesh8, rng):
+    traced = []
+
+    def counting(model, batch, mask):
+        traced.append(batch["x"].shape)
+        return eval_fn(model, batch, mask)
+
+    model = eqx.nn.MLP(8, 4, 16, 1, key=jax.random.key(0))
+    step = ed.make_eval_step(counting, mesh8)
+    for n in range(100, 121):
+        step(model, _batch(rng, n))
+    assert len(traced) == len({padded_rows(n, 8) for n in range(100, 121)}) <= 3
+    assert padded_rows(100, 8) >= 100 and padded_rows(100, 8) % 8 == 0
+    assert padded_rows(100, 8) <= 100 * 1.125 + 8
+
+
+def test_train_state_with_model_state(mesh8, rng):
+    from test_train_models import BNNet, bn_loss
+
+    model, model_state = eqx.nn.make_with_state(BNNet)(
+        jax.random.key(0), ("batch", "data")
+    )
+    opt = optax.adam(1e-2)
+    state = ed.TrainState.create(model, opt, jax.random.key(0), model_state=model_state)
+    train = ed.make_train_step(bn_loss, opt, mesh8, strategy="fsdp", min_weight_size=16)
+    state, _ = train(state, _batch(rng, 64))
+
+    def bn_eval(model, model_state, batch, mask):
+        inference = eqx.nn.inference_mode(model)
+        logits, _ = jax.vmap(inference, in_axes=(0, None), out_axes=(0, None))(
+            batch["x"], model_state
+        )
+        return {"accuracy": ed.Accuracy().update(logits, batch["y"], mask)}
+
+    evaluate = ed.make_eval_step(bn_eval, mesh8, strategy="fsdp", min_weight_size=16)
+    batch = _batch(rng, 13)
+    got = float(evaluate(state, batch)["accuracy"].compute())
+    host_model = jax.device_get(state.model)
+    host_state = jax.device_get(state.model_state)
+    # In inference mode BatchNorm uses its running statistics, no collective.
+    logits, _ = jax.vmap(
+        eqx.nn.inference_mode(host_model), in_axes=(0, None), out_axes=(0, None)
+    )(batch["x"], host_state)
+    assert got == pytest.approx(np.mean(np.argmax(logits, -1) == batch["y"]))
+    # The state is still usable for training: evaluation consumed nothing.
+    train(state, _batch(rng, 64))
+
+
+def test_eval_mistakes(mesh8, rng):
+    model = eqx.nn.MLP(8, 4, 16, 1, key=jax.random.key(0))
+    step = ed.make_eval_step(eval_fn, mesh8)
+    with pytest.raises(
+        ValueError, match=r"same number of rows.*\['x'\]: 5.*\['y'\]: 6"
+    ):
+        step(model, {"x": np.zeros((5, 8), np.float32), "y": np.zeros(6, np.int32)})
+    with pytest.raises(ValueError, match=r"no array with rows"):
+        step(model, {"x": np.float32(1.0)})
+    with pytest.raises(ValueError, match=r"unknown strategy"):
+        ed.make_eval_step(eval_fn, mesh8, strategy="tp")

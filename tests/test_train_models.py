@@ -1,0 +1,400 @@
+"""Training any Equinox model: model state (BatchNorm), frozen parameters, bf16
+compute and FSDP accumulation, each against a single-device reference written in
+plain Equinox/optax (not through eqxdist) on the same global data."""
+
+import re
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import eqxdist as ed
+
+DEVICES = 8
+OPTIMIZER = optax.adamw(1e-2, weight_decay=0.1)
+
+
+class BNNet(eqx.Module):
+    l1: eqx.nn.Linear
+    bn: eqx.nn.BatchNorm
+    l2: eqx.nn.Linear
+
+    def __init__(self, key, axis_name):
+        k1, k2 = jax.random.split(key)
+        self.l1 = eqx.nn.Linear(8, 16, key=k1)
+        self.bn = eqx.nn.BatchNorm(16, axis_name=axis_name, momentum=0.9, mode="batch")
+        self.l2 = eqx.nn.Linear(16, 4, key=k2)
+
+    def __call__(self, x, state):
+        h, state = self.bn(jax.nn.relu(self.l1(x)), state)
+        return self.l2(h), state
+
+
+def bn_loss(model, model_state, batch, key):
+    del key
+    logits, model_state = jax.vmap(
+        model, axis_name="batch", in_axes=(0, None), out_axes=(0, None)
+    )(batch["x"], model_state)
+    losses = optax.softmax_cross_entropy_with_integer_labels(logits, batch["y"])
+    return losses.mean(), {"loss": ed.Mean().update(losses)}, model_state
+
+
+def _batches(rows=64, steps=3, seed=0):
+    rng = np.random.default_rng(seed)
+    return [
+        {
+            "x": rng.normal(size=(rows, 8)).astype(np.float32),
+            "y": rng.integers(0, 4, size=rows).astype(np.int32),
+        }
+        for _ in range(steps)
+    ]
+
+
+def _global_minibatches(batch, n):
+    """The rows minibatch m sees across the 8 devices: each device's m-th block."""
+
+    def split(x):
+        per = x.reshape(DEVICES, n, -1, *x.shape[1:])
+        return [per[:, m].reshape(-1, *x.shape[1:]) for m in range(n)]
+
+    parts = {k: split(v) for k, v in batch.items()}
+    return [{k: parts[k][m] for k in batch} for m in range(n)]
+
+
+def _reference(model, model_state, batches, n, optimizer=OPTIMIZER, trainable=None):
+    """Plain single-device training: minibatches in order, mean gradient."""
+    trainable = eqx.is_inexact_array if trainable is None else trainable
+    params, frozen = eqx.partition(model, trainable)
+    opt_state = optimizer.init(params)
+
+    @jax.jit
+    def grads_of(params, model_state, mb):
+        def loss(p, s):
+            out = bn_loss(eqx.combine(p, frozen), s, mb, None)
+            return out[0], out[2]
+
+        return jax.grad(loss, has_aux=True)(params, model_state)
+
+    for batch in batches:
+        total = None
+        for mb in _global_minibatches(batch, n):
+            g, model_state = grads_of(params, model_state, mb)
+            total = g if total is None else jax.tree.map(jnp.add, total, g)
+        grads = jax.tree.map(lambda g: g / n, total)
+        updates, opt_state = optimizer.update(grads, opt_state, params)
+        params = eqx.apply_updates(params, updates)
+    return eqx.combine(params, frozen), model_state
+
+
+def _max_diff(a, b):
+    la = jax.tree.leaves(eqx.filter(a, eqx.is_array))
+    lb = jax.tree.leaves(eqx.filter(b, eqx.is_array))
+    assert len(la) == len(lb)
+    return max(
+        float(np.max(np.abs(np.asarray(x) - np.asarray(y))))
+        for x, y in zip(la, lb, strict=True)
+    )
+
+
+@pytest.mark.parametrize("strategy", ["dp", "fsdp"])
+@pytest.mark.parametrize("n", [1, 2])
+def test_batchnorm_matches_single_device(mesh8, strategy, n):
+    key = jax.random.key(3)
+    model, model_state = eqx.nn.make_with_state(BNNet)(key, ("batch", "data"))
+    ref_model, ref_state = eqx.nn.make_with_state(BNNet)(key, "batch")
+    batches = _batches()
+    ref_model, ref_state = _reference(ref_model, ref_state, batches, n)
+
+    step = ed.make_train_step(
+        bn_loss,
+        OPTIMIZER,
+        mesh8,
+        strategy=strategy,
+        num_minibatches=n,
+        min_weight_size=16,
+    )
+    state = ed.TrainState.create(
+        model, OPTIMIZER, jax.random.key(0), model_state=model_state
+    )
+    for batch in batches:
+        state, metrics = step(state, batch)
+    assert _max_diff(state.model, ref_model) < 1e-5
+    assert _max_diff(state.model_state, ref_state) < 1e-5
+    # The running statistics moved (they are not the initial zeros/ones), and the
+    # model state comes back replicated.
+    means = [x for x in jax.tree.leaves(state.model_state) if x.ndim == 1]
+    assert any(float(jnp.abs(m).max()) > 1e-3 for m in means)
+    for leaf in jax.tree.leaves(state.model_state):
+        assert leaf.sharding.is_fully_replicated
+    if strategy == "fsdp":
+        assert not state.model.l1.weight.sharding.is_fully_replicated
+    assert np.isfinite(float(metrics["loss"].compute()))
+
+
+def test_model_state_nonfloat_leaves_from_first_device(mesh8):
+    """A per-device counter: floats are averaged, integers taken from device 0."""
+
+    def loss(model, model_state, batch, key):
+        del key
+        index = jax.lax.axis_index("data")
+        new = {"count": model_state["count"] + index, "avg": model_state["avg"] + index}
+        return jnp.mean(jax.vmap(model)(batch["x"])), {}, new
+
+    model = eqx.nn.Linear(8, 1, key=jax.random.key(0))
+    state = ed.TrainState.create(
+        model,
+        optax.sgd(0.1),
+        jax.random.key(0),
+        model_state={"count": jnp.int32(5), "avg": jnp.float32(1.0)},
+    )
+    step = ed.make_train_step(loss, optax.sgd(0.1), mesh8)
+    state, _ = step(state, _batches(steps=1)[0])
+    assert int(state.model_state["count"]) == 5  # device 0 added 0
+    assert float(state.model_state["avg"]) == pytest.approx(1.0 + 3.5)
+
+
+def _mlp_loss(model, batch, key):
+    del key
+    logits = jax.vmap(model)(batch["x"])
+    losses = optax.softmax_cross_entropy_with_integer_labels(logits, batch["y"])
+    return losses.mean(), {"loss": (losses.sum(), losses.shape[0])}
+
+
+@pytest.mark.parametrize("strategy", ["dp", "fsdp"])
+def test_frozen_leaves_never_change(mesh8, strategy):
+    model = eqx.nn.MLP(8, 4, 16, 2, key=jax.random.key(1))
+    trainable = jax.tree.map(lambda _: False, model)
+    trainable = eqx.tree_at(lambda m: m.layers[-1], trainable, True)
+    state = ed.TrainState.create(
+        model, OPTIMIZER, jax.random.key(0), trainable=trainable
+    )
+    # No optimizer state for frozen leaves.
+    mu = state.opt_state[0].mu
+    assert mu.layers[0].weight is None and mu.layers[-1].weight is not None
+    step = ed.make_train_step(
+        _mlp_loss, OPTIMIZER, mesh8, strategy=strategy, min_weight_size=16
+    )
+    batches = _batches()
+    for batch in batches:
+        state, _ = step(state, batch)
+    for frozen_layer in state.model.layers[:-1]:
+        original = model.layers[state.model.layers.index(frozen_layer)]
+        np.testing.assert_array_equal(frozen_layer.weight, original.weight)
+        np.testing.assert_array_equal(frozen_layer.bias, original.bias)
+    if strategy == "fsdp":  # frozen leaves are placed and sharded like the rest
+        assert not state.model.layers[0].weight.sharding.is_fully_replicated
+
+    # The trainable head matches plain optax on one device.
+    params, frozen = eqx.partition(model, trainable)
+    opt_state = OPTIMIZER.init(params)
+    for batch in batches:
+        grads = jax.grad(
+            lambda p, b=batch: _mlp_loss(eqx.combine(p, frozen), b, None)[0]
+        )(params)
+        updates, opt_state = OPTIMIZER.update(grads, opt_state, params)
+        params = eqx.apply_updates(params, updates)
+    assert _max_diff(state.model, eqx.combine(params, frozen)) < 1e-5
+
+
+def test_frozen_leaves_are_inputs_not_constants(mesh8):
+    model = eqx.nn.MLP(8, 4, 256, 1, key=jax.random.key(1))
+    trainable = eqx.tree_at(
+        lambda m: m.layers[0], jax.tree.map(lambda _: True, model), False
+    )
+    state = ed.TrainState.create(
+        model, OPTIMIZER, jax.random.key(0), trainable=trainable
+    )
+    step = ed.make_train_step(_mlp_loss, OPTIMIZER, mesh8)
+    hlo = step.lower(state, _batches(steps=1)[0]).as_text()
+    # A 256x8 frozen weight baked in would appear as a large constant.
+    assert not re.search(r"constant\(.*\{.{2000,}", hlo)
+    n_params = len(jax.tree.leaves(eqx.filter(model, eqx.is_array)))
+    compiled = step.lower(state, _batches(steps=1)[0]).compile()
+    assert compiled.as_text().count("parameter(") >= n_params
+
+
+def test_bf16_compute_close_to_bf16_reference(mesh8):
+    # SGD: Adam would turn tiny bf16 rounding differences into full-size steps.
+    opt = optax.sgd(0.1)
+    model = eqx.nn.MLP(8, 4, 32, 2, key=jax.random.key(2))
+    batches = _batches()
+    for strategy in ["dp", "fsdp"]:
+        step = ed.make_train_step(
+            _mlp_loss,
+            opt,
+            mesh8,
+            strategy=strategy,
+            min_weight_size=16,
+            compute_dtype=jnp.bfloat16,
+        )
+        state = ed.TrainState.create(model, opt, jax.random.key(0))
+        for batch in batches:
+            state, _ = step(state, batch)
+        # float32 master weights and optimizer state.
+        for leaf in jax.tree.leaves(
+            eqx.filter((state.model, state.opt_state), eqx.is_inexact_array)
+        ):
+            assert leaf.dtype == jnp.float32
+
+        params = model
+        opt_state = opt.init(eqx.filter(params, eqx.is_inexact_array))
+
+        def bf16_loss(p, batch):
+            cast = jax.tree.map(
+                lambda x: x.astype(jnp.bfloat16) if eqx.is_inexact_array(x) else x, p
+            )
+            return _mlp_loss(cast, batch, None)[0]
+
+        for batch in batches:
+            grads = eqx.filter_grad(bf16_loss)(params, batch)
+            updates, opt_state = opt.update(
+                grads, opt_state, eqx.filter(params, eqx.is_inexact_array)
+            )
+            params = eqx.apply_updates(params, updates)
+        diff = _max_diff(state.model, params)
+        print(strategy, diff, _max_diff(params, model))
+        assert diff < 5e-3
+        f32 = ed.make_train_step(
+            _mlp_loss, opt, mesh8, strategy=strategy, min_weight_size=16
+        )
+        s32 = ed.TrainState.create(model, opt, jax.random.key(0))
+        for batch in batches:
+            s32, _ = f32(s32, batch)
+        # bf16 differs from float32 training (the cast is real).
+        assert _max_diff(state.model, s32.model) > 1e-6
+
+
+def test_bf16_fsdp_gathers_move_bf16(mesh8):
+    model = eqx.nn.MLP(8, 4, 64, 2, key=jax.random.key(2))
+    state = ed.TrainState.create(model, OPTIMIZER, jax.random.key(0))
+    step = ed.make_train_step(
+        _mlp_loss,
+        OPTIMIZER,
+        mesh8,
+        strategy="fsdp",
+        min_weight_size=16,
+        compute_dtype=jnp.bfloat16,
+    )
+    # The program JAX hands to XLA (XLA:CPU itself computes bf16 collectives in
+    # float32; GPU and TPU keep them bf16).
+    text = step.lower(state, _batches(steps=1)[0]).as_text()
+    collectives = [line for line in text.splitlines() if "stablehlo.all_gather" in line]
+    assert len(collectives) >= 4
+    for line in collectives:
+        assert "xbf16>" in line and "xf32>" not in line, line
+
+
+def _collectives(hlo):
+    """all-gather / reduce-scatter ops executed per step: ops in while bodies count
+    trip-count times."""
+    comps = {}
+    current = None
+    for line in hlo.splitlines():
+        m = re.match(r"^(?:ENTRY )?%?([\w.\-]+) .*\{$", line)
+        if m:
+            current = m.group(1)
+            comps[current] = []
+        elif current is not None:
+            comps[current].append(line)
+    trips = {}
+    for lines in comps.values():
+        for line in lines:
+            m = re.search(r"while\(.*body=%?([\w.\-]+)", line)
+            if m:
+                t = re.search(r'known_trip_count"?[:=]\{"?n"?[:=]"?(\d+)', line)
+                trips[m.group(1)] = int(t.group(1)) if t else 1
+    count = 0
+    for name, lines in comps.items():
+        ops = sum(
+            1
+            for line in lines
+            if re.search(r"(all-gather|reduce-scatter)(-start)?\(", line)
+        )
+        count += ops * trips.get(name, 1)
+    return count
+
+
+def test_fsdp_accumulation_gathers_once(mesh8):
+    model = eqx.nn.MLP(8, 4, 64, 2, key=jax.random.key(2))
+    state = ed.TrainState.create(model, OPTIMIZER, jax.random.key(0))
+    batch = _batches(steps=1)[0]
+    counts = {}
+    for n, gather in [(1, "step"), (4, "step"), (4, "minibatch")]:
+        step = ed.make_train_step(
+            _mlp_loss,
+            OPTIMIZER,
+            mesh8,
+            strategy="fsdp",
+            min_weight_size=16,
+            num_minibatches=n,
+            fsdp_gather=gather,
+        )
+        counts[n, gather] = _collectives(step.lower(state, batch).compile().as_text())
+    assert counts[1, "step"] > 0
+    assert counts[4, "step"] <= counts[1, "step"]
+    assert counts[4, "minibatch"] > counts[4, "step"]
+
+
+@pytest.mark.parametrize("gather", ["step", "minibatch"])
+def test_fsdp_accumulation_values(mesh8, gather):
+    model = eqx.nn.MLP(8, 4, 64, 2, key=jax.random.key(2))
+    batches = _batches()
+    results = []
+    for strategy, n in [("dp", 1), ("fsdp", 4)]:
+        step = ed.make_train_step(
+            _mlp_loss,
+            OPTIMIZER,
+            mesh8,
+            strategy=strategy,
+            min_weight_size=16,
+            num_minibatches=n,
+            fsdp_gather=gather,
+        )
+        state = ed.TrainState.create(model, OPTIMIZER, jax.random.key(0))
+        for batch in batches:
+            state, metrics = step(state, batch)
+        results.append((state.model, metrics))
+    assert _max_diff(results[0][0], results[1][0]) < 1e-5
+    np.testing.assert_allclose(
+        results[0][1]["loss"][0], results[1][1]["loss"][0], rtol=1e-5
+    )
+
+
+def test_train_state_mistakes(mesh8):
+    model = eqx.nn.MLP(8, 4, 16, 2, key=jax.random.key(1))
+    # (Under the jaxtyping hook of the test run its annotation check answers first.)
+    with pytest.raises(TypeError, match=r"step"):
+        ed.TrainState(model, None, 0, jax.random.key(0))
+    with pytest.raises(ValueError, match=r"selects no floating-point array"):
+        ed.TrainState.create(model, OPTIMIZER, jax.random.key(0), trainable=False)
+    state = ed.TrainState.create(model, optax.adam(1e-3), jax.random.key(0))
+    step = ed.make_train_step(
+        _mlp_loss, optax.chain(optax.clip(1.0), optax.adam(1e-3)), mesh8
+    )
+    with pytest.raises(ValueError, match=r"not what this step's optimizer makes"):
+        step(state, _batches(steps=1)[0])
+
+    def string_metrics(model, batch, key):
+        return _mlp_loss(model, batch, key)[0], {"name": "resnet"}
+
+    state = ed.TrainState.create(model, OPTIMIZER, jax.random.key(0))
+    with pytest.raises(TypeError, match=r"metrics leaf \['name'\] is a str"):
+        ed.make_train_step(string_metrics, OPTIMIZER, mesh8)(
+            state, _batches(steps=1)[0]
+        )
+    with pytest.raises(ValueError, match=r"unknown fsdp_gather 'layer'"):
+        ed.make_train_step(_mlp_loss, OPTIMIZER, mesh8, fsdp_gather="layer")
+    with pytest.raises(TypeError, match=r"`compute_dtype` must be a floating-point"):
+        ed.make_train_step(_mlp_loss, OPTIMIZER, mesh8, compute_dtype=jnp.int8)
+
+    def no_state(model, model_state, batch, key):
+        return _mlp_loss(model, batch, key)
+
+    state = ed.TrainState.create(
+        model, OPTIMIZER, jax.random.key(0), model_state={"a": jnp.zeros(2)}
+    )
+    with pytest.raises(TypeError, match=r"\(loss, metrics, new_model_state\)"):
+        ed.make_train_step(no_state, OPTIMIZER, mesh8)(state, _batches(steps=1)[0])
