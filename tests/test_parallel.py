@@ -1,0 +1,215 @@
+"""Parallelism beyond one axis: tuple data axes (HSDP with `fsdp_axis`) and tensor
+parallelism from `param_rules`, each against single-device training written in
+plain Equinox/optax on the same global data."""
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from jax.sharding import PartitionSpec as P
+
+import eqxdist as ed
+
+OPTIMIZER = optax.adamw(1e-2, weight_decay=0.1)
+MEGATRON = (
+    (r"\.up\.weight$", P("model", None)),  # column-parallel: output features
+    (r"\.up\.bias$", P("model")),
+    (r"\.down\.weight$", P(None, "model")),  # row-parallel: input features
+)
+
+
+class Net(eqx.Module):
+    up: eqx.nn.Linear
+    down: eqx.nn.Linear
+    head: eqx.nn.Linear
+
+    def __init__(self, key):
+        k1, k2, k3 = jax.random.split(key, 3)
+        self.up = eqx.nn.Linear(16, 64, key=k1)
+        self.down = eqx.nn.Linear(64, 16, key=k2)
+        self.head = eqx.nn.Linear(16, 4, key=k3)
+
+    def __call__(self, x):
+        return self.head(x + self.down(jax.nn.gelu(self.up(x))))
+
+
+def loss_fn(model, batch, key):
+    del key
+    logits = jax.vmap(model)(batch["x"])
+    losses = optax.softmax_cross_entropy_with_integer_labels(logits, batch["y"])
+    return losses.mean(), {"loss": ed.Mean().update(losses)}
+
+
+def _batches(steps=3, rows=32, seed=0):
+    rng = np.random.default_rng(seed)
+    return [
+        {
+            "x": rng.normal(size=(rows, 16)).astype(np.float32),
+            "y": rng.integers(0, 4, size=rows).astype(np.int32),
+        }
+        for _ in range(steps)
+    ]
+
+
+def _reference(model, batches):
+    params = eqx.filter(model, eqx.is_inexact_array)
+    opt_state = OPTIMIZER.init(params)
+    for batch in batches:
+        grads = eqx.filter_grad(lambda m, b=batch: loss_fn(m, b, None)[0])(model)
+        updates, opt_state = OPTIMIZER.update(grads, opt_state, params)
+        model = eqx.apply_updates(model, updates)
+        params = eqx.filter(model, eqx.is_inexact_array)
+    return model
+
+
+def _max_diff(a, b):
+    pairs = zip(
+        jax.tree.leaves(eqx.filter(a, eqx.is_array)),
+        jax.tree.leaves(eqx.filter(b, eqx.is_array)),
+        strict=True,
+    )
+    return max(float(np.max(np.abs(np.asarray(x) - np.asarray(y)))) for x, y in pairs)
+
+
+@pytest.fixture(scope="module")
+def reference():
+    return _reference(Net(jax.random.key(0)), _batches())
+
+
+def _train(step):
+    state = ed.TrainState.create(Net(jax.random.key(0)), OPTIMIZER, jax.random.key(1))
+    for batch in _batches():
+        state, metrics = step(state, batch)
+    return state, metrics
+
+
+@pytest.mark.parametrize("strategy", ["dp", "fsdp"])
+def test_replica_and_data_axes(reference, strategy):
+    mesh = ed.create_device_mesh({"replica": 2, "data": 4})
+    step = ed.make_train_step(
+        loss_fn,
+        OPTIMIZER,
+        mesh,
+        strategy=strategy,
+        data_axis=("replica", "data"),
+        min_weight_size=64,
+    )
+    state, metrics = _train(step)
+    assert _max_diff(state.model, reference) < 1e-5
+    if strategy == "fsdp":
+        # HSDP: sharded over "data" (4 ways), replicated over "replica".
+        spec = step.state_specs(state).model.up.weight
+        assert spec == P(None, "data") or spec == P("data", None)
+        assert state.model.up.weight.sharding.spec == spec
+        shard = state.model.up.weight.addressable_shards[0].data
+        assert shard.size == state.model.up.weight.size // 4
+    expected = float(np.mean([loss_fn(reference, b, None)[0] for b in _batches()[-1:]]))
+    assert np.isfinite(float(metrics["loss"].compute())) and expected > 0
+
+
+@pytest.mark.parametrize("strategy", ["dp", "fsdp"])
+def test_megatron_rules(reference, strategy):
+    mesh = ed.create_device_mesh({"data": 4, "model": 2})
+    step = ed.make_train_step(
+        loss_fn,
+        OPTIMIZER,
+        mesh,
+        strategy=strategy,
+        param_rules=MEGATRON,
+        min_weight_size=64,
+    )
+    state, _ = _train(step)
+    assert _max_diff(state.model, reference) < 1e-5
+    specs = step.state_specs(state)
+    up, down = specs.model.up.weight, specs.model.down.weight
+    if strategy == "dp":
+        assert up == P("model", None) and down == P(None, "model")
+        assert specs.model.head.weight == P()
+    else:
+        assert up == P("model", "data") and down == P("data", "model")
+        # A ruled + FSDP leaf holds 1/8 of its bytes per device.
+        leaf = state.model.up.weight
+        assert leaf.addressable_shards[0].data.nbytes * 8 == leaf.nbytes
+    assert specs.model.up.bias == P("model")
+    # Optimizer state follows its parameters, placed that way.
+    mu = state.opt_state[0].mu
+    assert specs.opt_state[0].mu.up.weight == up
+    assert mu.up.weight.sharding.spec == up
+    assert state.model.down.weight.sharding.spec == down
+
+
+def test_rules_with_tuple_axes_and_eval(reference):
+    mesh = ed.create_device_mesh({"replica": 2, "data": 2, "model": 2})
+    layout = dict(
+        strategy="fsdp",
+        data_axis=("replica", "data"),
+        param_rules=MEGATRON,
+        min_weight_size=64,
+    )
+    step = ed.make_train_step(loss_fn, OPTIMIZER, mesh, **layout)
+    state, _ = _train(step)
+    assert _max_diff(state.model, reference) < 1e-5
+
+    def eval_fn(model, batch, mask):
+        logits = jax.vmap(model)(batch["x"])
+        return {"accuracy": ed.Accuracy().update(logits, batch["y"], mask)}
+
+    evaluate = ed.make_eval_step(eval_fn, mesh, **layout)
+    batch = _batches(steps=1, rows=13, seed=5)[0]
+    got = float(evaluate(state, batch)["accuracy"].compute())
+    logits = jax.vmap(reference)(batch["x"])
+    assert got == pytest.approx(np.mean(np.argmax(logits, -1) == batch["y"]))
+
+
+def test_rule_mistakes():
+    mesh = ed.create_device_mesh({"data": 4, "model": 2})
+    state = ed.TrainState.create(Net(jax.random.key(0)), OPTIMIZER, jax.random.key(1))
+    batch = _batches(steps=1)[0]
+
+    def make(rules, **kw):
+        return ed.make_train_step(loss_fn, OPTIMIZER, mesh, param_rules=rules, **kw)
+
+    with pytest.raises(ValueError, match=r"'tensor'.*not an axis of the mesh"):
+        make([(r"up", P("tensor"))])
+    with pytest.raises(ValueError, match=r"names the data axis 'data'"):
+        make([(r"up", P("data"))])
+    with pytest.raises(ValueError, match=r"not a valid regular expression"):
+        make([(r"up[", P("model"))])
+    with pytest.raises(TypeError, match=r"param_rules"):
+        make([(r"up",)])
+    with pytest.raises(ValueError, match=r"pattern 'attention' matches no array"):
+        make([(r"attention", P("model"))]).state_specs(state)
+    with pytest.raises(
+        ValueError,
+        match=r"dimension 0 of \.head\.weight .*size 3, not divisible by the 4",
+    ):
+        ed.make_train_step(
+            loss_fn,
+            OPTIMIZER,
+            ed.create_device_mesh({"data": 2, "model": 4}),
+            data_axis="data",
+            param_rules=[(r"head\.weight", P("model"))],
+        ).state_specs(
+            ed.TrainState.create(
+                eqx.tree_at(
+                    lambda n: n.head,
+                    Net(jax.random.key(0)),
+                    eqx.nn.Linear(16, 3, key=jax.random.key(2)),
+                ),
+                OPTIMIZER,
+                jax.random.key(1),
+            )
+        )
+    with pytest.raises(ValueError, match=r"more entries than the leaf has dim"):
+        make([(r"up\.bias", P(None, "model"))]).state_specs(state)
+    with pytest.raises(ValueError, match=r"`fsdp_axis`='model' is not one of the data"):
+        make((), strategy="fsdp", fsdp_axis="model")
+    with pytest.raises(ValueError, match=r"only applies to strategy='fsdp'"):
+        make((), fsdp_axis="data")
+    with pytest.raises(ValueError, match=r"'batch' is not an axis of the mesh"):
+        ed.make_train_step(loss_fn, OPTIMIZER, mesh, data_axis=("data", "batch"))
+    # The step itself reports rule mistakes before compiling.
+    with pytest.raises(ValueError, match=r"matches no array"):
+        make([(r"nothing", P("model"))])(state, batch)
