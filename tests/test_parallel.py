@@ -4,7 +4,6 @@ plain Equinox/optax on the same global data."""
 
 import equinox as eqx
 import jax
-import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
