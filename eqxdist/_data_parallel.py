@@ -26,15 +26,20 @@ from ._utils import (
 
 
 @typecheck
-def create_data_parallel_sharding(mesh: Mesh, data_axis: str = "data") -> NamedSharding:
+def create_data_parallel_sharding(
+    mesh: Mesh, data_axis: AxisName = "data"
+) -> NamedSharding:
     """The sharding that splits arrays along their first (batch) dimension over
-    `data_axis`: `NamedSharding(mesh, P(data_axis))`.
+    `data_axis`: `NamedSharding(mesh, P(data_axis))`. A tuple of axes splits the
+    rows over all of them, in mesh order (e.g. `("replica", "data")` for HSDP).
 
     **Raises:**
 
-    `ValueError` naming the mesh's axes if `data_axis` is not one of them.
+    `ValueError` naming the mesh's axes if an axis of `data_axis` is not one of
+    them.
     """
-    check_axis_in_mesh(mesh, data_axis, "create_data_parallel_sharding", "data_axis")
+    for axis in axis_names(data_axis):
+        check_axis_in_mesh(mesh, axis, "create_data_parallel_sharding", "data_axis")
     return NamedSharding(mesh, P(data_axis))
 
 

@@ -2,6 +2,10 @@
 parallelism from `param_rules`, each against single-device training written in
 plain Equinox/optax on the same global data."""
 
+import subprocess
+import sys
+from pathlib import Path
+
 import equinox as eqx
 import jax
 import numpy as np
@@ -50,6 +54,11 @@ def _batches(steps=3, rows=32, seed=0):
         }
         for _ in range(steps)
     ]
+
+
+def hsdp_batches():
+    """The global batches of the multi-process test (32 rows, 16 per process)."""
+    return _batches(steps=3, rows=32, seed=7)
 
 
 def _reference(model, batches):
@@ -212,3 +221,64 @@ def test_rule_mistakes():
     # The step itself reports rule mistakes before compiling.
     with pytest.raises(ValueError, match=r"matches no array"):
         make([(r"nothing", P("model"))])(state, batch)
+
+
+def test_hsdp_across_processes(tmp_path):
+    """2 processes x 4 devices, the replica axis across processes, each passing
+    its own rows: the same parameters as 1 process x 8 devices."""
+    scripts = Path(__file__).parent / "mp_scripts"
+    result = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "eqxdist.launch",
+            "-n",
+            "2",
+            "-d",
+            "4",
+            str(scripts / "mp_hsdp.py"),
+            str(tmp_path),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    mesh = ed.create_device_mesh({"replica": 2, "data": 4})
+    for strategy in ("dp", "fsdp"):
+        step = ed.make_train_step(
+            loss_fn,
+            OPTIMIZER,
+            mesh,
+            strategy=strategy,
+            data_axis=("replica", "data"),
+            min_weight_size=64,
+        )
+        state = ed.TrainState.create(
+            Net(jax.random.key(0)), OPTIMIZER, jax.random.key(1)
+        )
+        for batch in hsdp_batches():
+            state, _ = step(state, batch)
+        saved = np.load(tmp_path / f"{strategy}.npz")
+        leaves = jax.tree_util.tree_flatten_with_path(
+            eqx.filter(state.model, eqx.is_array)
+        )[0]
+        assert len(saved.files) == len(leaves)
+        for path, leaf in leaves:
+            np.testing.assert_allclose(
+                saved[jax.tree_util.keystr(path)], np.asarray(leaf), atol=1e-6
+            )
+
+
+def test_shard_batch_over_tuple_axes(rng):
+    mesh = ed.create_device_mesh({"replica": 2, "data": 4})
+    sharding = ed.create_data_parallel_sharding(mesh, ("replica", "data"))
+    assert sharding.spec == P(("replica", "data"))
+    x = rng.normal(size=(16, 3)).astype(np.float32)
+    placed = ed.shard_batch({"x": x}, sharding)["x"]
+    # Row block i lives on the i-th device in mesh order (replica-major).
+    for i, device in enumerate(mesh.devices.flat):
+        (shard,) = [s for s in placed.addressable_shards if s.device == device]
+        np.testing.assert_array_equal(shard.data, x[2 * i : 2 * i + 2])
+    with pytest.raises(ValueError, match=r"'batch' is not an axis of the mesh"):
+        ed.create_data_parallel_sharding(mesh, ("replica", "batch"))
