@@ -21,7 +21,7 @@ This module also holds the input checks that every metric's `update` shares
 import dataclasses
 import enum
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any, Self, TypeVar
+from typing import Any, TypeVar
 
 import equinox as eqx
 import jax
@@ -217,6 +217,9 @@ def _add_carried(
 # --------------------------------------------------------------- accumulator
 
 
+_A = TypeVar("_A", bound="MetricAccumulator")
+
+
 class MetricAccumulator(eqx.Module):
     """One linearly additive piece of metric state, with a *local* and a
     *synchronized* version (d9d's `MetricAccumulator`).
@@ -366,7 +369,7 @@ class MetricAccumulator(eqx.Module):
             return second.astype(dtype) * scale + main.astype(dtype)
         return main.astype(dtype) + second.astype(dtype)
 
-    def update(self, value: ArrayLike) -> Self:
+    def update(self: _A, value: ArrayLike) -> _A:
         """Fold `value` into the local state (add for `"sum"`, elementwise max/min
         otherwise) and mark the accumulator unsynchronized.
 
@@ -389,7 +392,7 @@ class MetricAccumulator(eqx.Module):
             )
         return self._unsynchronized(_COMBINE[self.reduce_op](self.local, value))
 
-    def merge(self, other: "MetricAccumulator") -> Self:
+    def merge(self: _A, other: "MetricAccumulator") -> _A:
         """Combine the local states of two accumulators (e.g. two minibatches') with
         the reduce op; the result is unsynchronized.
 
@@ -411,7 +414,7 @@ class MetricAccumulator(eqx.Module):
             )
         return self._merged_local(other)
 
-    def sync(self, axis_name: AxisName | None = "data") -> Self:
+    def sync(self: _A, axis_name: AxisName | None = "data") -> _A:
         """Reduce the local states of every device along `axis_name`, inside
         `jax.shard_map`; `value` becomes that reduction (replicated over the axis),
         `local` is unchanged.
@@ -434,7 +437,7 @@ class MetricAccumulator(eqx.Module):
         (synced,) = sync_accumulators([self], axis_name, f"{type(self).__name__}.sync")
         return synced
 
-    def reset(self) -> Self:
+    def reset(self: _A) -> _A:
         """Back to the initial value, unsynchronized.
 
         Inside `jax.shard_map` the result varies over the same mesh axes as `local`,
@@ -466,7 +469,7 @@ class MetricAccumulator(eqx.Module):
         }
         return {key: arr for key, arr in state.items() if arr is not None}
 
-    def load_state_dict(self, state_dict: Mapping[str, ArrayLike]) -> Self:
+    def load_state_dict(self: _A, state_dict: Mapping[str, ArrayLike]) -> _A:
         """An accumulator like this one (same initial value, reduce op and
         compensation) holding `state_dict` (from `state_dict()`); synchronized if it
         has a `"synchronized"` entry. A missing second word (`"local_lo"`,
@@ -554,7 +557,7 @@ class MetricAccumulator(eqx.Module):
             )
         return self.local, self.local_lo if self.local_lo is not None else self.local_hi
 
-    def _merged_local(self, other: "MetricAccumulator") -> Self:
+    def _merged_local(self: _A, other: "MetricAccumulator") -> _A:
         if self.local_lo is not None and other.local_lo is not None:
             return self._unsynchronized(
                 *add_pairs(self.local, self.local_lo, other.local, other.local_lo)
@@ -565,8 +568,8 @@ class MetricAccumulator(eqx.Module):
             )
         return self._unsynchronized(_COMBINE[self.reduce_op](self.local, other.local))
 
-    def _unsynchronized(self, local: Array, second: Array | None = None) -> Self:
-        out: Self = replace_fields(
+    def _unsynchronized(self: _A, local: Array, second: Array | None = None) -> _A:
+        out: _A = replace_fields(
             self,
             local=local,
             local_lo=second if self.local_lo is not None else None,
@@ -577,8 +580,8 @@ class MetricAccumulator(eqx.Module):
         )
         return out
 
-    def _synchronized(self, synchronized: Array, second: Array | None = None) -> Self:
-        out: Self = replace_fields(
+    def _synchronized(self: _A, synchronized: Array, second: Array | None = None) -> _A:
+        out: _A = replace_fields(
             self,
             synchronized=synchronized,
             synchronized_lo=second if self.local_lo is not None else None,
@@ -586,12 +589,12 @@ class MetricAccumulator(eqx.Module):
         )
         return out
 
-    def _synchronized_as_local(self) -> Self:
+    def _synchronized_as_local(self: _A) -> _A:
         """The synchronized state as the (unsynchronized) local one."""
         main, second = self._words(self.synchronized is not None)
         return self._unsynchronized(main, second)
 
-    def _synchronized_from_local(self) -> Self:
+    def _synchronized_from_local(self: _A) -> _A:
         """Global mode: the local state is already every device's."""
         return self._synchronized(*self._words(False))
 
@@ -604,7 +607,7 @@ class MetricAccumulator(eqx.Module):
             return [self.local, self.local_hi]
         return [self.local]
 
-    def _from_sync_parts(self, parts: Sequence[Array]) -> Self:
+    def _from_sync_parts(self: _A, parts: Sequence[Array]) -> _A:
         if self.local_lo is not None:
             top, bottom, lo = parts
             return self._synchronized(*add_pairs(top, jnp.zeros_like(lo), bottom, lo))
@@ -612,6 +615,9 @@ class MetricAccumulator(eqx.Module):
             return self._synchronized(*_carry(*parts))
         (reduced,) = parts
         return self._synchronized(reduced)
+
+
+_FA = TypeVar("_FA", bound="FoldAccumulator")
 
 
 class FoldAccumulator(MetricAccumulator):
@@ -639,7 +645,7 @@ class FoldAccumulator(MetricAccumulator):
         super().__init__(initial_value, "sum")
         self.fold = fold
 
-    def update(self, value: ArrayLike) -> Self:
+    def update(self: _FA, value: ArrayLike) -> _FA:
         """`fold(local, value)`, unsynchronized."""
         value = self._checked(value, f"{type(self).__name__}.update")
         return self._unsynchronized(self.fold(self.local, value))
@@ -647,7 +653,7 @@ class FoldAccumulator(MetricAccumulator):
     def _signature(self) -> tuple[Any, ...]:
         return (*super()._signature(), self.fold)
 
-    def _merged_local(self, other: MetricAccumulator) -> Self:
+    def _merged_local(self: _FA, other: MetricAccumulator) -> _FA:
         return self._unsynchronized(self.fold(self.local, other.local))
 
     def _sync_parts(self, names: tuple[str, ...]) -> list[Array]:
@@ -657,7 +663,7 @@ class FoldAccumulator(MetricAccumulator):
         rows = jnp.zeros((size, *self.local.shape), self.local.dtype)
         return [rows.at[jax.lax.axis_index(names)].set(self.local)]
 
-    def _from_sync_parts(self, parts: Sequence[Array]) -> Self:
+    def _from_sync_parts(self: _FA, parts: Sequence[Array]) -> _FA:
         (rows,) = parts
 
         def body(carry: Array, row: Array) -> tuple[Array, None]:
@@ -702,9 +708,6 @@ def check_axis_name(axis_name: Any, caller: str) -> None:
             f"{caller}: `axis_name` must be a mesh axis name (a string such as "
             f"'data'), a tuple of names, or None for global mode; got {axis_name!r}."
         )
-
-
-_A = TypeVar("_A", bound=MetricAccumulator)
 
 
 def sync_accumulators(
