@@ -72,7 +72,7 @@ def check_range(
     if bad.any():
         index = tuple(int(i) for i in np.argwhere(bad)[0])
         raise ValueError(
-            f"{caller}: `{argument}`{list(index)} is {values[index]!r}, outside "
+            f"{caller}: `{argument}`{list(index)} is {values[index].item()!r}, outside "
             f"[{low:g}, {high:g}]; {fix}"
         )
 

@@ -142,7 +142,7 @@ class _ConfusionCounts(Metric):
         """Recall of these counts (see `Recall`)."""
         return self._view("recall", 1.0, average)
 
-    def fbeta(self, beta: float = 1.0, average: str | None = "macro") -> Array:
+    def fbeta(self, beta: float | int = 1.0, average: str | None = "macro") -> Array:
         """F-beta score of these counts (see `FBetaScore`); `beta=1` is F1."""
         return self._view(
             "fbeta", _check_beta(beta, f"{type(self).__name__}.fbeta"), average
@@ -234,7 +234,9 @@ class FBetaScore(_ConfusionCounts):
     beta: float = eqx.field(static=True)
     average: str | None = eqx.field(static=True)
 
-    def __init__(self, num_classes: int, beta: float, average: str | None = "macro"):
+    def __init__(
+        self, num_classes: int, beta: float | int, average: str | None = "macro"
+    ):
         super().__init__(num_classes)
         name = type(self).__name__
         self.beta = _check_beta(beta, name)
