@@ -14,8 +14,7 @@ device's, or this minibatch's) and a *synchronized* one (every device's, after
 `sync_accumulators` reduces any number of accumulators with one collective per
 (`ReduceOp`, dtype); every accumulator contributes "sync parts" to those groups.
 
-This module also holds the input checks that every metric's `update` shares
-(`as_array`, `cast_into`, `check_broadcast`, `state_dtype`, `count_dtype`).
+The checks of metric inputs live in `_metric_inputs.py`.
 """
 
 import dataclasses
@@ -29,6 +28,7 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, ArrayLike, DTypeLike
 
+from ._metric_inputs import as_array, cast_into, check_broadcast
 from ._utils import AxisName, check_axis_bound
 
 
@@ -59,93 +59,6 @@ CARRY_BITS = 16
 """A carried integer sum keeps its low word in `[0, 2**CARRY_BITS)` and counts
 carries in its high word. 16 bits: the low words of up to 32767 devices add up
 in one int32 all-reduce without overflow, and int32 high words reach 2**47."""
-
-
-# ----------------------------------------------------------------- input checks
-
-
-def as_array(x: Any, caller: str, argument: str) -> Array:
-    """`x` as a JAX array of numbers or booleans, or a `TypeError` naming
-    `argument`."""
-    if x is None:
-        raise TypeError(
-            f"{caller}: `{argument}` must be an array of numbers or booleans, got None."
-        )
-    try:
-        arr = jnp.asarray(x)
-    except TypeError:
-        arr = None
-    if arr is None or not (
-        jnp.issubdtype(arr.dtype, jnp.number) or jnp.issubdtype(arr.dtype, jnp.bool_)
-    ):
-        seen = np.asarray(x).dtype if arr is None else arr.dtype
-        raise TypeError(
-            f"{caller}: `{argument}` must hold numbers or booleans, got dtype {seen} "
-            f"({type(x).__name__})."
-        )
-    return arr
-
-
-def cast_into(x: Array, dtype: jnp.dtype, caller: str, argument: str) -> Array:
-    """`x` as `dtype`, refusing casts that change its kind (floats into an integer
-    state would be silently truncated)."""
-    if not jnp.can_cast(x.dtype, dtype, casting="same_kind"):
-        raise TypeError(
-            f"{caller}: `{argument}` has dtype {x.dtype}, which cannot be folded into "
-            f"a state of dtype {dtype} without truncation; construct the metric with "
-            "a matching dtype."
-        )
-    return x.astype(dtype)
-
-
-def check_broadcast(
-    x: Array, shape: tuple[int, ...], caller: str, argument: str, target: str
-) -> Array:
-    """`x` broadcast to `shape`, which must not grow (a value may not be counted
-    several times)."""
-    try:
-        fits = jnp.broadcast_shapes(x.shape, shape) == shape
-    except ValueError:
-        fits = False
-    if not fits:
-        raise ValueError(
-            f"{caller}: `{argument}` of shape {x.shape} does not broadcast to the "
-            f"shape of {target}, {shape}."
-        )
-    return jnp.broadcast_to(x, shape)
-
-
-def state_dtype(dtype: Any, caller: str, *, kinds: str = "numeric") -> jnp.dtype:
-    """The dtype of a metric's state: `None` is JAX's default float (float32, or
-    float64 with x64). `kinds` is `"numeric"` (integers or floats) or `"float"`."""
-    try:
-        resolved = jnp.dtype(
-            jax.dtypes.canonicalize_dtype(float if dtype is None else dtype)
-        )
-    except TypeError:
-        resolved = None
-    wanted = "a float dtype" if kinds == "float" else "an integer or float dtype"
-    ok = resolved is not None and (
-        jnp.issubdtype(resolved, jnp.floating)
-        or (kinds != "float" and jnp.issubdtype(resolved, jnp.integer))
-    )
-    if not ok:
-        raise TypeError(
-            f"{caller}: `dtype` must be {wanted} (e.g. jnp.float32), got {dtype!r}."
-        )
-    assert resolved is not None
-    return resolved
-
-
-def count_dtype() -> jnp.dtype:
-    """JAX's default integer (int32, or int64 with x64): the words of a count."""
-    return jnp.dtype(jax.dtypes.canonicalize_dtype(int))
-
-
-def is_concrete(x: Any) -> bool:
-    """Whether `x`'s values are known now (not a tracer), so they can be checked at
-    trace time."""
-    return not isinstance(x, jax.core.Tracer)
 
 
 def replace_fields(module: Any, **changes: Any) -> Any:

@@ -17,16 +17,13 @@ import equinox as eqx
 import jax.numpy as jnp
 from jaxtyping import Array, ArrayLike, DTypeLike
 
-from ._accumulator import (
-    FoldAccumulator,
-    MetricAccumulator,
-    ReduceOp,
+from ._accumulator import FoldAccumulator, MetricAccumulator, ReduceOp, two_sum
+from ._metric_inputs import (
     as_array,
     cast_into,
     check_broadcast,
     count_dtype,
     state_dtype,
-    two_sum,
 )
 from ._metrics import Metric
 

@@ -22,91 +22,20 @@ in a wrong cell).
 import equinox as eqx
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jaxtyping import Array, ArrayLike
 
-from ._accumulator import (
-    MetricAccumulator,
-    as_array,
-    check_broadcast,
-    count_dtype,
-    is_concrete,
-)
+from ._accumulator import MetricAccumulator
 from ._aggregation import Mean
+from ._metric_inputs import (
+    as_array,
+    check_range,
+    class_predictions,
+    count_dtype,
+    count_true,
+    counted_mask,
+    integer_labels,
+)
 from ._metrics import Metric
-
-
-def counted_mask(mask: ArrayLike | None, shape: tuple[int, ...], caller: str) -> Array:
-    """The boolean mask of the examples to count (all when `mask` is `None`)."""
-    if mask is None:
-        return jnp.ones(shape, bool)
-    mask = as_array(mask, caller, "mask")
-    return check_broadcast(mask, shape, caller, "mask", "`labels`") != 0
-
-
-def integer_labels(labels: ArrayLike, caller: str) -> Array:
-    labels = as_array(labels, caller, "labels")
-    if not (jnp.issubdtype(labels.dtype, jnp.integer) or labels.dtype == jnp.bool_):
-        raise TypeError(
-            f"{caller}: `labels` must be integer class labels, got dtype "
-            f"{labels.dtype}."
-        )
-    return labels
-
-
-def check_range(
-    x: Array,
-    counted: Array,
-    low: float | int,
-    high: float | int,
-    caller: str,
-    argument: str,
-    fix: str,
-) -> None:
-    """When `x` and `counted` are known now: a `ValueError` naming the first counted
-    value of `x` outside `[low, high]` (NaN included)."""
-    if not (is_concrete(x) and is_concrete(counted)):
-        return
-    values = np.asarray(x)
-    bad = np.asarray(counted) & ~((values >= low) & (values <= high))
-    if bad.any():
-        index = tuple(int(i) for i in np.argwhere(bad)[0])
-        raise ValueError(
-            f"{caller}: `{argument}`{list(index)} is {values[index].item()!r}, outside "
-            f"[{low:g}, {high:g}]; {fix}"
-        )
-
-
-def class_predictions(
-    preds: ArrayLike, labels: Array, num_classes: int | None, caller: str
-) -> Array:
-    """Integer predictions of `labels`' shape: integer input as it is, float scores
-    (one more trailing axis) through `argmax`."""
-    preds = as_array(preds, caller, "logits_or_predictions")
-    if jnp.issubdtype(preds.dtype, jnp.floating):
-        if preds.ndim != labels.ndim + 1 or preds.shape[:-1] != labels.shape:
-            raise ValueError(
-                f"{caller}: float `logits_or_predictions` of shape {preds.shape} "
-                f"must have the shape of `labels` {labels.shape} plus a trailing "
-                "class axis; pass integer class predictions of shape "
-                f"{labels.shape} instead to compare them directly."
-            )
-        if num_classes is not None and preds.shape[-1] != num_classes:
-            raise ValueError(
-                f"{caller}: float `logits_or_predictions` have {preds.shape[-1]} "
-                f"classes on their last axis, expected num_classes={num_classes}."
-            )
-        return jnp.argmax(preds, axis=-1)
-    if preds.shape != labels.shape:
-        raise ValueError(
-            f"{caller}: integer `logits_or_predictions` of shape {preds.shape} "
-            f"must have the shape of `labels`, {labels.shape}."
-        )
-    return preds
-
-
-def _count(x: Array, where: Array | None = None) -> Array:
-    return jnp.sum(x if where is None else x & where, dtype=count_dtype())
 
 
 class Accuracy(Metric):
@@ -205,8 +134,8 @@ class Accuracy(Metric):
             check_range(labels, counted, 0, num_classes - 1, caller, "labels", fix)
         return self._with_children(
             {
-                "correct": self.correct.update(_count(hits, counted)),
-                "total": self.total.update(_count(counted)),
+                "correct": self.correct.update(count_true(hits, counted)),
+                "total": self.total.update(count_true(counted)),
             }
         )
 

@@ -15,10 +15,11 @@ import equinox as eqx
 import jax.numpy as jnp
 from jaxtyping import Array, ArrayLike
 
-from ._accumulator import MetricAccumulator, count_dtype
-from ._classification import (
+from ._accumulator import MetricAccumulator
+from ._metric_inputs import (
     check_range,
     class_predictions,
+    count_dtype,
     counted_mask,
     integer_labels,
 )
