@@ -112,6 +112,10 @@ def _split_for_psum(hi: Array) -> tuple[Array, Array]:
     return top, jnp.where(finite, hi - top, jnp.zeros_like(hi))
 
 
+def _can_carry(dtype: jnp.dtype) -> bool:
+    return jnp.issubdtype(dtype, jnp.signedinteger) and jnp.iinfo(dtype).bits >= 32
+
+
 def _carry(lo: Array, hi: Array) -> tuple[Array, Array]:
     """Renormalise a carried integer `hi * 2**CARRY_BITS + lo` so that `lo` is in
     `[0, 2**CARRY_BITS)` (an arithmetic shift and a mask: right for negative `lo`
@@ -177,7 +181,8 @@ class MetricAccumulator(eqx.Module):
 
     `ValueError` for an unknown `reduce_op`, or `compensated=True` with a reduce op
     other than `"sum"`; `TypeError` for a missing (`None`), boolean or non-numeric
-    `initial_value`.
+    `initial_value`, or `compensated=True` with an unsigned integer or one narrower
+    than 32 bits.
 
     !!! Example
 
@@ -230,6 +235,12 @@ class MetricAccumulator(eqx.Module):
                 f"{self.reduce_op.value!r}."
             )
         floating = jnp.issubdtype(initial.dtype, jnp.floating)
+        if compensated and not floating and not _can_carry(initial.dtype):
+            raise TypeError(
+                "MetricAccumulator: a carried integer sum (`compensated=True`) needs "
+                f"signed 32- or 64-bit words, got dtype {initial.dtype}; use "
+                "jnp.int32."
+            )
         self.initial = initial
         self.synchronized = None
         self.synchronized_lo = None
@@ -265,9 +276,10 @@ class MetricAccumulator(eqx.Module):
         info = jnp.iinfo(main.dtype)
         limit = 1 << (info.bits - 1 - CARRY_BITS)
         exact = (second << CARRY_BITS) + main
+        highest, lowest = (jnp.asarray(v, main.dtype) for v in (info.max, info.min))
         return jnp.where(
-            second >= limit, info.max, jnp.where(second < -limit, info.min, exact)
-        ).astype(main.dtype)
+            second >= limit, highest, jnp.where(second < -limit, lowest, exact)
+        )
 
     def value_as(self, dtype: DTypeLike) -> Array:
         """`value` converted to `dtype` from the full state: a carried integer sum

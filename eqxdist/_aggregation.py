@@ -86,7 +86,12 @@ class Sum(Metric):
     ):
         dtype = state_dtype(dtype, "Sum")
         self.nan_strategy = check_nan_strategy(nan_strategy, "Sum")
-        self.total = MetricAccumulator(jnp.zeros((), dtype), compensated=True)
+        # Unsigned or narrow integers do not carry; they sum in their own dtype.
+        signed = jnp.issubdtype(dtype, jnp.signedinteger)
+        wide = jnp.issubdtype(dtype, jnp.floating) or (
+            signed and jnp.iinfo(dtype).bits >= 32
+        )
+        self.total = MetricAccumulator(jnp.zeros((), dtype), compensated=wide)
 
     def update(self, values: ArrayLike) -> "Sum":
         """Add `values.sum()` (any shape, empty included)."""

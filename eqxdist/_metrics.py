@@ -52,7 +52,8 @@ class Metric(eqx.Module):
     Subclasses implement `update` (returning a new metric) and `compute`; `merge`,
     `sync`, `reduce`, `reset`, `state_dict` and `load_state_dict` come from the
     accumulators. Store sums and counts, never running averages, so that states of
-    different devices and minibatches combine exactly.
+    different devices and minibatches combine exactly (or, for a state whose merge
+    is not a sum, a `FoldAccumulator` with an exact associative merge).
 
     !!! Example
 

@@ -91,6 +91,11 @@ CASES = [
         TypeError,
         r"`values` has dtype float32.*int32",
     ),
+    (
+        lambda: ed.MetricAccumulator(jnp.int8(0), compensated=True),
+        TypeError,
+        r"carried integer sum .* needs signed 32- or 64-bit words, got dtype int8",
+    ),
     # axis names
     (
         lambda: ed.Sum().sync(3),

@@ -228,16 +228,20 @@ def test_counts_past_2_pow_31_stay_exact(mesh8):
     cm = ed.ConfusionMatrix(3).update(preds, labels)
     mean = ed.Mean().update(np.ones(2**16, np.float32), np.ones(2**16, bool))
     total = ed.Sum(jnp.int32).update(np.full(2**16, 3, np.int32))
+    negative = ed.Sum(jnp.int32).update(np.full(2**16, -3, np.int32))
     correct = int(np.sum(preds == labels))
     for _ in range(17):  # 2**16 * 2**17 = 2**33 examples
         acc, cm, mean = acc.merge(acc), cm.merge(cm), mean.merge(mean)
-        total = total.merge(total)
+        total, negative = total.merge(total), negative.merge(negative)
     assert int(_exact(acc.total)) == 2**33
     assert int(_exact(acc.correct)) == correct * 2**17
     np.testing.assert_allclose(acc.compute(), correct / 2**16, rtol=1e-7)
     assert int(_exact(mean.count)) == 2**33 and float(mean.compute()) == 1.0
     assert int(_exact(total.total)) == 3 * 2**33
     assert int(total.compute()) == 2**31 - 1  # saturated, never wrapped
+    assert int(_exact(negative.total)) == -3 * 2**33
+    assert int(negative.compute()) == -(2**31)
+    assert float(negative.total.value_as(jnp.float32)) == -3 * 2.0**33
     cells = _exact(cm.counts)
     np.testing.assert_array_equal(
         cells, skm.confusion_matrix(labels, preds).astype(np.int64) << 17
