@@ -1,6 +1,6 @@
-"""Classification metrics: `Accuracy` (top-k), the confusion-matrix family
-(`ConfusionMatrix`, `Precision`, `Recall`, `F1Score`, `FBetaScore`), `AUROC` and
-`Perplexity`.
+"""Classification metrics: `Accuracy` (top-k), `AUROC` and `Perplexity`; the
+confusion-matrix family (`ConfusionMatrix`, `Precision`, `Recall`, `F1Score`,
+`FBetaScore`) is in `_confusion.py`.
 
 Every count here is a carried integer sum (see `MetricAccumulator`): exact to
 2**47 and never wrapping, synced in the one (sum, int) all-reduce of a collection.

@@ -9,7 +9,7 @@ what `compute()` returns, and each can give every other view of its counts
 and `zero_division=0`.
 """
 
-from typing import Any
+from typing import Any, TypeVar
 
 import equinox as eqx
 import jax.numpy as jnp
@@ -26,6 +26,8 @@ from ._metric_inputs import (
 from ._metrics import Metric
 
 AVERAGES = ("micro", "macro", "weighted", "binary", None)
+
+_C = TypeVar("_C", bound="_ConfusionCounts")
 
 
 def _check_num_classes(num_classes: Any, caller: str) -> int:
@@ -93,11 +95,11 @@ class _ConfusionCounts(Metric):
         self.counts = MetricAccumulator(zeros, compensated=True)
 
     def update(
-        self,
+        self: _C,
         logits_or_predictions: ArrayLike,
         labels: ArrayLike,
         mask: ArrayLike | None = None,
-    ) -> Any:
+    ) -> _C:
         """Count a batch: `labels` integer classes of any shape;
         `logits_or_predictions` integer predictions of `labels`' shape, or float
         scores with a trailing axis of `num_classes` (argmax); `mask` broadcastable
