@@ -19,8 +19,9 @@ what each device sends on a ring (`sent B`: `2(p-1)/p` x size for an all-reduce,
 `(p-1)/p` x result size for an all-gather), and the median wall time of one jitted
 step (each call blocked on, so one step is in flight at a time). The per-state
 row can move fewer bytes than the grouped one: XLA drops the all-reduce of a state
-that is still a constant (e.g. a `Mean`'s float weight when only masks were given),
-which it cannot do once that state is concatenated into a group.
+that is still a constant (e.g. a `Mean`'s float weight when only masks were given)
+and merges identical ones (`macro_f1` and `confusion` count the same pairs), which
+it cannot do once those states are concatenated into a group.
 
     python benchmarks/bench_metrics.py                 # XLA's defaults
     python benchmarks/bench_metrics.py --no-combiner   # as if nothing merged them
