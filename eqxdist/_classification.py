@@ -33,6 +33,7 @@ from ._metric_inputs import (
     count_dtype,
     count_true,
     counted_mask,
+    float_dtype,
     integer_labels,
 )
 from ._metrics import Metric
@@ -142,7 +143,7 @@ class Accuracy(Metric):
     def compute(self) -> Array:
         """Correct / counted (float); NaN while nothing has been counted."""
         correct, total = (
-            acc.value_as(jnp.float32) for acc in (self.correct, self.total)
+            acc.value_as(float_dtype()) for acc in (self.correct, self.total)
         )
         return jnp.where(total == 0, jnp.nan, correct / jnp.maximum(total, 1))
 
@@ -243,7 +244,7 @@ class AUROC(Metric):
 
     def compute(self) -> Array:
         """The area under the ROC curve (float); NaN without both classes."""
-        neg, pos = self.histograms.value_as(jnp.float32)
+        neg, pos = self.histograms.value_as(float_dtype())
         n_neg, n_pos = neg.sum(), pos.sum()
         # The probability that a positive scores above a negative: every positive
         # in a higher bin counts, those in the same bin count half (a tie). This

@@ -21,6 +21,7 @@ from ._metric_inputs import (
     class_predictions,
     count_dtype,
     counted_mask,
+    float_dtype,
     integer_labels,
 )
 from ._metrics import Metric
@@ -155,7 +156,7 @@ class _ConfusionCounts(Metric):
         average = _check_average(
             average, self.num_classes, f"{type(self).__name__}.{kind}"
         )
-        return _score(self.counts.value_as(jnp.float32), kind, beta, average)
+        return _score(self.counts.value_as(float_dtype()), kind, beta, average)
 
 
 def _check_beta(beta: Any, caller: str) -> float:

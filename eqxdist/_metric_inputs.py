@@ -84,6 +84,12 @@ def state_dtype(dtype: Any, caller: str, *, kinds: str = "numeric") -> jnp.dtype
     return resolved
 
 
+def float_dtype() -> jnp.dtype:
+    """JAX's default float (float32, or float64 with x64): what ratios of counts
+    are computed in."""
+    return jnp.dtype(jax.dtypes.canonicalize_dtype(float))
+
+
 def count_dtype() -> jnp.dtype:
     """JAX's default integer (int32, or int64 with x64): the words of a count."""
     return jnp.dtype(jax.dtypes.canonicalize_dtype(int))
