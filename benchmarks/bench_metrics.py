@@ -1,9 +1,13 @@
-"""Synchronizing a 16-metric collection over 8 devices: three strategies side by side.
+"""Synchronizing metric collections over 8 devices: three strategies side by side.
+
+Two collections: `basic`, 16 scalar metrics (4 Mean, 4 Accuracy, 4 Sum, 2 Max,
+2 Min), and `evaluation`, what a real classifier evaluation holds (accuracy, top-5
+accuracy, macro-F1, a 10x10 confusion matrix, a 200-bin AUROC, the mean loss).
 
 - `grouped (eqxdist)`: `MetricCollection.sync`, one collective per (ReduceOp, dtype).
 - `per-state (torchmetrics/d9d)`: one all-reduce per accumulator (`acc.sync()` each).
-- `gather+reduce (CLU)`: all-gather every accumulator, reduce the gathered copies on
-  each device.
+- `gather+reduce (CLU)`: all-gather every accumulator, merge the gathered copies on
+  each device (with the accumulators' own exact `merge`).
 - `no sync`: the same updates and `compute()` without any collective, to separate the
   cost of synchronizing from the cost of updating.
 
@@ -13,10 +17,15 @@ all-reduces into tuple all-reduces, which is why the per-state row compiles to f
 the bytes those compiled collectives produce per device (`result B`), an estimate of
 what each device sends on a ring (`sent B`: `2(p-1)/p` x size for an all-reduce,
 `(p-1)/p` x result size for an all-gather), and the median wall time of one jitted
-step (each call blocked on, so one step is in flight at a time).
+step (each call blocked on, so one step is in flight at a time). The per-state
+row can move fewer bytes than the grouped one: XLA drops the all-reduce of a state
+that is still a constant (e.g. a `Mean`'s float weight when only masks were given)
+and merges identical ones (`macro_f1` and `confusion` count the same pairs), which
+it cannot do once those states are concatenated into a group.
 
     python benchmarks/bench_metrics.py                 # XLA's defaults
     python benchmarks/bench_metrics.py --no-combiner   # as if nothing merged them
+    python benchmarks/bench_metrics.py --collections evaluation --rounds 3
 
 The script sets up 8 simulated CPU devices itself (before importing JAX) unless
 `XLA_FLAGS` already sets a device count. `run()` returns the rows for other scripts.
@@ -45,7 +54,6 @@ import eqxdist as ed  # noqa: E402
 ed.simulate_cpu_devices(8)  # before JAX starts its backend
 
 _KINDS = [ed.Mean] * 4 + [ed.Accuracy] * 4 + [ed.Sum] * 4 + [ed.Max] * 2 + [ed.Min] * 2
-_REDUCE = {"sum": jnp.sum, "max": jnp.max, "min": jnp.min}
 _BYTES = {"pred": 1, "s8": 1, "u8": 1, "bf16": 2, "f16": 2, "s16": 2, "u16": 2}
 _COLLECTIVE_RE = re.compile(
     r"= (?P<shape>\(.*?\)|\S+) (?P<op>all-reduce|all-gather|reduce-scatter|"
@@ -57,11 +65,37 @@ def _is_accumulator(x: Any) -> bool:
     return isinstance(x, ed.MetricAccumulator)
 
 
-def _collection() -> ed.MetricCollection:
+def _basic() -> ed.MetricCollection:
     return ed.MetricCollection({f"m{i}": kind() for i, kind in enumerate(_KINDS)})
 
 
-def _update(metrics: ed.MetricCollection, x: jax.Array, y: jax.Array) -> Any:
+def _evaluation(classes: int) -> ed.MetricCollection:
+    return ed.MetricCollection(
+        {
+            "accuracy": ed.Accuracy(),
+            "top5": ed.Accuracy(top_k=5),
+            "macro_f1": ed.F1Score(classes),
+            "confusion": ed.ConfusionMatrix(classes),
+            "auroc": ed.AUROC(),
+            "loss": ed.Mean(),
+        }
+    )
+
+
+def _update_evaluation(metrics: ed.MetricCollection, x: jax.Array, y: jax.Array) -> Any:
+    probabilities = jax.nn.softmax(x)
+    loss = -jnp.take_along_axis(jax.nn.log_softmax(x), y[:, None], -1)[:, 0]
+    return metrics.update(
+        accuracy=(x, y),
+        top5=(x, y),
+        macro_f1=(x, y),
+        confusion=(x, y),
+        auroc=(probabilities[:, 0], (y == 0).astype(jnp.int32)),
+        loss=(loss,),
+    )
+
+
+def _update_basic(metrics: ed.MetricCollection, x: jax.Array, y: jax.Array) -> Any:
     # Different inputs per metric, so that XLA cannot merge identical states.
     updates: dict[str, tuple[Any, ...]] = {}
     for i, (name, metric) in enumerate(metrics.metrics.items()):
@@ -81,11 +115,26 @@ def _per_state(metrics: Any) -> Any:
 
 
 def _gather_then_reduce(metrics: Any) -> Any:
+    """Every device gathers every device's local states (one all-gather per state)
+    and merges them in device order, with the metrics' own (exact) merge."""
+
     def sync(acc: Any) -> Any:
         if not _is_accumulator(acc):
             return acc
-        reduced = _REDUCE[acc.reduce_op.value](ed.all_gather(acc.local), axis=0)
-        return acc.load_state_dict({"local": acc.local, "synchronized": reduced})
+        local = acc.state_dict()
+        gathered = ed.all_gather(local)
+        rows = [
+            acc.load_state_dict({k: v[i] for k, v in gathered.items()})
+            for i in range(jax.lax.axis_size("data"))
+        ]
+        merged = rows[0]
+        for row in rows[1:]:
+            merged = merged.merge(row)
+        synced = {
+            k.replace("local", "synchronized"): v
+            for k, v in merged.state_dict().items()
+        }
+        return acc.load_state_dict({**local, **synced})
 
     return jax.tree.map(sync, metrics, is_leaf=_is_accumulator)
 
@@ -129,33 +178,31 @@ def _median_us(fn: Callable[[], Any], calls: int) -> float:
     return statistics.median(times) * 1e6
 
 
-def run(
-    *, batch_per_device: int = 32, classes: int = 4, rounds: int = 5, calls: int = 40
+def _run_collection(
+    kind: str, batch_per_device: int, rounds: int, calls: int
 ) -> list[dict[str, Any]]:
-    """Compile and time every strategy on all devices; one row per strategy.
-
-    Rounds alternate between strategies so that a busy machine slows all of them
-    alike; each row's time is the median of the per-round medians.
-    """
     mesh = ed.create_data_parallel_mesh()
     n = mesh.size
+    classes = 4 if kind == "basic" else 10
     key_x, key_y = jax.random.split(jax.random.key(0))
     x = jax.random.normal(key_x, (batch_per_device * n, classes))
     y = jax.random.randint(key_y, (batch_per_device * n,), 0, classes)
-    metrics = _collection()
+    metrics = _basic() if kind == "basic" else _evaluation(classes)
+    update = _update_basic if kind == "basic" else _update_evaluation
     states = len(jax.tree.leaves(metrics, is_leaf=_is_accumulator))
+    label = f"{len(metrics)} {kind}"
 
     steps, rows = {}, []
     for name, strategy in STRATEGIES.items():
 
         def step(x: jax.Array, y: jax.Array, strategy: Any = strategy) -> Any:
-            return strategy(_update(metrics, x, y)).compute()
+            return strategy(update(metrics, x, y)).compute()
 
         out_specs = P("data") if name == "no sync" else P()
         if name == "no sync":  # unsynchronized results differ per device
 
             def step(x: jax.Array, y: jax.Array) -> Any:
-                out = _update(metrics, x, y).compute()
+                out = update(metrics, x, y).compute()
                 return jax.tree.map(lambda v: v[None], out)
 
         fn = jax.jit(
@@ -170,9 +217,7 @@ def run(
         )
         jax.block_until_ready(fn(x, y))
         steps[name] = fn
-        rows.append(
-            {"strategy": name, "metrics": len(_KINDS), "states": states, **stats}
-        )
+        rows.append({"strategy": name, "metrics": label, "states": states, **stats})
 
     per_round: dict[str, list[float]] = {name: [] for name in steps}
     for _ in range(rounds):
@@ -185,17 +230,37 @@ def run(
     return rows
 
 
+def run(
+    *,
+    batch_per_device: int = 32,
+    rounds: int = 5,
+    calls: int = 40,
+    collections: Sequence[str] = ("basic", "evaluation"),
+) -> list[dict[str, Any]]:
+    """Compile and time every strategy on all devices; one row per (collection,
+    strategy).
+
+    Rounds alternate between strategies so that a busy machine slows all of them
+    alike; each row's time is the median of the per-round medians.
+    """
+    return [
+        row
+        for kind in collections
+        for row in _run_collection(kind, batch_per_device, rounds, calls)
+    ]
+
+
 def format_table(rows: Sequence[dict[str, Any]]) -> str:
     header = (
-        f"{'strategy':30} {'lowered':>7} {'compiled':>8} {'result B':>9} "
-        f"{'sent B':>7} {'time us':>8} {'x grouped':>9}"
+        f"{'metrics':14} {'strategy':30} {'lowered':>7} {'compiled':>8} "
+        f"{'result B':>9} {'sent B':>7} {'time us':>8} {'x grouped':>9}"
     )
     lines = [header, "-" * len(header)]
     for r in rows:
         lines.append(
-            f"{r['strategy']:30} {r['lowered']:>7} {r['compiled']:>8} "
-            f"{r['result_bytes']:>9} {r['sent_bytes']:>7} {r['time_us']:>8.0f} "
-            f"{r['time_vs_grouped']:>9.2f}"
+            f"{r['metrics']:14} {r['strategy']:30} {r['lowered']:>7} "
+            f"{r['compiled']:>8} {r['result_bytes']:>9} {r['sent_bytes']:>7} "
+            f"{r['time_us']:>8.0f} {r['time_vs_grouped']:>9.2f}"
         )
     return "\n".join(lines)
 
@@ -206,19 +271,30 @@ def main(argv: Sequence[str] | None = None) -> list[dict[str, Any]]:
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--calls", type=int, default=40, help="timed calls per round")
     parser.add_argument(
+        "--collections",
+        nargs="+",
+        default=["basic", "evaluation"],
+        choices=["basic", "evaluation"],
+    )
+    parser.add_argument(
         "--no-combiner",
         action="store_true",
         help="disable XLA's CPU all-reduce combiner (only when run as a script)",
     )
     args = parser.parse_args(argv)
     rows = run(
-        batch_per_device=args.batch_per_device, rounds=args.rounds, calls=args.calls
+        batch_per_device=args.batch_per_device,
+        rounds=args.rounds,
+        calls=args.calls,
+        collections=args.collections,
     )
     combiner = "off" if _COMBINER_OFF in os.environ["XLA_FLAGS"] else "on"
+    states = ", ".join(
+        sorted({f"{r['metrics']}: {r['states']} accumulator states" for r in rows})
+    )
     print(
-        f"{rows[0]['metrics']} metrics ({rows[0]['states']} accumulator states) on "
-        f"{jax.device_count()} {jax.devices()[0].platform} devices, XLA all-reduce "
-        f"combiner {combiner}, jax {jax.__version__}"
+        f"{states}; {jax.device_count()} {jax.devices()[0].platform} devices, XLA "
+        f"all-reduce combiner {combiner}, jax {jax.__version__}"
     )
     print(format_table(rows))
     return rows

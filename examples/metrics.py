@@ -1,7 +1,8 @@
 """Evaluate a classifier on 8 devices with stateful metrics, three ways.
 
 The evaluation set does not divide into full batches, so the last batch is padded and
-masked. The same `MetricCollection` (accuracy, mean loss, worst loss) is computed:
+masked. The same `MetricCollection` (accuracy, top-2 accuracy, macro-F1, a confusion
+matrix, mean, worst and standard deviation of the loss) is computed:
 
 1. inside `jax.shard_map`: each device updates with its rows of every batch in a
    `lax.scan`, then one `sync` (one all-reduce per (ReduceOp, dtype)) gives the
@@ -52,9 +53,17 @@ def padded_batches(x, y, batch_size):
     return x.reshape(*shape, -1), y.reshape(shape), mask.reshape(shape)
 
 
-def empty_metrics():
+def empty_metrics(classes):
     return ed.MetricCollection(
-        {"accuracy": ed.Accuracy(), "loss": ed.Mean(), "worst_loss": ed.Max()}
+        {
+            "accuracy": ed.Accuracy(),
+            "top2": ed.Accuracy(top_k=2),
+            "macro_f1": ed.F1Score(classes),
+            "confusion": ed.ConfusionMatrix(classes),
+            "loss": ed.Mean(),
+            "worst_loss": ed.Max(),
+            "loss_std": ed.Std(),
+        }
     )
 
 
@@ -63,15 +72,19 @@ def update(metrics, model, x, y, mask):
     losses = -jnp.take_along_axis(jax.nn.log_softmax(logits), y[:, None], -1)[:, 0]
     return metrics.update(
         accuracy=(logits, y, mask),
+        top2=(logits, y, mask),
+        macro_f1=(logits, y, mask),
+        confusion=(logits, y, mask),
         loss={"values": losses, "weights": mask},
         worst_loss=(jnp.where(mask, losses, -jnp.inf),),
+        loss_std=(losses, mask),
     )
 
 
 def evaluate_scan_then_sync(mesh, model, x, y, mask):
     def per_device(model, x, y, mask):
         # The carry is updated with per-device rows, so it must start "varying".
-        init = jax.lax.pcast(empty_metrics(), "data", to="varying")
+        init = jax.lax.pcast(empty_metrics(model.out_features), "data", to="varying")
 
         def body(metrics, batch):
             return update(metrics, model, *batch), None
@@ -92,13 +105,15 @@ def evaluate_scan_then_sync(mesh, model, x, y, mask):
 def evaluate_step_by_step(mesh, model, x, y, mask):
     step = jax.jit(
         jax.shard_map(
-            lambda model, *batch: update(empty_metrics(), model, *batch).reduce("data"),
+            lambda model, *batch: update(
+                empty_metrics(model.out_features), model, *batch
+            ).reduce("data"),
             mesh=mesh,
             in_specs=(P(), P("data"), P("data"), P("data")),
             out_specs=P(),
         )
     )
-    metrics = empty_metrics()
+    metrics = empty_metrics(model.out_features)
     for batch in zip(x, y, mask, strict=True):
         metrics = metrics.merge(step(model, *batch))  # merge blocks: one step in flight
     return metrics.compute()
@@ -107,7 +122,7 @@ def evaluate_step_by_step(mesh, model, x, y, mask):
 def evaluate_global(mesh, model, x, y, mask):
     sharding = ed.create_data_parallel_sharding(mesh)
     step = jax.jit(update)
-    metrics = empty_metrics()
+    metrics = empty_metrics(model.out_features)
     for batch in zip(x, y, mask, strict=True):
         metrics = step(metrics, model, *ed.shard_batch(batch, sharding))
         jax.block_until_ready(metrics)
@@ -130,25 +145,39 @@ def main():
     logits = np.asarray(jax.vmap(model)(x))
     log_probs = np.asarray(jax.nn.log_softmax(logits))
     losses = -log_probs[np.arange(len(y)), y]
+    predicted = np.argmax(logits, -1)
+    top2 = np.argsort(-logits, axis=-1)[:, :2]
+    confusion = np.zeros((args.classes, args.classes), np.int64)
+    np.add.at(confusion, (y, predicted), 1)
+    tp = np.diag(confusion)
+    denominator = confusion.sum(0) + confusion.sum(1)  # 2 tp + fp + fn
+    f1 = np.divide(2 * tp, denominator, out=np.zeros(len(tp)), where=denominator > 0)
     reference = {
-        "accuracy": np.mean(np.argmax(logits, -1) == y),
+        "accuracy": np.mean(predicted == y),
+        "top2": np.mean((top2 == y[:, None]).any(-1)),
+        "macro_f1": f1.mean(),
+        "confusion": confusion,
         "loss": np.mean(losses),
         "worst_loss": np.max(losses),
+        "loss_std": np.std(losses.astype(np.float64)),
     }
+    scalars = [name for name in reference if name != "confusion"]
     print(
         f"{len(x)} examples in {len(batches[0])} batches of {args.batch_size} "
         f"on {mesh.size} devices"
     )
-    print("numpy:          " + "  ".join(f"{k}={v:.6f}" for k, v in reference.items()))
+    print("numpy:          " + "  ".join(f"{k}={reference[k]:.4f}" for k in scalars))
     for label, evaluate in [
         ("scan + sync:    ", evaluate_scan_then_sync),
         ("step + reduce:  ", evaluate_step_by_step),
         ("global arrays:  ", evaluate_global),
     ]:
         result = evaluate(mesh, model, *batches)
-        print(label + "  ".join(f"{k}={float(v):.6f}" for k, v in result.items()))
+        print(label + "  ".join(f"{k}={float(result[k]):.4f}" for k in scalars))
         for name, want in reference.items():
             np.testing.assert_allclose(result[name], want, rtol=1e-5, err_msg=name)
+    print("confusion matrix (rows: true class, columns: predicted):")
+    print(np.asarray(result["confusion"]))
     print("all three modes agree with NumPy")
 
 

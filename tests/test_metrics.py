@@ -311,7 +311,9 @@ def test_float_weights_beyond_2_pow_24_audit_repro():
     assert _pair(s.total) == big + 3 and float(s.compute()) == big + 4  # rounded
     assert float(ones.compute()) == 1.0 and _pair(ones.total) == big + 3
     assert int(ed.Sum(jnp.int32).update(np.array([2, 3])).total.value) == 5
-    assert ed.Sum(jnp.int32).state_dict() == {"total": {"local": jnp.int32(0)}}
+    assert ed.Sum(jnp.int32).state_dict() == {
+        "total": {"local": jnp.int32(0), "local_hi": jnp.int32(0)}
+    }
     inf = ed.Sum().update(np.array([1.0, np.inf])).update(1.0)
     assert float(inf.compute()) == np.inf and float(inf.total.local_lo) == 0.0
 
@@ -427,7 +429,9 @@ def test_state_dict_round_trips(mesh8):
         assert_same_tree(_collection().load_state_dict(m.state_dict()), m)
     assert metrics.sync(None).state_dict()["acc"]["total"].keys() == {
         "local",
+        "local_hi",
         "synchronized",
+        "synchronized_hi",
     }
     acc = ed.MetricAccumulator(jnp.zeros(3), "max").update(jnp.array([1.0, -2.0, 5.0]))
     for a in (acc, acc.sync(None)):
@@ -636,11 +640,9 @@ def test_bad_inputs_raise_clear_errors():
         ed.MetricAccumulator(0.0).merge(ed.MetricAccumulator(0.0, compensated=True))
     with pytest.raises(ValueError, match="`compensated=True` is for sums.*'max'"):
         ed.MetricAccumulator(0.0, "max", compensated=True)
-    with pytest.raises(TypeError, match="`compensated=True` needs a float.*int32"):
-        ed.MetricAccumulator(jnp.int32(0), compensated=True)
     with pytest.raises(ValueError, match=r"optionally 'synchronized', got.*local_lo"):
         ed.MetricAccumulator(0.0).load_state_dict({"local": 0.0, "local_lo": 0.0})
-    with pytest.raises(ValueError, match="error of 'synchronized', which is missing"):
+    with pytest.raises(ValueError, match="word of 'synchronized', which is missing"):
         ed.MetricAccumulator(0.0, compensated=True).load_state_dict(
             {"local": jnp.float32(0), "synchronized_lo": jnp.float32(0)}
         )

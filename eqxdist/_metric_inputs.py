@@ -1,0 +1,177 @@
+"""Checks and conversions of metric inputs, shared by every metric's `update`: an
+array of numbers, a dtype a state can hold, shapes that broadcast, integer labels in
+range. Each raises a `ValueError`/`TypeError` naming the caller, the argument, the
+value seen and what was expected."""
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jaxtyping import Array, ArrayLike
+
+
+def as_array(x: Any, caller: str, argument: str) -> Array:
+    """`x` as a JAX array of numbers or booleans, or a `TypeError` naming
+    `argument`."""
+    if x is None:
+        raise TypeError(
+            f"{caller}: `{argument}` must be an array of numbers or booleans, got None."
+        )
+    try:
+        arr = jnp.asarray(x)
+    except TypeError:
+        arr = None
+    if arr is None or not (
+        jnp.issubdtype(arr.dtype, jnp.number) or jnp.issubdtype(arr.dtype, jnp.bool_)
+    ):
+        seen = np.asarray(x).dtype if arr is None else arr.dtype
+        raise TypeError(
+            f"{caller}: `{argument}` must hold numbers or booleans, got dtype {seen} "
+            f"({type(x).__name__})."
+        )
+    return arr
+
+
+def cast_into(x: Array, dtype: jnp.dtype, caller: str, argument: str) -> Array:
+    """`x` as `dtype`, refusing casts that change its kind (floats into an integer
+    state would be silently truncated)."""
+    if not jnp.can_cast(x.dtype, dtype, casting="same_kind"):
+        raise TypeError(
+            f"{caller}: `{argument}` has dtype {x.dtype}, which cannot be folded into "
+            f"a state of dtype {dtype} without truncation; construct the metric with "
+            "a matching dtype."
+        )
+    return x.astype(dtype)
+
+
+def check_broadcast(
+    x: Array, shape: tuple[int, ...], caller: str, argument: str, target: str
+) -> Array:
+    """`x` broadcast to `shape`, which must not grow (a value may not be counted
+    several times)."""
+    try:
+        fits = jnp.broadcast_shapes(x.shape, shape) == shape
+    except ValueError:
+        fits = False
+    if not fits:
+        raise ValueError(
+            f"{caller}: `{argument}` of shape {x.shape} does not broadcast to the "
+            f"shape of {target}, {shape}."
+        )
+    return jnp.broadcast_to(x, shape)
+
+
+def state_dtype(dtype: Any, caller: str, *, kinds: str = "numeric") -> jnp.dtype:
+    """The dtype of a metric's state: `None` is JAX's default float (float32, or
+    float64 with x64). `kinds` is `"numeric"` (integers or floats) or `"float"`."""
+    try:
+        resolved = jnp.dtype(
+            jax.dtypes.canonicalize_dtype(float if dtype is None else dtype)
+        )
+    except TypeError:
+        resolved = None
+    wanted = "a float dtype" if kinds == "float" else "an integer or float dtype"
+    ok = resolved is not None and (
+        jnp.issubdtype(resolved, jnp.floating)
+        or (kinds != "float" and jnp.issubdtype(resolved, jnp.integer))
+    )
+    if not ok:
+        raise TypeError(
+            f"{caller}: `dtype` must be {wanted} (e.g. jnp.float32), got {dtype!r}."
+        )
+    assert resolved is not None
+    return resolved
+
+
+def float_dtype() -> jnp.dtype:
+    """JAX's default float (float32, or float64 with x64): what ratios of counts
+    are computed in."""
+    return jnp.dtype(jax.dtypes.canonicalize_dtype(float))
+
+
+def count_dtype() -> jnp.dtype:
+    """JAX's default integer (int32, or int64 with x64): the words of a count."""
+    return jnp.dtype(jax.dtypes.canonicalize_dtype(int))
+
+
+def is_concrete(x: Any) -> bool:
+    """Whether `x`'s values are known now (not a tracer), so they can be checked at
+    trace time."""
+    return not isinstance(x, jax.core.Tracer)
+
+
+# ------------------------------------------------------------ class labels
+
+
+def counted_mask(mask: ArrayLike | None, shape: tuple[int, ...], caller: str) -> Array:
+    """The boolean mask of the examples to count (all when `mask` is `None`)."""
+    if mask is None:
+        return jnp.ones(shape, bool)
+    mask = as_array(mask, caller, "mask")
+    return check_broadcast(mask, shape, caller, "mask", "`labels`") != 0
+
+
+def integer_labels(labels: ArrayLike, caller: str) -> Array:
+    labels = as_array(labels, caller, "labels")
+    if not (jnp.issubdtype(labels.dtype, jnp.integer) or labels.dtype == jnp.bool_):
+        raise TypeError(
+            f"{caller}: `labels` must be integer class labels, got dtype "
+            f"{labels.dtype}."
+        )
+    return labels
+
+
+def check_range(
+    x: Array,
+    counted: Array,
+    low: float | int,
+    high: float | int,
+    caller: str,
+    argument: str,
+    fix: str,
+) -> None:
+    """When `x` and `counted` are known now: a `ValueError` naming the first counted
+    value of `x` outside `[low, high]` (NaN included)."""
+    if not (is_concrete(x) and is_concrete(counted)):
+        return
+    values = np.asarray(x)
+    bad = np.asarray(counted) & ~((values >= low) & (values <= high))
+    if bad.any():
+        index = tuple(int(i) for i in np.argwhere(bad)[0])
+        raise ValueError(
+            f"{caller}: `{argument}`{list(index)} is {values[index].item()!r}, outside "
+            f"[{low:g}, {high:g}]; {fix}"
+        )
+
+
+def class_predictions(
+    preds: ArrayLike, labels: Array, num_classes: int | None, caller: str
+) -> Array:
+    """Integer predictions of `labels`' shape: integer input as it is, float scores
+    (one more trailing axis) through `argmax`."""
+    preds = as_array(preds, caller, "logits_or_predictions")
+    if jnp.issubdtype(preds.dtype, jnp.floating):
+        if preds.ndim != labels.ndim + 1 or preds.shape[:-1] != labels.shape:
+            raise ValueError(
+                f"{caller}: float `logits_or_predictions` of shape {preds.shape} "
+                f"must have the shape of `labels` {labels.shape} plus a trailing "
+                "class axis; pass integer class predictions of shape "
+                f"{labels.shape} instead to compare them directly."
+            )
+        if num_classes is not None and preds.shape[-1] != num_classes:
+            raise ValueError(
+                f"{caller}: float `logits_or_predictions` have {preds.shape[-1]} "
+                f"classes on their last axis, expected num_classes={num_classes}."
+            )
+        return jnp.argmax(preds, axis=-1)
+    if preds.shape != labels.shape:
+        raise ValueError(
+            f"{caller}: integer `logits_or_predictions` of shape {preds.shape} "
+            f"must have the shape of `labels`, {labels.shape}."
+        )
+    return preds
+
+
+def count_true(x: Array, where: Array | None = None) -> Array:
+    return jnp.sum(x if where is None else x & where, dtype=count_dtype())
