@@ -4,10 +4,12 @@ The whole public API is importable from here (`import eqxdist as ed`).
 """
 
 from ._checkpoint import (
+    CheckpointNotFoundError as CheckpointNotFoundError,
     latest_step as latest_step,
     restore_checkpoint as restore_checkpoint,
     save_checkpoint as save_checkpoint,
 )
+from ._checkpoint_manager import CheckpointManager as CheckpointManager
 from ._data_parallel import (
     DataParallel as DataParallel,
     all_reduce_gradients as all_reduce_gradients,
