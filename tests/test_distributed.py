@@ -7,6 +7,7 @@ The scripts the launcher runs live in `tests/mp_scripts/`."""
 import json
 import re
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -155,6 +156,13 @@ def test_launcher_rejects_bad_arguments(tmp_path, capsys):
     script = SCRIPTS / "plain.py"
     cases = [
         (["-n", "0", str(script)], "--num-processes must be >= 1, got 0"),
+        (["-n", "-3", str(script)], "--num-processes must be >= 1, got -3"),
+        (["-n", "100000000", str(script)], "is more than this machine allows"),
+        (["-n", "2", "--port", "70000", str(script)], "--port must be in 1..65535"),
+        (["-n", "2", "--port", "-5", str(script)], "--port must be in 1..65535"),
+        (["-n", "2", "--port", "0", str(script)], "--port must be in 1..65535"),
+        (["-n", "2", "--port", "x", str(script)], "--port: invalid int value"),
+        (["-n", "2", "--exit-timeout", "0", str(script)], "--exit-timeout must be"),
         (["-n", "2", "-d", "0", str(script)], "--devices-per-process must be >= 1"),
         (["-n", "2", "--grace-period", "-1", str(script)], "--grace-period must be"),
         (["-n", "2", str(tmp_path / "missing.py")], "missing.py' not found"),
@@ -165,6 +173,87 @@ def test_launcher_rejects_bad_arguments(tmp_path, capsys):
             launch.main(argv)
         assert exit_info.value.code == 2
         assert message in capsys.readouterr().err
+
+
+def launched(tmp_path, *args):
+    return subprocess.Popen(
+        [sys.executable, "-m", "eqxdist.launch", *map(str, args)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+
+
+def wait_for_pids(proc, pid_file, count):
+    deadline = time.monotonic() + 60
+    while not (pid_file.exists() and len(pid_file.read_text().split()) >= count):
+        assert time.monotonic() < deadline and proc.poll() is None
+        time.sleep(0.05)
+
+
+def test_a_second_run_on_a_used_port_is_refused_and_leaves_the_first_alone(
+    tmp_path,
+):
+    port = launch._free_port()
+    first = launched(
+        tmp_path, "-n", 2, "--port", port, SCRIPTS / "plain.py", "sleep", tmp_path
+    )
+    wait_for_pids(first, tmp_path / "pids", 4)
+    second = run_launcher("-n", 2, "--port", port, SCRIPTS / "plain.py", "env")
+    assert second.returncode == 2, explain(second)
+    assert f"port {port} is used by another eqxdist.launch run" in second.stderr
+    assert "[0]" not in second.stdout  # it started nothing
+    assert first.poll() is None  # the first run goes on
+    first.send_signal(signal.SIGTERM)
+    first.communicate(timeout=60)
+    assert_all_gone(tmp_path / "pids")
+    # Any other server listening on the port: refused too, naming the port.
+    with socket.socket() as server:
+        server.bind(("127.0.0.1", 0))
+        server.listen()
+        taken = server.getsockname()[1]
+        result = run_launcher("-n", 1, "--port", taken, SCRIPTS / "plain.py", "env")
+    assert result.returncode == 2, explain(result)
+    assert f"port {taken} is in use" in result.stderr
+    # Once free again (TIME_WAIT left over or not), the port can be used.
+    again = run_launcher("-n", 2, "--port", port, SCRIPTS / "plain.py", "env")
+    assert again.returncode == 0, explain(again)
+
+
+@pytest.mark.slow
+def test_a_hung_process_is_killed_after_the_exit_timeout_and_named(tmp_path):
+    start = time.monotonic()
+    result = run_launcher(
+        "-n", 3, "--exit-timeout", 10, SCRIPTS / "plain.py", "hang", tmp_path, 1
+    )
+    elapsed = time.monotonic() - start
+    assert result.returncode == 124, explain(result)
+    assert 10 <= elapsed < 30
+    assert "[0] process 0 done" in result.stdout
+    last = result.stderr.strip().splitlines()[-1]
+    assert re.match(
+        r"eqxdist.launch: process 1 did not exit within 10 s \(--exit-timeout\) of "
+        r"process [02], which exited with status 0; killed it.",
+        last,
+    ), last
+    assert_all_gone(tmp_path / "pids")
+
+
+def test_a_sigkilled_launcher_leaves_no_process_behind(tmp_path):
+    proc = launched(tmp_path, "-n", 2, SCRIPTS / "plain.py", "sleep", tmp_path)
+    wait_for_pids(proc, tmp_path / "pids", 4)
+    proc.kill()  # no handler runs: the parent-death signal and the watchdog act
+    proc.communicate(timeout=30)
+    assert_all_gone(tmp_path / "pids")
+
+
+def test_the_last_line_names_the_first_failing_process(tmp_path):
+    result = run_launcher("-n", 3, SCRIPTS / "plain.py", "fail", tmp_path, 2, 7)
+    assert result.returncode == 7, explain(result)
+    assert result.stderr.strip().splitlines()[-1] == (
+        "eqxdist.launch: process 2 failed first (exit status 7); stopped processes "
+        "0, 1."
+    )
 
 
 def test_launcher_reports_a_single_process_status(tmp_path):
@@ -423,7 +512,8 @@ def test_checkpoint_from_1_process_restores_on_2(training):
 def test_checkpoint_from_2_processes_restores_on_1(training, mesh8):
     _, runs, out, _ = training
     # Orbax's per-process data files: process 1 wrote the shards it held.
-    assert sorted(p.name for p in (out / "ckpt" / "2").glob("ocdbt.process_*")) == [
+    data = out / "ckpt" / "2" / "default"
+    assert sorted(p.name for p in data.glob("ocdbt.process_*")) == [
         "ocdbt.process_0",
         "ocdbt.process_1",
     ]
