@@ -5,6 +5,7 @@ compared with this process's 8 devices on the same global data.
 The scripts the launcher runs live in `tests/mp_scripts/`."""
 
 import json
+import os
 import re
 import signal
 import socket
@@ -555,3 +556,126 @@ def test_a_failing_process_stops_the_run(tmp_path, how, status, message):
     assert "_launch_child" not in result.stderr
     assert "DEADLINE_EXCEEDED" not in result.stderr
     assert_all_gone(tmp_path / "pids")
+
+
+# ------------------------------------------------------------------- preemption
+
+
+def preemption_run(command, victim):
+    """Start `command`, SIGTERM process `victim` once it printed `step 3`, wait."""
+    run = subprocess.Popen(
+        command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
+    lines = []
+    for line in run.stdout:
+        lines.append(line)
+        words = line.split()
+        if words[-2:] == ["step", "3"] and words[0] == f"[{victim}]":
+            os.kill(int(words[2]), signal.SIGTERM)
+            break
+    out_text, err = run.communicate(timeout=TIMEOUT)
+    return run.returncode, "".join(lines) + out_text, err
+
+
+def launcher_command(*args):
+    return [sys.executable, "-m", "eqxdist.launch", "-n", "2", "-d", "2", *args]
+
+
+def free_slurm_job_id():
+    """A job id for which JAX's SLURM port (61440 + id % 4096) is free here."""
+    for port in range(61440 + os.getpid() % 4096, 65536):
+        with socket.socket() as probe:
+            try:
+                probe.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        return str(port - 61440)
+    pytest.skip("no free port in JAX's SLURM range")
+
+
+def slurm_run(tmp_path, args, victim=None):
+    """Two processes started by hand with the variables SLURM's `srun` sets, as on
+    a cluster: JAX detects it and `initialize_distributed` joins them (no eqxdist
+    launcher). SIGTERM to rank `victim` once it printed `step 3`."""
+    base = {k: v for k, v in os.environ.items() if k not in CLUSTER_VARIABLES}
+    job = free_slurm_job_id()
+    procs, logs = [], []
+    for rank in range(2):
+        env = dict(
+            base,
+            SLURM_JOB_ID=job,
+            SLURM_STEP_NODELIST="localhost",
+            SLURM_NTASKS="2",
+            SLURM_PROCID=str(rank),
+            SLURM_LOCALID=str(rank),
+            JAX_PLATFORMS="cpu",
+            XLA_FLAGS="--xla_force_host_platform_device_count=2",
+        )
+        logs.append(tmp_path / f"slurm{job}_{rank}.log")
+        with open(logs[-1], "w") as log:
+            procs.append(
+                subprocess.Popen(
+                    [sys.executable, "-u", *map(str, args)],
+                    env=env,
+                    stdout=log,
+                    stderr=subprocess.STDOUT,
+                )
+            )
+    deadline = time.monotonic() + TIMEOUT
+    while victim is not None:
+        assert time.monotonic() < deadline and all(p.poll() is None for p in procs)
+        found = re.search(r"pid (\d+) step 3\n", logs[victim].read_text())
+        if found:
+            os.kill(int(found[1]), signal.SIGTERM)
+            break
+        time.sleep(0.05)
+    for proc in procs:
+        proc.wait(timeout=TIMEOUT)
+    outputs = [log.read_text() for log in logs]
+    for proc, out in zip(procs, outputs, strict=True):
+        assert proc.returncode == 0, out
+    return outputs
+
+
+@pytest.mark.slow
+def test_sigterm_to_one_of_2_processes_saves_and_the_rerun_resumes_bit_exactly(
+    tmp_path,
+):
+    script, steps = SCRIPTS / "preempt_train.py", "10"
+    full = run_launcher(
+        *launcher_command(script, tmp_path / "f", tmp_path / "full.npz", steps)[3:]
+    )
+    assert full.returncode == 0, explain(full)
+    ckpt, resumed = tmp_path / "ckpt", tmp_path / "resumed.npz"
+    status, out, err = preemption_run(
+        launcher_command(script, ckpt, resumed, steps), victim=1
+    )
+    assert status == 0, f"{out}\n{err}"
+    stopped = {int(m) for m in re.findall(r"\[\d\] preempted at (\d+)", out)}
+    assert len(stopped) == 1, out  # both processes stopped at the same step
+    (step,) = stopped
+    assert re.findall(r"\[(\d)\] preempted", out) and 3 <= step < 10
+    assert ed.latest_step(ckpt) == step and not resumed.exists()
+    rerun = run_launcher(*launcher_command(script, ckpt, resumed, steps)[3:])
+    assert rerun.returncode == 0, explain(rerun)
+    assert f"[0] resumed at {step}" in rerun.stdout
+    want = np.load(tmp_path / "full.npz")
+    assert_same_npz(np.load(resumed), want)
+
+    # The same under SLURM-style `jax.distributed` without the launcher, SIGTERM
+    # to process 0 this time.
+    ckpt, resumed = tmp_path / "slurm_ckpt", tmp_path / "slurm_resumed.npz"
+    outputs = slurm_run(tmp_path, (script, ckpt, resumed, steps), victim=0)
+    stopped = {int(m) for o in outputs for m in re.findall(r"preempted at (\d+)", o)}
+    assert len(stopped) == 1 and all("preempted" in o for o in outputs), outputs
+    (step,) = stopped
+    assert ed.latest_step(ckpt) == step and not resumed.exists()
+    outputs = slurm_run(tmp_path, (script, ckpt, resumed, steps))
+    assert f"resumed at {step}" in outputs[0]
+    assert_same_npz(np.load(resumed), want)
+
+
+def assert_same_npz(got, want):
+    assert sorted(want) == sorted(got)
+    for name in want:
+        np.testing.assert_array_equal(got[name], want[name], err_msg=name)
