@@ -21,12 +21,11 @@ from pathlib import Path
 from typing import Any, NoReturn
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 from jax._src import distributed as jax_distributed
 
 from . import _checkpoint_files as files
-from ._utils import is_array, path_str
+from ._utils import check_array_leaves, is_array, is_key_array, path_str
 
 # Every process saves in the same order, so a per-process counter names each save
 # the same on all of them (for agreeing on its temporary directory).
@@ -137,10 +136,6 @@ class _StepNames:
         return orbax().path.step.Metadata(step=step, path=base_path / str(step))
 
 
-def _is_key(x: Any) -> bool:
-    return bool(jnp.issubdtype(x.dtype, jax.dtypes.prng_key))
-
-
 def _savable(x: Any) -> Any:
     """`x` as Orbax should write it: a global `jax.Array` as it is (every process
     writes its own shards); anything else (NumPy values, in a multi-process run also
@@ -152,8 +147,11 @@ def _savable(x: Any) -> Any:
     return np.asarray(x)
 
 
-def flatten(state: Any, step: int) -> tuple[dict[str, Any], dict[str, Any]]:
+def flatten(
+    state: Any, step: int, caller: str
+) -> tuple[dict[str, Any], dict[str, Any]]:
     """The arrays Orbax writes (`leaf0`, `leaf1`, ...) and the marker's metadata."""
+    check_array_leaves(state, caller, "state")
     entries: list[dict[str, Any]] = []
     arrays: dict[str, Any] = {}
     for path, leaf in jax.tree_util.tree_flatten_with_path(state)[0]:
@@ -164,7 +162,7 @@ def flatten(state: Any, step: int) -> tuple[dict[str, Any], dict[str, Any]]:
             "shape": list(leaf.shape),
             "dtype": str(leaf.dtype),
         }
-        if _is_key(leaf):
+        if is_key_array(leaf):
             # Orbax stores numbers: keep the key's bits and its implementation.
             entry["prng_impl"] = str(jax.random.key_impl(leaf))
             leaf = jax.random.key_data(leaf)
@@ -250,7 +248,7 @@ class Writer:
         Orbax's `save` does (at once for async saves, once committed otherwise)."""
         ocp = orbax()
         self.check_can_save(step, caller)
-        arrays, metadata = flatten(state, step)
+        arrays, metadata = flatten(state, step, caller)
         token = _agreed_token()
         with _current_lock:
             _current.root, _current.token = self.root, token
