@@ -12,10 +12,12 @@ are killed at once and the launcher exits with that status. A process that has j
 the run ends at once when it fails (an uncaught exception, or `sys.exit(n)` with `n`
 non-zero) instead of first waiting at its exit for the others, which wait for it.
 Ctrl-C (or SIGTERM to the launcher) is passed on to the processes, which are killed
-if still running `--grace-period` seconds later. When a process has exited (even
-with status 0) and another has not `--exit-timeout` seconds later, the rest are
-killed and the launcher exits with status 124 naming the process that hung. The
-launcher's last line names the first process that failed.
+if still running `--grace-period` seconds later (default 30: time to save a
+checkpoint on preemption); if they all exit with status 0, so does the launcher.
+When a process has exited (even with status 0) and another has not
+`--exit-timeout` seconds later (default 60), the rest are killed and the launcher
+exits with status 124 naming the process that hung. The launcher's last line names
+the first process that failed.
 
 Runs are kept apart: a run holds its port (a lock per port, and the port must be
 free of any listener) so that a second launcher on that port fails at once with an
@@ -41,7 +43,7 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import IO, NoReturn, cast
+from typing import IO, cast
 
 from ._distributed import COORDINATOR_ENV, NUM_PROCESSES_ENV, PROCESS_ID_ENV
 
@@ -249,9 +251,9 @@ def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument(
         "--grace-period",
         type=float,
-        default=5.0,
-        help="after Ctrl-C or SIGTERM, seconds the processes get to exit before "
-        "they are killed (default: 5)",
+        default=30.0,
+        help="after Ctrl-C or SIGTERM, seconds the processes get to exit (e.g. to "
+        "save a checkpoint on preemption) before they are killed (default: 30)",
     )
     parser.add_argument("script", help="the Python script to run")
     parser.add_argument(
@@ -297,8 +299,19 @@ def _max_processes() -> int:
     return limit
 
 
-def _raise_stopped(signum: int, frame: object) -> NoReturn:
-    raise _Stopped(signum)
+def _stop_once() -> Callable[[int, object], None]:
+    """A handler that raises `_Stopped` the first time only: schedulers repeat
+    SIGTERM (and `timeout`, `srun` pass theirs on), and a second one must not
+    interrupt the launcher while it stops the run."""
+    stopping = False
+
+    def handler(signum: int, frame: object) -> None:
+        nonlocal stopping
+        if not stopping:
+            stopping = True
+            raise _Stopped(signum)
+
+    return handler
 
 
 def _start_watchdog() -> "subprocess.Popen[bytes]":
@@ -319,8 +332,9 @@ def _run(args: argparse.Namespace, port: int) -> int:
     locks = {id(stdout): threading.Lock(), id(stderr): threading.Lock()}
     exits: queue.Queue[int] = queue.Queue()
     # Signal handlers can only be set from the main thread.
+    handler = _stop_once()
     previous = (
-        {s: signal.signal(s, _raise_stopped) for s in (signal.SIGTERM, signal.SIGHUP)}
+        {s: signal.signal(s, handler) for s in (signal.SIGTERM, signal.SIGHUP)}
         if threading.current_thread() is threading.main_thread()
         else {}
     )
@@ -425,16 +439,19 @@ def _run(args: argparse.Namespace, port: int) -> int:
         summary = "interrupted (Ctrl-C); stopped every process."
     except _Stopped as stop:
         _stop(procs, signal.SIGTERM, args.grace_period)
-        status = 128 + stop.signum
-        summary = (
-            f"received {signal.Signals(stop.signum).name}; passed it on and stopped "
-            "every process."
-        )
+        name = signal.Signals(stop.signum).name
+        if all(p.returncode == 0 for p in procs):
+            # A preempted run that saved and stopped cleanly (see
+            # `CheckpointManager.reached_preemption`) succeeded.
+            summary = f"received {name}; every process exited with status 0."
+        else:
+            status = 128 + stop.signum
+            summary = f"received {name}; passed it on and stopped every process."
     finally:
         if any(p.poll() is None for p in procs):  # an error in the launcher itself
             _stop(procs, signal.SIGKILL, 0.0)
-        for s, handler in previous.items():
-            signal.signal(s, handler)
+        for s, kept in previous.items():
+            signal.signal(s, kept)
         for thread in threads:
             thread.join(timeout=5.0)
         with contextlib.suppress(OSError):
