@@ -122,9 +122,15 @@ def test_launcher_returns_first_failure_and_stops_the_others(tmp_path):
 
 
 @pytest.mark.parametrize(
-    ("signum", "status"), [(signal.SIGINT, 130), (signal.SIGTERM, 143)]
+    ("signum", "status", "mode"),
+    [
+        (signal.SIGINT, 130, "sleep"),
+        (signal.SIGTERM, 143, "sleep"),
+        # Processes that stop cleanly on SIGTERM (a preempted run that saved).
+        (signal.SIGTERM, 0, "graceful"),
+    ],
 )
-def test_launcher_passes_on_ctrl_c_and_sigterm(tmp_path, signum, status):
+def test_launcher_passes_on_ctrl_c_and_sigterm(tmp_path, signum, status, mode):
     proc = subprocess.Popen(
         [
             sys.executable,
@@ -135,7 +141,7 @@ def test_launcher_passes_on_ctrl_c_and_sigterm(tmp_path, signum, status):
             "--grace-period",
             "2",
             str(SCRIPTS / "plain.py"),
-            "sleep",
+            mode,
             str(tmp_path),
         ],
         stdout=subprocess.PIPE,
