@@ -62,8 +62,9 @@ def _agreed_token() -> str:
     return agreed
 
 
-class _Current(threading.local):
-    """The save being started on this thread (read by `_TemporaryPath`)."""
+class _Current:
+    """The save being started (read by `TemporaryPath.from_final`, which Orbax may
+    call from a thread of its own). One at a time: `_current_lock`."""
 
     root: Path | None = None
     token: str = ""
@@ -225,6 +226,7 @@ class Writer:
             save_root_metadata=False,
         )
         self.manager = ocp.CheckpointManager(root, options=options)
+        self._last: tuple[int, str] | None = None  # the latest save's step, token
 
     def should_save(self, step: int) -> bool:
         return bool(self.manager.should_save(step))
@@ -260,15 +262,14 @@ class Writer:
                 self._reraise(e, caller)
             finally:
                 _current.root, _current.metadata = None, None
-        self._last: tuple[int, str] | None = (step, token)
+        self._last = (step, token)
 
     def wait(self, caller: str) -> None:
         try:
             self.manager.wait_until_finished()
         except BaseException as e:
-            last = getattr(self, "_last", None)
-            if last is not None:
-                self._discard(*last)
+            if self._last is not None:
+                self._discard(*self._last)
             self._reraise(e, caller)
 
     def close(self) -> None:

@@ -2,6 +2,7 @@
 another layout or device count, resuming training, interrupted saves and bad input.
 (Saving and restoring across processes is in tests/test_distributed.py.)"""
 
+import json
 import shutil
 import signal
 import subprocess
@@ -463,3 +464,25 @@ def test_sigterm_saves_and_the_rerun_resumes_bit_exactly(tmp_path):
     assert sorted(want) == sorted(got)
     for name in want:
         np.testing.assert_array_equal(got[name], want[name], err_msg=name)
+
+
+def test_checkpoints_written_by_v0_1_still_restore(tmp_path):
+    # v0.1's layout: the arrays directly in <step>/, a marker without checksums.
+    import orbax.checkpoint as ocp
+
+    with ocp.Checkpointer(ocp.PyTreeCheckpointHandler()) as checkpointer:
+        checkpointer.save(tmp_path / "3", {"leaf0": np.arange(4.0)})
+    marker = {
+        "format": "eqxdist-checkpoint",
+        "version": 1,
+        "step": 3,
+        "process_count": 1,
+        "leaves": [{"path": "['w']", "shape": [4], "dtype": "float64"}],
+    }
+    (tmp_path / "3" / "eqxdist_checkpoint.json").write_text(json.dumps(marker))
+    assert ed.latest_step(tmp_path) == 3
+    restored = ed.restore_checkpoint(tmp_path, {"w": np.zeros(4)})
+    np.testing.assert_array_equal(restored["w"], np.arange(4.0))
+    with ed.CheckpointManager(tmp_path) as manager:  # and a manager carries on
+        manager.save(4, {"w": np.ones(4)})
+        assert manager.all_steps() == [3, 4]

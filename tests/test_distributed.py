@@ -324,7 +324,7 @@ def test_initialize_distributed_is_a_noop_in_a_plain_process(plain_environment):
                 "EQXDIST_NUM_PROCESSES": "2",
                 "EQXDIST_PROCESS_ID": "0",
             },
-            "must be 'host:port'",
+            "has no host; expected 'host:port'",
         ),
     ],
 )
