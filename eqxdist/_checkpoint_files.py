@@ -16,6 +16,7 @@ never one of our complete saves (a v0.1 save killed before its marker, or someth
 that is not ours) and is ignored.
 """
 
+import contextlib
 import errno
 import hashlib
 import json
@@ -23,6 +24,7 @@ import os
 import re
 import shutil
 import socket
+import time
 from pathlib import Path
 from typing import Any
 
@@ -175,10 +177,25 @@ def _pid_alive(pid: int) -> bool:
     return True
 
 
+# A temporary directory of another host's save that nothing has written to for this
+# long is taken for the leftover of a dead save (its process cannot be asked).
+STALE_SECONDS = 3600
+
+
+def _untouched_for(path: Path) -> float:
+    newest = path.stat().st_mtime
+    for folder, _, names in os.walk(path):
+        for name in names:
+            with contextlib.suppress(OSError):
+                newest = max(newest, (Path(folder) / name).stat().st_mtime)
+    return time.time() - newest
+
+
 def leftovers(root: Path) -> list[Path]:
     """Temporary directories of saves that can no longer finish: Orbax's own
-    (`<step>.orbax-checkpoint-tmp`, no owner), and ours whose saving process on this
-    host is gone. Those of live saves, and of other hosts, are kept."""
+    (`<step>.orbax-checkpoint-tmp`, no owner), ours whose saving process on this
+    host is gone, and ours from other hosts untouched for `STALE_SECONDS`. Those of
+    live saves are kept."""
     found = []
     try:
         entries = list(root.iterdir())
@@ -192,7 +209,10 @@ def leftovers(root: Path) -> list[Path]:
         if ours is None:
             if entry.name.endswith(TMP_SUFFIX):
                 found.append(entry)
-        elif ours["host"] == this_host and not _pid_alive(int(ours["pid"])):
+        elif ours["host"] == this_host:
+            if not _pid_alive(int(ours["pid"])):
+                found.append(entry)
+        elif _untouched_for(entry) > STALE_SECONDS:
             found.append(entry)
     return found
 

@@ -3,6 +3,7 @@ another layout or device count, resuming training, interrupted saves and bad inp
 (Saving and restoring across processes is in tests/test_distributed.py.)"""
 
 import json
+import os
 import shutil
 import signal
 import subprocess
@@ -486,3 +487,32 @@ def test_checkpoints_written_by_v0_1_still_restore(tmp_path):
     with ed.CheckpointManager(tmp_path) as manager:  # and a manager carries on
         manager.save(4, {"w": np.ones(4)})
         assert manager.all_steps() == [3, 4]
+
+
+def test_a_new_manager_removes_the_leftovers_of_dead_saves_only(tmp_path):
+    from eqxdist._checkpoint_files import host_name
+
+    dead = subprocess.run(
+        [sys.executable, "-c", "import os; print(os.getpid())"],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    host = host_name()
+    names = {
+        "dead": f"3.orbax-checkpoint-tmp-{host}-{dead.stdout.strip()}-ab12",
+        "live": f"4.orbax-checkpoint-tmp-{host}-{os.getpid()}-cd34",
+        "other host, recent": "5.orbax-checkpoint-tmp-elsewhere-1-ef56",
+        "other host, old": "6.orbax-checkpoint-tmp-elsewhere-1-0789",
+        "orbax's own": "7.orbax-checkpoint-tmp",
+    }
+    for name in names.values():
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "data").write_bytes(b"x" * 1000)
+    old = time.time() - 2 * 3600
+    for path in (tmp_path / names["other host, old"]).rglob("*"):
+        os.utime(path, (old, old))
+    os.utime(tmp_path / names["other host, old"], (old, old))
+    ed.CheckpointManager(tmp_path).close()
+    left = {p.name for p in tmp_path.iterdir()}
+    assert left == {names["live"], names["other host, recent"]}
