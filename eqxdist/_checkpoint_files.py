@@ -25,6 +25,7 @@ import re
 import shutil
 import socket
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -93,17 +94,22 @@ def _file_digest(path: Path) -> str:
     return digest.hexdigest()
 
 
+def _digests(paths: list[Path]) -> list[str]:
+    # hashlib releases the GIL on large buffers: threads hash files in parallel.
+    workers = max(1, min(8, os.cpu_count() or 1, len(paths)))
+    with ThreadPoolExecutor(workers) as pool:
+        return list(pool.map(_file_digest, paths))
+
+
 def checksums(item: Path) -> dict[str, list[Any]]:
     """`{relative path: [size, sha256]}` of every file under `item`."""
-    out: dict[str, list[Any]] = {}
-    for folder, _, files in os.walk(item):
-        for name in files:
-            path = Path(folder) / name
-            out[path.relative_to(item).as_posix()] = [
-                path.stat().st_size,
-                _file_digest(path),
-            ]
-    return dict(sorted(out.items()))
+    paths = sorted(
+        Path(folder) / name for folder, _, names in os.walk(item) for name in names
+    )
+    return {
+        path.relative_to(item).as_posix(): [path.stat().st_size, digest]
+        for path, digest in zip(paths, _digests(paths), strict=True)
+    }
 
 
 def fsync_directory(path: Path) -> None:
@@ -150,21 +156,32 @@ def verify(location: Path, metadata: dict[str, Any], step: int, caller: str) -> 
     if recorded is None:
         return  # a version-1 checkpoint: no checksums were recorded
     item = item_directory(location, metadata)
-    for name, (size, digest) in recorded.items():
+    problems: dict[str, str] = {}
+    for name, (size, _) in recorded.items():
         path = item / name
-        problem = None
         if not path.is_file():
-            problem = "is missing"
+            problems[name] = "is missing"
         elif path.stat().st_size != size:
-            problem = f"has {path.stat().st_size} bytes instead of {size} (truncated?)"
-        elif _file_digest(path) != digest:
-            problem = "does not have the bytes it had when saved (SHA-256 differs)"
-        if problem is not None:
-            raise ValueError(
-                f"{caller}: checkpoint step {step} in {str(location.parent)!r} is "
-                f"corrupted: file {str(Path(ITEM) / name)!r} {problem}. Restore "
-                "another step (`step=`) or save again."
+            problems[name] = (
+                f"has {path.stat().st_size} bytes instead of {size} (truncated?)"
             )
+    if not problems:
+        names = list(recorded)
+        for name, digest in zip(
+            names, _digests([item / n for n in names]), strict=True
+        ):
+            if digest != recorded[name][1]:
+                problems[name] = (
+                    "does not have the bytes it had when saved (SHA-256 differs)"
+                )
+    if problems:
+        name, problem = next(iter(problems.items()))
+        more = f" (and {len(problems) - 1} more files)" if len(problems) > 1 else ""
+        raise ValueError(
+            f"{caller}: checkpoint step {step} in {str(location.parent)!r} is "
+            f"corrupted: file {str(Path(ITEM) / name)!r} {problem}{more}. Restore "
+            "another step (`step=`) or save again."
+        )
 
 
 def _pid_alive(pid: int) -> bool:
