@@ -17,10 +17,12 @@ from ._aggregation import (
     Sum as Sum,
 )
 from ._checkpoint import (
+    CheckpointNotFoundError as CheckpointNotFoundError,
     latest_step as latest_step,
     restore_checkpoint as restore_checkpoint,
     save_checkpoint as save_checkpoint,
 )
+from ._checkpoint_manager import CheckpointManager as CheckpointManager
 from ._classification import (
     AUROC as AUROC,
     Accuracy as Accuracy,

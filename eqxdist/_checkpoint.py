@@ -1,53 +1,25 @@
 """Saving and restoring sharded state (a `TrainState`, a model, any pytree of arrays),
-from one process or many, through Orbax.
+from one process or many, through Orbax. The on-disk format is described in
+`_checkpoint_files`; `CheckpointManager` (`_checkpoint_manager`) writes the same."""
 
-Layout: `directory/<step>/` is an Orbax checkpoint of the state's array leaves (each
-process writes only the shards it holds) plus `eqxdist_checkpoint.json`, which names
-every leaf by its pytree path with its shape and dtype. That file is written last,
-atomically, once every process has finished: a step without it is an interrupted save
-and is never reported or restored.
-"""
-
-import itertools
-import json
 import os
-import shutil
 from pathlib import Path
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P, Sharding
 from jaxtyping import PyTree
 
-from ._distributed import barrier
+from . import _checkpoint_files as files
+from ._checkpoint_writer import Writer, check_step, orbax
 from ._mesh import create_data_parallel_mesh
-from ._utils import is_array, is_array_like, path_str, typecheck
-
-_MARKER = "eqxdist_checkpoint.json"
-_FORMAT = "eqxdist-checkpoint"
-_VERSION = 1
-# Barrier names must never repeat; every process saves in the same order, so a
-# per-process counter gives them all the same names.
-_barrier_ids = itertools.count()
+from ._utils import check_not_consumed, is_array_like, path_str, typecheck
 
 
 class CheckpointNotFoundError(FileNotFoundError, ValueError):
     """No (complete) checkpoint where one was asked for. Both a `FileNotFoundError`
     and a `ValueError` (a bad `directory` or `step` argument)."""
-
-
-def _orbax() -> Any:
-    # Imported on first use: Orbax takes a second or two to import, and most
-    # programs that import eqxdist never save a checkpoint.
-    import orbax.checkpoint as ocp
-
-    return ocp
-
-
-def _is_key(x: Any) -> bool:
-    return bool(jnp.issubdtype(x.dtype, jax.dtypes.prng_key))
 
 
 def _default_sharding() -> NamedSharding:
@@ -56,58 +28,18 @@ def _default_sharding() -> NamedSharding:
     return NamedSharding(create_data_parallel_mesh(), P())
 
 
-def _savable(x: Any) -> Any:
-    """`x` as Orbax should write it: a global `jax.Array` as it is (every process
-    writes its own shards); anything else (NumPy values, in a multi-process run also
-    arrays on this process's devices only) as a host value, written by process 0."""
-    if isinstance(x, jax.Array) and (
-        jax.process_count() == 1 or not x.is_fully_addressable
-    ):
-        return x
-    return np.asarray(x)
-
-
-def _complete_steps(root: Path) -> list[int]:
-    if not root.is_dir():
-        return []
-    return sorted(
-        int(entry.name)
-        for entry in root.iterdir()
-        if entry.name.isdigit() and (entry / _MARKER).is_file()
-    )
-
-
-def _check_step(step: Any, caller: str) -> int:
-    if isinstance(step, bool) or not isinstance(step, int | np.integer):
-        raise TypeError(
-            f"{caller}: `step` must be an int; got {step!r} of type "
-            f"{type(step).__name__}."
-        )
-    if step < 0:
-        raise ValueError(f"{caller}: `step` must be >= 0; got {step}.")
-    return int(step)
-
-
-def _write_atomically(path: Path, text: str) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-    directory = os.open(path.parent, os.O_RDONLY)
-    try:
-        os.fsync(directory)
-    finally:
-        os.close(directory)
-
-
 @typecheck
 def latest_step(directory: str | os.PathLike[str]) -> int | None:
     """The highest step with a complete checkpoint in `directory`, or `None` if there
     is none (or `directory` does not exist yet, as on a first run).
 
-    Steps whose save was interrupted (by a crash, or a kill mid-save) are ignored.
+    Steps whose save was interrupted (by a crash, or a kill mid-save) are ignored,
+    and so is anything else under `directory`: files, symlinks, names that are not
+    a step as `str(step)` writes it (`007`, `step_7`, a non-ASCII digit).
+
+    **Raises:**
+
+    `ValueError` if `directory` is a file.
 
     !!! Example
 
@@ -117,7 +49,9 @@ def latest_step(directory: str | os.PathLike[str]) -> int | None:
             state = ed.restore_checkpoint("ckpt", state, step=step)
         ```
     """
-    steps = _complete_steps(Path(directory))
+    root = Path(directory).absolute()
+    files.check_root(root, "latest_step")
+    steps = files.complete_steps(root)
     return steps[-1] if steps else None
 
 
@@ -147,14 +81,18 @@ def save_checkpoint(
 
     **Raises:**
 
-    `ValueError` if `directory/<step>` already holds a complete checkpoint, or
-    `directory` is a file; `TypeError`/`ValueError` for a `step` that is not a
-    non-negative int.
+    - `ValueError` if `directory/<step>` already holds a complete checkpoint (or
+      another save of this step finished first while this one ran: two saves of a
+      step are never mixed), if `directory` or `directory/<step>` is a file, or if
+      `state` was consumed (donated) by an earlier train step.
+    - `TypeError`/`ValueError` for a `step` that is not a non-negative int.
 
     The save is atomic: the step only counts as saved once every process has
-    written its part, so a crash mid-save leaves `latest_step` and
-    `restore_checkpoint` on the previous complete checkpoint, which stays intact.
-    (An interrupted save of this step is cleaned up by the next save of it.)
+    written its part (Orbax's commit), so a crash mid-save leaves `latest_step`
+    and `restore_checkpoint` on the previous complete checkpoint, which stays
+    intact. The size and SHA-256 of every file are recorded, and
+    `restore_checkpoint` checks them. Leftovers of saves that died are removed by
+    the next save in `directory`.
 
     !!! Example
 
@@ -163,59 +101,16 @@ def save_checkpoint(
             ed.save_checkpoint("ckpt", state, step=step)
         ```
     """
-    step = _check_step(step, "save_checkpoint")
-    ocp = _orbax()
+    step = check_step(step, "save_checkpoint")
+    check_not_consumed(state, "save_checkpoint")
     root = Path(directory).absolute()
-    if root.exists() and not root.is_dir():
-        raise ValueError(
-            f"save_checkpoint: `directory` {str(root)!r} is a file; pass a directory."
-        )
-    target = root / str(step)
-    if (target / _MARKER).is_file():
-        raise ValueError(
-            f"save_checkpoint: step {step} is already saved in {str(target)!r}; save "
-            "under another step, or delete that directory first."
-        )
-
-    entries: list[dict[str, Any]] = []
-    arrays: dict[str, Any] = {}
-    for path, leaf in jax.tree_util.tree_flatten_with_path(state)[0]:
-        if not is_array(leaf):
-            continue
-        entry: dict[str, Any] = {
-            "path": path_str(path),
-            "shape": list(leaf.shape),
-            "dtype": str(leaf.dtype),
-        }
-        if _is_key(leaf):
-            # Orbax stores numbers: keep the key's bits and its implementation.
-            entry["prng_impl"] = str(jax.random.key_impl(leaf))
-            leaf = jax.random.key_data(leaf)
-            entry["key_data_shape"] = list(leaf.shape)
-        arrays[f"leaf{len(entries)}"] = _savable(leaf)
-        entries.append(entry)
-    metadata = {
-        "format": _FORMAT,
-        "version": _VERSION,
-        "step": step,
-        "process_count": jax.process_count(),
-        "leaves": entries,
-    }
-
-    run = next(_barrier_ids)
-    if jax.process_index() == 0:
-        root.mkdir(parents=True, exist_ok=True)
-        if target.exists():  # the leftover of an interrupted save of this step
-            shutil.rmtree(target)
-    barrier(f"eqxdist_checkpoint_{run}_start")
-    # Orbax writes into a temporary directory and renames it when complete.
-    with ocp.Checkpointer(ocp.PyTreeCheckpointHandler()) as checkpointer:
-        checkpointer.save(target, arrays)
-    barrier(f"eqxdist_checkpoint_{run}_written")
-    if jax.process_index() == 0:
-        _write_atomically(target / _MARKER, json.dumps(metadata, indent=1))
-    barrier(f"eqxdist_checkpoint_{run}_committed")
-    return target
+    files.check_root(root, "save_checkpoint")
+    writer = Writer(root, max_to_keep=None, save_interval_steps=1, async_save=False)
+    try:
+        writer.save(step, state, "save_checkpoint")
+    finally:
+        writer.close()
+    return root / str(step)
 
 
 def _target_sharding(leaf: Any) -> Sharding:
@@ -269,6 +164,9 @@ def restore_checkpoint(
       one of its complete checkpoints; the message lists the steps there are.
     - `ValueError` naming the leaf paths if `target`'s array leaves are not the
       checkpoint's (missing or extra leaves, another shape or dtype).
+    - `ValueError` naming the step and the file if the checkpoint's files changed
+      after the save (flipped bytes, truncated or deleted files): the size and
+      SHA-256 of every file recorded at save are checked before anything is read.
 
     !!! Example
 
@@ -277,13 +175,14 @@ def restore_checkpoint(
         state = ed.restore_checkpoint("ckpt", abstract)  # latest step, replicated
         ```
     """
-    ocp = _orbax()
+    ocp = orbax()
     root = Path(directory).absolute()
+    files.check_root(root, "restore_checkpoint")
     if not root.is_dir():
         raise CheckpointNotFoundError(
             f"restore_checkpoint: checkpoint directory {str(root)!r} does not exist."
         )
-    complete = _complete_steps(root)
+    complete = files.complete_steps(root)
     if step is None:
         if not complete:
             raise CheckpointNotFoundError(
@@ -292,7 +191,7 @@ def restore_checkpoint(
                 "interrupted save)."
             )
         step = complete[-1]
-    elif _check_step(step, "restore_checkpoint") not in complete:
+    elif check_step(step, "restore_checkpoint") not in complete:
         state = "is incomplete (its save was interrupted)"
         if not (root / str(step)).exists():
             state = "does not exist"
@@ -301,7 +200,7 @@ def restore_checkpoint(
             f"steps are {complete}."
         )
     location = root / str(step)
-    metadata = json.loads((location / _MARKER).read_text())
+    metadata = files.read_marker(location, step, "restore_checkpoint")
     saved = {
         entry["path"]: (f"leaf{i}", entry) for i, entry in enumerate(metadata["leaves"])
     }
@@ -348,9 +247,12 @@ def restore_checkpoint(
                 sharding=sharding,
                 global_shape=tuple(entry.get("key_data_shape", shape)),
             )
+    # Before Orbax reads anything: corrupted bytes would restore as wrong values.
+    files.verify(location, metadata, step, "restore_checkpoint")
     with ocp.Checkpointer(ocp.PyTreeCheckpointHandler()) as checkpointer:
         restored = checkpointer.restore(
-            location, args=ocp.args.PyTreeRestore(restore_args=restore_args)
+            files.item_directory(location, metadata),
+            args=ocp.args.PyTreeRestore(restore_args=restore_args),
         )
 
     out = [leaf for _, leaf in leaves]

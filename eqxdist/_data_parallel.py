@@ -16,6 +16,7 @@ from ._partition import fsdp_specs
 from ._utils import (
     AxisName,
     axis_names,
+    check_array_leaves,
     check_axis_bound,
     check_axis_in_mesh,
     is_array,
@@ -87,6 +88,7 @@ def shard_batch(batch: PyTree[Any], sharding: NamedSharding) -> PyTree[Any]:
     if local is None:
         local = local_shard_count(row_sharding, total)
 
+    check_array_leaves(batch, "shard_batch", "batch")
     leaves, treedef = jax.tree_util.tree_flatten_with_path(batch)
     arrays, shardings, positions = [], [], []
     for i, (path, leaf) in enumerate(leaves):
@@ -162,6 +164,7 @@ def place(tree: Any, specs: Any, mesh: Mesh, *, copy: bool = False) -> Any:
 def replicate_params(params: PyTree[Any], mesh: Mesh) -> PyTree[Any]:
     """Put a full copy of every array leaf of `params` on every device of `mesh`
     (`P()`); non-array leaves pass through, so an `eqx.Module` stays one."""
+    check_array_leaves(params, "replicate_params", "params")
     return place(
         params, jax.tree.map(lambda x: P() if is_array(x) else None, params), mesh
     )
@@ -199,6 +202,7 @@ def shard_model_state(
         model = ed.shard_model_state(model, mesh, "shard", min_weight_size=2**10)
         ```
     """
+    check_array_leaves(state, "shard_model_state", "state")
     if param_sharding == "replicate":
         return replicate_params(state, mesh)
     if param_sharding != "shard":
@@ -245,6 +249,7 @@ def all_reduce_gradients(
             f"{list(_GRADIENT_REDUCTIONS)}."
         )
     names = check_axis_bound(axis_name, "all_reduce_gradients")
+    check_array_leaves(gradients, "all_reduce_gradients", "gradients", keys="reduced")
     reduce = _GRADIENT_REDUCTIONS[reduce_type]
     return map_arrays(lambda g: reduce(g, names), gradients)
 
@@ -264,6 +269,13 @@ class DataParallel(eqx.Module):
     """
 
     data_axis: str = eqx.field(default="data", static=True)
+
+    def __check_init__(self) -> None:
+        if not isinstance(self.data_axis, str) or not self.data_axis:
+            raise TypeError(
+                f"DataParallel: `data_axis` must be a mesh axis name (a non-empty "
+                f"str); got {self.data_axis!r}."
+            )
 
     def create_data_parallel_sharding(
         self, mesh: Mesh, data_axis: str | None = None

@@ -30,6 +30,26 @@ def _env_int(name: str, value: str) -> int:
         ) from None
 
 
+def _check_coordinator(coordinator: str) -> str:
+    """`host:port` (`[v6 address]:port` too), the port in 1..65535."""
+    host, colon, port = coordinator.strip().rpartition(":")
+    problem = None
+    if not colon or not host or host in ("[]",):
+        problem = "has no host"
+    elif not port.isascii() or not port.isdigit():
+        problem = f"has port {port!r}, not a number"
+    elif not 1 <= int(port) <= 65535:
+        problem = f"has port {port}, outside 1..65535"
+    elif any(c.isspace() for c in host) or "/" in host:
+        problem = f"has host {host!r}, not a host name or address"
+    if problem is not None:
+        raise ValueError(
+            f"initialize_distributed: {COORDINATOR_ENV}={coordinator!r} {problem}; "
+            "expected 'host:port', e.g. '127.0.0.1:12355'."
+        )
+    return coordinator.strip()
+
+
 def _launch_settings() -> tuple[str, int, int] | None:
     """(coordinator, num_processes, process_id) from the `EQXDIST_*` variables, or
     `None` when none of them is set."""
@@ -42,12 +62,7 @@ def _launch_settings() -> tuple[str, int, int] | None:
             f"initialize_distributed: {sorted(present)} set but {missing} not; set all "
             f"of {list(_LAUNCH_ENV)} (as `python -m eqxdist.launch` does) or none."
         )
-    coordinator = present[COORDINATOR_ENV]
-    if ":" not in coordinator:
-        raise ValueError(
-            f"initialize_distributed: {COORDINATOR_ENV}={coordinator!r} must be "
-            "'host:port'."
-        )
+    coordinator = _check_coordinator(present[COORDINATOR_ENV])
     num = _env_int(NUM_PROCESSES_ENV, present[NUM_PROCESSES_ENV])
     pid = _env_int(PROCESS_ID_ENV, present[PROCESS_ID_ENV])
     if num < 1 or not 0 <= pid < num:

@@ -21,6 +21,7 @@ from ._train import TrainState, trainable_mask_tree
 from ._utils import (
     AxisName,
     cast_floating,
+    check_array_leaves,
     check_compute_dtype,
     flatten_up_to,
     is_array,
@@ -143,6 +144,7 @@ class EvalStep:
         return jax.tree.unflatten(jax.tree.structure(inputs), leaves)
 
     def _rows(self, batch: Any) -> int:
+        check_array_leaves(batch, "eval step", "batch")
         rows: dict[int, str] = {}
         for path, leaf in jax.tree_util.tree_flatten_with_path(batch)[0]:
             if is_array(leaf) and np.ndim(leaf) > 0:

@@ -117,6 +117,25 @@ def _parse_shape(mesh_shape: Any) -> list[tuple[str, int]]:
     return [(name, int(size)) for name, size in pairs]
 
 
+def _check_devices(devices: Sequence[Any], caller: str) -> None:
+    """`TypeError` for an entry that is not a `jax.Device`; `ValueError` for a device
+    listed twice (a mesh would put it at two positions and mis-shard arrays)."""
+    seen: dict[Any, int] = {}
+    for i, device in enumerate(devices):
+        if not isinstance(device, jax.Device):
+            raise TypeError(
+                f"{caller}: `devices[{i}]` is {device!r} of type "
+                f"{type(device).__name__}; expected a `jax.Device` (from "
+                "`jax.devices()`)."
+            )
+        if device in seen:
+            raise ValueError(
+                f"{caller}: `devices` lists {device} twice (at positions "
+                f"{seen[device]} and {i}); each device may appear once."
+            )
+        seen[device] = i
+
+
 @typecheck
 def create_device_mesh(
     mesh_shape: MeshShape, *, devices: Sequence[jax.Device] | None = None
@@ -152,6 +171,7 @@ def create_device_mesh(
     available = list(jax.devices() if devices is None else devices)
     if not available:
         raise ValueError("create_device_mesh: `devices` is empty; pass some devices.")
+    _check_devices(available, "create_device_mesh")
     known = math.prod(size for _, size in pairs if size != -1)
     if any(size == -1 for _, size in pairs):
         if len(available) % known != 0:
@@ -286,6 +306,7 @@ class DeviceMeshManager(eqx.Module):
         self._devices = tuple(jax.devices() if devices is None else devices)
         if not self._devices:
             raise ValueError("DeviceMeshManager: `devices` is empty.")
+        _check_devices(self._devices, "DeviceMeshManager")
 
     @property
     def devices(self) -> list[jax.Device]:

@@ -19,7 +19,15 @@ import jax.numpy as jnp
 from jax._src.lax.parallel import all_gather_invariant
 from jaxtyping import PyTree
 
-from ._utils import AxisName, check_axis_bound, map_arrays, typecheck
+from ._utils import (
+    AxisName,
+    check_array_leaves,
+    check_axis_bound,
+    is_array,
+    map_arrays,
+    path_str,
+    typecheck,
+)
 
 ReduceName: TypeAlias = Literal["mean", "sum", "max", "min"]
 
@@ -37,7 +45,35 @@ _GLOBAL: dict[str, Callable[..., Any]] = {
 }
 
 
+_KEYS_CANNOT_BE = {
+    "mean": "averaged",
+    "sum": "summed",
+    "max": "compared",
+    "min": "compared",
+}
+
+
+def _check_reducible(metrics: Any, op: str, global_mode: bool, caller: str) -> None:
+    check_array_leaves(metrics, caller, "metrics", keys=_KEYS_CANNOT_BE[op])
+    if not global_mode or op not in ("max", "min"):
+        return
+    for path, leaf in jax.tree_util.tree_flatten_with_path(metrics)[0]:
+        if is_array(leaf) and jnp.ndim(leaf) > 0 and leaf.size == 0:
+            raise ValueError(
+                f"{caller}: `metrics` leaf {path_str(path)} has no elements (shape "
+                f"{tuple(leaf.shape)}), so its {op}imum is undefined; drop empty "
+                "leaves, or use `reduce_sum`/`reduce_mean` for them."
+            )
+
+
 def _reduce(metrics: Any, op: str, axis_name: AxisName | None, caller: str) -> Any:
+    _check_reducible(metrics, op, axis_name is None, caller)
+    return _reduce_checked(metrics, op, axis_name, caller)
+
+
+def _reduce_checked(
+    metrics: Any, op: str, axis_name: AxisName | None, caller: str
+) -> Any:
     if axis_name is None:
         fn = _GLOBAL[op]
         return map_arrays(lambda x: fn(x) if jnp.ndim(x) > 0 else x, metrics)
@@ -155,12 +191,15 @@ def reduce_custom(
                 f"reduce_custom: unknown reduction {op!r} for {key!r}; valid "
                 f"operations are {[*_COLLECTIVE, None]}."
             )
-    return {
-        key: value
-        if (op := ops.get(key, "mean")) is None
-        else _reduce(value, op, axis_name, "reduce_custom")
-        for key, value in metrics.items()
-    }
+    out = {}
+    for key, value in metrics.items():
+        op = ops.get(key, "mean")
+        if op is not None:
+            # Checked under its key, so that messages name the leaf's full path.
+            _check_reducible({key: value}, op, axis_name is None, "reduce_custom")
+            value = _reduce_checked(value, op, axis_name, "reduce_custom")
+        out[key] = value
+    return out
 
 
 @typecheck
@@ -190,6 +229,7 @@ def all_gather(
         ```
     """
     names = check_axis_bound(axis_name, "all_gather")
+    check_array_leaves(metrics, "all_gather", "metrics", keys="gathered")
     # Inside shard_map the invariant gather tells JAX that every device holds the
     # same result; under `vmap`/`pmap` with a named axis there is no such
     # bookkeeping and the plain gather is the one that applies.

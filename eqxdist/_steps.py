@@ -21,6 +21,7 @@ from ._train import (
 )
 from ._utils import (
     AxisName,
+    check_array_leaves,
     check_compute_dtype,
     check_not_consumed,
     state_like,
@@ -56,6 +57,7 @@ class TrainStep:
         return self.math(state, batch)
 
     def _check_batch(self, batch: Any) -> None:
+        check_array_leaves(batch, "train step", "batch")
         self.layout.check_rows(batch, self.math.num_minibatches)
 
     def model_specs(self, model: Any) -> Any:

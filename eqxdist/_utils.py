@@ -5,6 +5,7 @@ from typing import Any, TypeAlias, TypeVar
 
 import equinox as eqx
 import jax
+import jax.numpy as jnp
 import numpy as np
 from beartype import beartype
 from jax.sharding import Mesh
@@ -188,3 +189,48 @@ def flatten_up_to(tree: Any, values: Any) -> list[Any]:
     treedef: Any = jax.tree.structure(tree)
     leaves: list[Any] = treedef.flatten_up_to(values)
     return leaves
+
+
+def is_key_array(x: Any) -> bool:
+    """An array of new-style PRNG keys (`jax.random.key`)."""
+    return bool(jnp.issubdtype(x.dtype, jax.dtypes.prng_key))
+
+
+def _numeric(dtype: Any) -> bool:
+    # bfloat16 and the other ml_dtypes count (NumPy calls them kind "V").
+    return bool(jnp.issubdtype(dtype, np.number) or jnp.issubdtype(dtype, np.bool_))
+
+
+def check_array_leaves(
+    tree: Any, caller: str, argument: str, *, keys: str | None = None
+) -> None:
+    """Raise a `TypeError` naming the leaf path, its dtype and what was expected for
+    an array leaf JAX cannot compute with: a NumPy array of strings, bytes, Python
+    objects or dates. `keys`: if set, PRNG key arrays are refused too, `keys` saying
+    what cannot be done with them (e.g. "averaged")."""
+    for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
+        if not is_array(leaf):
+            continue
+        if is_key_array(leaf):
+            if keys is not None:
+                raise TypeError(
+                    f"{caller}: `{argument}` leaf {path_str(path)} is an array of PRNG "
+                    f"keys ({leaf.dtype}); keys cannot be {keys}. Leave keys out of "
+                    f"`{argument}` (or pass `jax.random.key_data(key)` if you want "
+                    "their bits)."
+                )
+            continue
+        if not _numeric(leaf.dtype):
+            raise TypeError(
+                f"{caller}: `{argument}` leaf {path_str(path)} is a NumPy array of "
+                f"dtype {leaf.dtype} ({_short(leaf)}); expected a numeric or bool "
+                "array. JAX cannot hold strings or Python objects on devices: convert "
+                f"it (e.g. to integer ids) or keep it out of `{argument}`."
+            )
+
+
+def _short(x: Any) -> str:
+    text = np.array2string(
+        np.asarray(x).ravel()[:3], separator=", ", max_line_width=10**6
+    )
+    return text if x.size <= 3 else text[:-1] + ", ...]"

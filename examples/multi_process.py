@@ -8,10 +8,14 @@ processes), or plainly as one process with 8 devices; the results agree:
     python examples/multi_process.py --checkpoint-dir /tmp/ckpt2
 
 Every process builds the same global batch and feeds `shard_batch` its own rows.
-A checkpoint is saved every `--checkpoint-every` steps; started again with the same
-`--checkpoint-dir`, the run resumes from the latest complete one. `--crash-at STEP`
-makes process 1 (or the only process) raise at that step: the launcher stops the
-run at once, and the next run resumes where the last checkpoint left off.
+A `CheckpointManager` saves every `--checkpoint-every` steps in the background and
+keeps the newest `--keep`; started again with the same `--checkpoint-dir`, the run
+resumes from the latest complete one. SIGTERM to any process (or to the launcher),
+as a cluster scheduler sends on preemption, makes every process stop at the same
+step, save it and exit with status 0; the next run resumes from exactly there.
+`--crash-at STEP` makes process 1 (or the only process) raise at that step: the
+launcher stops the run at once, and the next run resumes where the last checkpoint
+left off.
 """
 
 import argparse
@@ -38,6 +42,7 @@ def parse_args() -> argparse.Namespace:
         help="save here; resume from here (default: none)",
     )
     parser.add_argument("--checkpoint-every", type=int, default=5)
+    parser.add_argument("--keep", type=int, default=3, help="checkpoints to keep")
     parser.add_argument(
         "--crash-at", type=int, help="raise in the last process at this step"
     )
@@ -79,17 +84,33 @@ def main() -> None:
         ed.TrainState.create(_tutorial.Classifier(model_key), optimizer, state_key)
     )
 
-    start = 0
-    if ARGS.checkpoint_dir is not None:
-        latest = ed.latest_step(ARGS.checkpoint_dir)
-        if latest is not None:
+    if ARGS.checkpoint_dir is None:
+        train(step, state, 0, None, data_key)
+        return
+    with ed.CheckpointManager(
+        ARGS.checkpoint_dir,
+        max_to_keep=ARGS.keep,
+        save_interval_steps=ARGS.checkpoint_every,
+        async_save=True,
+    ) as manager:
+        start = manager.latest_step() or 0
+        if start:
             # The fresh state is the target: its structure and its shardings.
-            state = ed.restore_checkpoint(ARGS.checkpoint_dir, state, step=latest)
-            start = latest
+            state = manager.restore(state)
             if jax.process_index() == 0:
-                print(f"resumed from step {latest}")
+                print(f"resumed from step {start}")
+        train(step, state, start, manager, data_key)
 
+
+def train(
+    step: ed.TrainStep,
+    state: ed.TrainState,
+    start: int,
+    manager: ed.CheckpointManager | None,
+    data_key: jax.Array,
+) -> None:
     totals: dict[str, tuple[float, float]] = {}
+    end = ARGS.steps
     for i in range(start, ARGS.steps):
         if i == ARGS.crash_at and jax.process_index() == jax.process_count() - 1:
             raise RuntimeError(f"--crash-at {i}: process {jax.process_index()} fails")
@@ -98,9 +119,16 @@ def main() -> None:
         for name, (total, count) in metrics.items():
             old_total, old_count = totals.get(name, (0.0, 0.0))
             totals[name] = (old_total + float(total), old_count + float(count))
-        if ARGS.checkpoint_dir is not None and (i + 1) % ARGS.checkpoint_every == 0:
-            ed.save_checkpoint(ARGS.checkpoint_dir, state, step=i + 1)
-    ed.print_metrics(totals, f"Steps {start}-{ARGS.steps - 1}")
+        if manager is None:
+            continue
+        # Saves every --checkpoint-every steps, and at once when preempted.
+        manager.save(i + 1, state)
+        if manager.reached_preemption(i + 1):
+            end = i + 1
+            if jax.process_index() == 0:
+                print(f"preempted: saved step {end}; run again to resume")
+            break
+    ed.print_metrics(totals, f"Steps {start}-{end - 1}")
 
 
 if __name__ == "__main__":

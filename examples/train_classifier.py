@@ -233,8 +233,12 @@ class Progress:
                 tqdm = None
             if tqdm is not None:
                 self.bar = tqdm(
-                    total=total, initial=done, desc=f"{name:>6}", unit="step",
-                    ncols=80, leave=True,
+                    total=total,
+                    initial=done,
+                    desc=f"{name:>6}",
+                    unit="step",
+                    ncols=80,
+                    leave=True,
                 )
 
     def step(self, loss: float | None) -> None:
@@ -254,9 +258,7 @@ class Progress:
             self.bar.close()
 
 
-def train(
-    strategy: str, data: tuple[np.ndarray, ...], log: Any
-) -> dict[str, Any]:
+def train(strategy: str, data: tuple[np.ndarray, ...], log: Any) -> dict[str, Any]:
     mesh = ed.create_data_parallel_mesh(1 if strategy == "single" else None)
     layout = {
         "strategy": "fsdp" if strategy == "fsdp" else "dp",
@@ -286,7 +288,9 @@ def train(
         state = manager.restore(step.place_state(state))
         first_epoch = int(state.step) // steps_per_epoch
         history = json.loads((Path(ARGS.out) / strategy / "history.json").read_text())
-        print(f"{strategy:>6} resumed from step {int(state.step)} (epoch {first_epoch})")
+        print(
+            f"{strategy:>6} resumed from step {int(state.step)} (epoch {first_epoch})"
+        )
 
     last_epoch = ARGS.epochs
     if ARGS.stop_after is not None:

@@ -2,8 +2,13 @@
 another layout or device count, resuming training, interrupted saves and bad input.
 (Saving and restoring across processes is in tests/test_distributed.py.)"""
 
+import json
+import os
+import shutil
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import equinox as eqx
@@ -15,7 +20,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from mp_scripts import common
 
 import eqxdist as ed
-from eqxdist._checkpoint import CheckpointNotFoundError
+from eqxdist import CheckpointNotFoundError
 
 SCRIPTS = Path(__file__).parent / "mp_scripts"
 
@@ -151,29 +156,6 @@ def test_latest_step_skips_incomplete_and_foreign_entries(tmp_path):
     assert ed.latest_step(tmp_path) == 9
 
 
-@pytest.mark.parametrize("where", ["orbax", "commit"])
-def test_a_crash_mid_save_leaves_the_previous_checkpoint(tmp_path, where):
-    result = subprocess.run(
-        [sys.executable, SCRIPTS / "crash_save.py", tmp_path, where],
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    assert result.returncode == 9, result.stderr
-    assert any(entry.name.startswith("2") for entry in tmp_path.iterdir())
-    assert ed.latest_step(tmp_path) == 1
-    target = {"w": jnp.zeros(4)}
-    np.testing.assert_array_equal(
-        ed.restore_checkpoint(tmp_path, target)["w"], np.arange(4.0)
-    )
-    with pytest.raises(CheckpointNotFoundError, match="step 2"):
-        ed.restore_checkpoint(tmp_path, target, step=2)
-    ed.save_checkpoint(tmp_path, {"w": jnp.arange(4.0) + 10}, step=2)
-    np.testing.assert_array_equal(
-        ed.restore_checkpoint(tmp_path, target)["w"], np.arange(4.0) + 10
-    )
-
-
 # ------------------------------------------------------------------ bad input
 
 
@@ -234,3 +216,303 @@ def test_bad_save_arguments(tmp_path):
     (tmp_path / "file").write_text("")
     with pytest.raises(ValueError, match="is a file"):
         ed.save_checkpoint(tmp_path / "file", state, step=1)
+    with pytest.raises(ValueError, match="is a file"):
+        ed.latest_step(tmp_path / "file")
+
+
+def test_saving_a_consumed_state_is_a_clear_error(tmp_path, mesh8):
+    state = {"w": jax.device_put(jnp.ones(8), NamedSharding(mesh8, P("data")))}
+    state["w"].delete()  # as a donating train step does
+    with pytest.raises(ValueError, match=r"consumed by an earlier step .*\['w'\]"):
+        ed.save_checkpoint(tmp_path, state, step=0)
+    with (
+        ed.CheckpointManager(tmp_path) as manager,
+        pytest.raises(ValueError, match="consumed"),
+    ):
+        manager.save(1, state)
+
+
+# ------------------------------------------------------------ CheckpointManager
+
+
+def test_manager_interval_retention_and_the_functions_on_its_directory(tmp_path):
+    with ed.CheckpointManager(tmp_path, max_to_keep=2, save_interval_steps=3) as m:
+        saved = [m.save(s, {"w": jnp.full(4, float(s))}) for s in range(1, 11)]
+        assert saved == [s % 3 == 0 for s in range(1, 11)]
+        assert m.save(10, {"w": jnp.full(4, 10.0)}, force=True)
+        assert m.all_steps() == [9, 10] and m.latest_step() == 10
+        np.testing.assert_array_equal(
+            m.restore({"w": jnp.zeros(4)}, step=9)["w"], np.full(4, 9.0)
+        )
+    # The plain functions read (and write) the manager's directory, and back.
+    assert ed.latest_step(tmp_path) == 10
+    np.testing.assert_array_equal(
+        ed.restore_checkpoint(tmp_path, {"w": jnp.zeros(4)})["w"], np.full(4, 10.0)
+    )
+    ed.save_checkpoint(tmp_path, {"w": jnp.full(4, 12.0)}, step=12)
+    with ed.CheckpointManager(tmp_path, max_to_keep=2) as m:
+        assert m.all_steps() == [9, 10, 12]
+        m.save(13, {"w": jnp.full(4, 13.0)})
+        assert m.all_steps() == [12, 13]
+    with pytest.raises(ValueError, match="closed"):
+        m.save(14, {"w": jnp.zeros(4)})
+
+
+def test_async_save_is_not_changed_by_a_donating_step(tmp_path, mesh8):
+    step = ed.make_train_step(
+        common.loss_fn, common.OPTIMIZER, mesh8, min_weight_size=64, donate=True
+    )
+    state, _, _ = common.train(step, common.make_state(), 0, 1)
+    # (Host views of `state`'s own buffers would keep the step from donating them.)
+    want = common.flat(ed._utils.map_arrays(lambda x: x.copy(), state))
+    with ed.CheckpointManager(tmp_path, async_save=True) as manager:
+        assert manager.save(1, state)
+        # Donates `state`'s buffers at once, while the files are being written.
+        after, _, _ = common.train(step, state, 1, 3)
+        assert any(x.is_deleted() for x in jax.tree.leaves(state) if eqx.is_array(x))
+        manager.wait_until_finished()
+        restored = manager.restore(eqx.filter_eval_shape(common.make_state))
+    got = common.flat(restored)
+    assert got.keys() == want.keys()
+    for name in want:
+        np.testing.assert_array_equal(got[name], want[name])
+    # (The run went on: the later state differs from the saved one.)
+    later = common.flat(after)
+    assert any(not np.array_equal(later[name], want[name]) for name in want)
+
+
+def test_manager_rejects_bad_arguments(tmp_path):
+    with pytest.raises(
+        ValueError, match=r"`max_to_keep` must be >= 1 or None \(keep all\); got 0"
+    ):
+        ed.CheckpointManager(tmp_path, max_to_keep=0)
+    with pytest.raises(ValueError, match="`save_interval_steps` must be >= 1; got 0"):
+        ed.CheckpointManager(tmp_path, save_interval_steps=0)
+    with pytest.raises(TypeError, match="save_interval_steps"):
+        ed.CheckpointManager(tmp_path, save_interval_steps=1.5)
+    (tmp_path / "f").write_text("")
+    with pytest.raises(ValueError, match="is a file"):
+        ed.CheckpointManager(tmp_path / "f")
+    with ed.CheckpointManager(tmp_path / "c") as manager:
+        with pytest.raises(TypeError, match="parameter 'step'"):
+            manager.save("3", {"w": jnp.zeros(2)})
+        manager.save(3, {"w": jnp.zeros(2)})
+        with pytest.raises(ValueError, match="step 3 is already saved"):
+            manager.save(3, {"w": jnp.zeros(2)}, force=True)
+
+
+# ------------------------------------------------------------ integrity on disk
+
+
+def data_files(location):
+    return sorted(
+        (p for p in (location / "default").rglob("*") if p.is_file()),
+        key=lambda p: p.stat().st_size,
+    )
+
+
+@pytest.mark.parametrize("damage", ["flip", "truncate", "delete"])
+def test_damaged_files_are_detected_on_restore(tmp_path, damage):
+    state = {"w": jnp.arange(4096.0), "b": jnp.ones(3)}
+    location = ed.save_checkpoint(tmp_path, state, step=7)
+    victim = data_files(location)[-1]  # the largest: array bytes
+    data = bytearray(victim.read_bytes())
+    if damage == "flip":
+        data[len(data) // 2] ^= 0x10
+        victim.write_bytes(bytes(data))
+    elif damage == "truncate":
+        victim.write_bytes(bytes(data[: len(data) // 2]))
+    else:
+        victim.unlink()
+    name = str(victim.relative_to(location))
+    with pytest.raises(ValueError, match=rf"step 7 .* corrupted: file '{name}'"):
+        ed.restore_checkpoint(tmp_path, state)
+
+
+def test_a_corrupted_description_is_detected(tmp_path):
+    location = ed.save_checkpoint(tmp_path, {"w": jnp.ones(3)}, step=2)
+    (location / "eqxdist_checkpoint.json").write_text('{"format": "eqx')
+    with pytest.raises(ValueError, match=r"step 2 .* eqxdist_checkpoint.json cannot"):
+        ed.restore_checkpoint(tmp_path, {"w": jnp.ones(3)})
+
+
+def test_odd_entries_are_ignored_or_clear_errors(tmp_path):
+    ed.save_checkpoint(tmp_path, {"w": jnp.full(3, 4.0)}, step=4)
+    (tmp_path / "20").write_text("a file")
+    (tmp_path / "30").symlink_to(tmp_path / "4")
+    shutil.copytree(tmp_path / "4", tmp_path / "007")
+    shutil.copytree(tmp_path / "4", tmp_path / "\u0663")  # ARABIC-INDIC DIGIT THREE
+    shutil.copytree(tmp_path / "4", tmp_path / "step_9")
+    assert ed.latest_step(tmp_path) == 4
+    with pytest.raises(
+        CheckpointNotFoundError, match=r"step 7 .* complete steps .*\[4\]"
+    ):
+        ed.restore_checkpoint(tmp_path, {"w": jnp.zeros(3)}, step=7)
+    with pytest.raises(ValueError, match="20' exists and is not a checkpoint dir"):
+        ed.save_checkpoint(tmp_path, {"w": jnp.zeros(3)}, step=20)
+    with ed.CheckpointManager(tmp_path, max_to_keep=1) as manager:
+        assert manager.all_steps() == [4]
+        manager.save(5, {"w": jnp.zeros(3)})
+        assert manager.all_steps() == [5]
+    # Retention removed step 4 and nothing that is not a step of ours.
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(
+        ["5", "20", "30", "007", "\u0663", "step_9"]
+    )
+
+
+@pytest.mark.slow
+def test_concurrent_saves_of_one_step_are_never_mixed(tmp_path):
+    for trial in range(4):
+        directory = tmp_path / str(trial)
+        racers = [
+            subprocess.Popen(
+                [sys.executable, SCRIPTS / "save_race.py", directory, value],
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                text=True,
+            )
+            for value in ("1", "2")
+        ]
+        for racer in racers:
+            assert racer.stdout.readline() == "ready\n"
+        for racer in racers:  # both go at once
+            racer.stdin.write("go\n")
+            racer.stdin.flush()
+        outputs = [r.communicate(timeout=120) for r in racers]
+        for racer, (_, err) in zip(racers, outputs, strict=True):
+            assert racer.returncode == 0, err
+        lines = sorted(out.strip() for out, _ in outputs)
+        assert lines[0].startswith("lost:") and lines[1] == "saved", lines
+        assert "step 5" in lines[0]
+        target = {name: jnp.zeros((512, 1024)) for name in ("a", "b", "c")}
+        values = {
+            float(np.unique(np.asarray(v)).item())
+            for v in ed.restore_checkpoint(directory, target).values()
+        }
+        assert len(values) == 1, f"a mixed checkpoint: {values}"
+        assert not [p for p in directory.iterdir() if "tmp" in p.name]
+
+
+# ------------------------------------------------------------------- real kills
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_kill_9_at_any_moment_of_a_save_keeps_a_whole_checkpoint(tmp_path, mode):
+    for delay in (0.0, 0.13, 0.41):
+        loop = subprocess.Popen(
+            [sys.executable, SCRIPTS / "save_loop.py", tmp_path, mode],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.DEVNULL,
+            text=True,
+        )
+        for line in loop.stdout:
+            if line.startswith("step") and int(line.split()[1]) % 3 == 0:
+                break
+        time.sleep(delay)
+        loop.kill()
+        loop.wait()
+        step = ed.latest_step(tmp_path)
+        assert step is not None
+        target = {"w": jnp.zeros((1024, 1024)), "s": jnp.int32(0)}
+        restored = ed.restore_checkpoint(tmp_path, target)
+        assert int(restored["s"]) == step
+        np.testing.assert_array_equal(np.unique(np.asarray(restored["w"])), [step])
+    # The next manager removes what the killed saves left.
+    with ed.CheckpointManager(tmp_path, max_to_keep=2) as manager:
+        assert not [p for p in tmp_path.iterdir() if ".orbax-checkpoint-tmp" in p.name]
+        last = manager.latest_step()
+        assert manager.save(last + 1, {"w": jnp.zeros((1024, 1024)), "s": jnp.int32(0)})
+
+
+@pytest.mark.slow
+def test_sigterm_saves_and_the_rerun_resumes_bit_exactly(tmp_path):
+    script = SCRIPTS / "preempt_train.py"
+    steps = "10"
+    full = subprocess.run(
+        [sys.executable, script, tmp_path / "full", tmp_path / "full.npz", steps],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert full.returncode == 0, full.stderr
+    ckpt = tmp_path / "ckpt"
+    run = subprocess.Popen(
+        [sys.executable, script, ckpt, tmp_path / "resumed.npz", steps],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    for line in run.stdout:
+        if line.split()[-2:] == ["step", "3"]:
+            run.send_signal(signal.SIGTERM)
+            break
+    out, err = run.communicate(timeout=120)
+    assert run.returncode == 0, err
+    stopped = int(out.split("preempted at ")[1].split()[0])
+    assert 3 <= stopped < 10 and ed.latest_step(ckpt) == stopped
+    assert not (tmp_path / "resumed.npz").exists()
+    rerun = subprocess.run(
+        [sys.executable, script, ckpt, tmp_path / "resumed.npz", steps],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert rerun.returncode == 0, rerun.stderr
+    assert f"resumed at {stopped}" in rerun.stdout
+    want, got = np.load(tmp_path / "full.npz"), np.load(tmp_path / "resumed.npz")
+    assert sorted(want) == sorted(got)
+    for name in want:
+        np.testing.assert_array_equal(got[name], want[name], err_msg=name)
+
+
+def test_checkpoints_written_by_v0_1_still_restore(tmp_path):
+    # v0.1's layout: the arrays directly in <step>/, a marker without checksums.
+    import orbax.checkpoint as ocp
+
+    with ocp.Checkpointer(ocp.PyTreeCheckpointHandler()) as checkpointer:
+        checkpointer.save(tmp_path / "3", {"leaf0": np.arange(4.0)})
+    marker = {
+        "format": "eqxdist-checkpoint",
+        "version": 1,
+        "step": 3,
+        "process_count": 1,
+        "leaves": [{"path": "['w']", "shape": [4], "dtype": "float64"}],
+    }
+    (tmp_path / "3" / "eqxdist_checkpoint.json").write_text(json.dumps(marker))
+    assert ed.latest_step(tmp_path) == 3
+    restored = ed.restore_checkpoint(tmp_path, {"w": np.zeros(4)})
+    np.testing.assert_array_equal(restored["w"], np.arange(4.0))
+    with ed.CheckpointManager(tmp_path) as manager:  # and a manager carries on
+        manager.save(4, {"w": np.ones(4)})
+        assert manager.all_steps() == [3, 4]
+
+
+def test_a_new_manager_removes_the_leftovers_of_dead_saves_only(tmp_path):
+    from eqxdist._checkpoint_files import host_name
+
+    dead = subprocess.run(
+        [sys.executable, "-c", "import os; print(os.getpid())"],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    host = host_name()
+    names = {
+        "dead": f"3.orbax-checkpoint-tmp-{host}-{dead.stdout.strip()}-ab12",
+        "live": f"4.orbax-checkpoint-tmp-{host}-{os.getpid()}-cd34",
+        "other host, recent": "5.orbax-checkpoint-tmp-elsewhere-1-ef56",
+        "other host, old": "6.orbax-checkpoint-tmp-elsewhere-1-0789",
+        "orbax's own": "7.orbax-checkpoint-tmp",
+    }
+    for name in names.values():
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "data").write_bytes(b"x" * 1000)
+    old = time.time() - 2 * 3600
+    for path in (tmp_path / names["other host, old"]).rglob("*"):
+        os.utime(path, (old, old))
+    os.utime(tmp_path / names["other host, old"], (old, old))
+    ed.CheckpointManager(tmp_path).close()
+    left = {p.name for p in tmp_path.iterdir()}
+    assert left == {names["live"], names["other host, recent"]}

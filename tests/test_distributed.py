@@ -5,8 +5,10 @@ compared with this process's 8 devices on the same global data.
 The scripts the launcher runs live in `tests/mp_scripts/`."""
 
 import json
+import os
 import re
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -120,9 +122,15 @@ def test_launcher_returns_first_failure_and_stops_the_others(tmp_path):
 
 
 @pytest.mark.parametrize(
-    ("signum", "status"), [(signal.SIGINT, 130), (signal.SIGTERM, 143)]
+    ("signum", "status", "mode"),
+    [
+        (signal.SIGINT, 130, "sleep"),
+        (signal.SIGTERM, 143, "sleep"),
+        # Processes that stop cleanly on SIGTERM (a preempted run that saved).
+        (signal.SIGTERM, 0, "graceful"),
+    ],
 )
-def test_launcher_passes_on_ctrl_c_and_sigterm(tmp_path, signum, status):
+def test_launcher_passes_on_ctrl_c_and_sigterm(tmp_path, signum, status, mode):
     proc = subprocess.Popen(
         [
             sys.executable,
@@ -133,7 +141,7 @@ def test_launcher_passes_on_ctrl_c_and_sigterm(tmp_path, signum, status):
             "--grace-period",
             "2",
             str(SCRIPTS / "plain.py"),
-            "sleep",
+            mode,
             str(tmp_path),
         ],
         stdout=subprocess.PIPE,
@@ -155,6 +163,13 @@ def test_launcher_rejects_bad_arguments(tmp_path, capsys):
     script = SCRIPTS / "plain.py"
     cases = [
         (["-n", "0", str(script)], "--num-processes must be >= 1, got 0"),
+        (["-n", "-3", str(script)], "--num-processes must be >= 1, got -3"),
+        (["-n", "100000000", str(script)], "is more than this machine allows"),
+        (["-n", "2", "--port", "70000", str(script)], "--port must be in 1..65535"),
+        (["-n", "2", "--port", "-5", str(script)], "--port must be in 1..65535"),
+        (["-n", "2", "--port", "0", str(script)], "--port must be in 1..65535"),
+        (["-n", "2", "--port", "x", str(script)], "--port: invalid int value"),
+        (["-n", "2", "--exit-timeout", "0", str(script)], "--exit-timeout must be"),
         (["-n", "2", "-d", "0", str(script)], "--devices-per-process must be >= 1"),
         (["-n", "2", "--grace-period", "-1", str(script)], "--grace-period must be"),
         (["-n", "2", str(tmp_path / "missing.py")], "missing.py' not found"),
@@ -165,6 +180,87 @@ def test_launcher_rejects_bad_arguments(tmp_path, capsys):
             launch.main(argv)
         assert exit_info.value.code == 2
         assert message in capsys.readouterr().err
+
+
+def launched(tmp_path, *args):
+    return subprocess.Popen(
+        [sys.executable, "-m", "eqxdist.launch", *map(str, args)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+
+
+def wait_for_pids(proc, pid_file, count):
+    deadline = time.monotonic() + 60
+    while not (pid_file.exists() and len(pid_file.read_text().split()) >= count):
+        assert time.monotonic() < deadline and proc.poll() is None
+        time.sleep(0.05)
+
+
+def test_a_second_run_on_a_used_port_is_refused_and_leaves_the_first_alone(
+    tmp_path,
+):
+    port = launch._free_port()
+    first = launched(
+        tmp_path, "-n", 2, "--port", port, SCRIPTS / "plain.py", "sleep", tmp_path
+    )
+    wait_for_pids(first, tmp_path / "pids", 4)
+    second = run_launcher("-n", 2, "--port", port, SCRIPTS / "plain.py", "env")
+    assert second.returncode == 2, explain(second)
+    assert f"port {port} is used by another eqxdist.launch run" in second.stderr
+    assert "[0]" not in second.stdout  # it started nothing
+    assert first.poll() is None  # the first run goes on
+    first.send_signal(signal.SIGTERM)
+    first.communicate(timeout=60)
+    assert_all_gone(tmp_path / "pids")
+    # Any other server listening on the port: refused too, naming the port.
+    with socket.socket() as server:
+        server.bind(("127.0.0.1", 0))
+        server.listen()
+        taken = server.getsockname()[1]
+        result = run_launcher("-n", 1, "--port", taken, SCRIPTS / "plain.py", "env")
+    assert result.returncode == 2, explain(result)
+    assert f"port {taken} is in use" in result.stderr
+    # Once free again (TIME_WAIT left over or not), the port can be used.
+    again = run_launcher("-n", 2, "--port", port, SCRIPTS / "plain.py", "env")
+    assert again.returncode == 0, explain(again)
+
+
+@pytest.mark.slow
+def test_a_hung_process_is_killed_after_the_exit_timeout_and_named(tmp_path):
+    start = time.monotonic()
+    result = run_launcher(
+        "-n", 3, "--exit-timeout", 10, SCRIPTS / "plain.py", "hang", tmp_path, 1
+    )
+    elapsed = time.monotonic() - start
+    assert result.returncode == 124, explain(result)
+    assert 10 <= elapsed < 30
+    assert "[0] process 0 done" in result.stdout
+    last = result.stderr.strip().splitlines()[-1]
+    assert re.match(
+        r"eqxdist.launch: process 1 did not exit within 10 s \(--exit-timeout\) of "
+        r"process [02], which exited with status 0; killed it.",
+        last,
+    ), last
+    assert_all_gone(tmp_path / "pids")
+
+
+def test_a_sigkilled_launcher_leaves_no_process_behind(tmp_path):
+    proc = launched(tmp_path, "-n", 2, SCRIPTS / "plain.py", "sleep", tmp_path)
+    wait_for_pids(proc, tmp_path / "pids", 4)
+    proc.kill()  # no handler runs: the parent-death signal and the watchdog act
+    proc.communicate(timeout=30)
+    assert_all_gone(tmp_path / "pids")
+
+
+def test_the_last_line_names_the_first_failing_process(tmp_path):
+    result = run_launcher("-n", 3, SCRIPTS / "plain.py", "fail", tmp_path, 2, 7)
+    assert result.returncode == 7, explain(result)
+    assert result.stderr.strip().splitlines()[-1] == (
+        "eqxdist.launch: process 2 failed first (exit status 7); stopped processes "
+        "0, 1."
+    )
 
 
 def test_launcher_reports_a_single_process_status(tmp_path):
@@ -228,7 +324,7 @@ def test_initialize_distributed_is_a_noop_in_a_plain_process(plain_environment):
                 "EQXDIST_NUM_PROCESSES": "2",
                 "EQXDIST_PROCESS_ID": "0",
             },
-            "must be 'host:port'",
+            "has no host; expected 'host:port'",
         ),
     ],
 )
@@ -423,7 +519,8 @@ def test_checkpoint_from_1_process_restores_on_2(training):
 def test_checkpoint_from_2_processes_restores_on_1(training, mesh8):
     _, runs, out, _ = training
     # Orbax's per-process data files: process 1 wrote the shards it held.
-    assert sorted(p.name for p in (out / "ckpt" / "2").glob("ocdbt.process_*")) == [
+    data = out / "ckpt" / "2" / "default"
+    assert sorted(p.name for p in data.glob("ocdbt.process_*")) == [
         "ocdbt.process_0",
         "ocdbt.process_1",
     ]
@@ -465,3 +562,126 @@ def test_a_failing_process_stops_the_run(tmp_path, how, status, message):
     assert "_launch_child" not in result.stderr
     assert "DEADLINE_EXCEEDED" not in result.stderr
     assert_all_gone(tmp_path / "pids")
+
+
+# ------------------------------------------------------------------- preemption
+
+
+def preemption_run(command, victim):
+    """Start `command`, SIGTERM process `victim` once it printed `step 3`, wait."""
+    run = subprocess.Popen(
+        command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
+    lines = []
+    for line in run.stdout:
+        lines.append(line)
+        words = line.split()
+        if words[-2:] == ["step", "3"] and words[0] == f"[{victim}]":
+            os.kill(int(words[2]), signal.SIGTERM)
+            break
+    out_text, err = run.communicate(timeout=TIMEOUT)
+    return run.returncode, "".join(lines) + out_text, err
+
+
+def launcher_command(*args):
+    return [sys.executable, "-m", "eqxdist.launch", "-n", "2", "-d", "2", *args]
+
+
+def free_slurm_job_id():
+    """A job id for which JAX's SLURM port (61440 + id % 4096) is free here."""
+    for port in range(61440 + os.getpid() % 4096, 65536):
+        with socket.socket() as probe:
+            try:
+                probe.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        return str(port - 61440)
+    pytest.skip("no free port in JAX's SLURM range")
+
+
+def slurm_run(tmp_path, args, victim=None):
+    """Two processes started by hand with the variables SLURM's `srun` sets, as on
+    a cluster: JAX detects it and `initialize_distributed` joins them (no eqxdist
+    launcher). SIGTERM to rank `victim` once it printed `step 3`."""
+    base = {k: v for k, v in os.environ.items() if k not in CLUSTER_VARIABLES}
+    job = free_slurm_job_id()
+    procs, logs = [], []
+    for rank in range(2):
+        env = dict(
+            base,
+            SLURM_JOB_ID=job,
+            SLURM_STEP_NODELIST="localhost",
+            SLURM_NTASKS="2",
+            SLURM_PROCID=str(rank),
+            SLURM_LOCALID=str(rank),
+            JAX_PLATFORMS="cpu",
+            XLA_FLAGS="--xla_force_host_platform_device_count=2",
+        )
+        logs.append(tmp_path / f"slurm{job}_{rank}.log")
+        with open(logs[-1], "w") as log:
+            procs.append(
+                subprocess.Popen(
+                    [sys.executable, "-u", *map(str, args)],
+                    env=env,
+                    stdout=log,
+                    stderr=subprocess.STDOUT,
+                )
+            )
+    deadline = time.monotonic() + TIMEOUT
+    while victim is not None:
+        assert time.monotonic() < deadline and all(p.poll() is None for p in procs)
+        found = re.search(r"pid (\d+) step 3\n", logs[victim].read_text())
+        if found:
+            os.kill(int(found[1]), signal.SIGTERM)
+            break
+        time.sleep(0.05)
+    for proc in procs:
+        proc.wait(timeout=TIMEOUT)
+    outputs = [log.read_text() for log in logs]
+    for proc, out in zip(procs, outputs, strict=True):
+        assert proc.returncode == 0, out
+    return outputs
+
+
+@pytest.mark.slow
+def test_sigterm_to_one_of_2_processes_saves_and_the_rerun_resumes_bit_exactly(
+    tmp_path,
+):
+    script, steps = SCRIPTS / "preempt_train.py", "10"
+    full = run_launcher(
+        *launcher_command(script, tmp_path / "f", tmp_path / "full.npz", steps)[3:]
+    )
+    assert full.returncode == 0, explain(full)
+    ckpt, resumed = tmp_path / "ckpt", tmp_path / "resumed.npz"
+    status, out, err = preemption_run(
+        launcher_command(script, ckpt, resumed, steps), victim=1
+    )
+    assert status == 0, f"{out}\n{err}"
+    stopped = {int(m) for m in re.findall(r"\[\d\] preempted at (\d+)", out)}
+    assert len(stopped) == 1, out  # both processes stopped at the same step
+    (step,) = stopped
+    assert re.findall(r"\[(\d)\] preempted", out) and 3 <= step < 10
+    assert ed.latest_step(ckpt) == step and not resumed.exists()
+    rerun = run_launcher(*launcher_command(script, ckpt, resumed, steps)[3:])
+    assert rerun.returncode == 0, explain(rerun)
+    assert f"[0] resumed at {step}" in rerun.stdout
+    want = np.load(tmp_path / "full.npz")
+    assert_same_npz(np.load(resumed), want)
+
+    # The same under SLURM-style `jax.distributed` without the launcher, SIGTERM
+    # to process 0 this time.
+    ckpt, resumed = tmp_path / "slurm_ckpt", tmp_path / "slurm_resumed.npz"
+    outputs = slurm_run(tmp_path, (script, ckpt, resumed, steps), victim=0)
+    stopped = {int(m) for o in outputs for m in re.findall(r"preempted at (\d+)", o)}
+    assert len(stopped) == 1 and all("preempted" in o for o in outputs), outputs
+    (step,) = stopped
+    assert ed.latest_step(ckpt) == step and not resumed.exists()
+    outputs = slurm_run(tmp_path, (script, ckpt, resumed, steps))
+    assert f"resumed at {step}" in outputs[0]
+    assert_same_npz(np.load(resumed), want)
+
+
+def assert_same_npz(got, want):
+    assert sorted(want) == sorted(got)
+    for name in want:
+        np.testing.assert_array_equal(got[name], want[name], err_msg=name)

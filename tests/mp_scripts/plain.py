@@ -4,11 +4,14 @@
     plain.py script ARGS...       print what the script sees of how it was started
     plain.py fail OUT ID CODE     process ID exits with CODE; the others sleep
     plain.py sleep OUT            every process sleeps
+    plain.py hang OUT ID          process ID sleeps; the others exit with status 0
+    plain.py graceful OUT         every process sleeps, and exits with 0 on SIGTERM
 
 Sleeping processes start a child that sleeps too; every process id goes to
 `OUT/pids`, so the tests can check that none outlives the launcher."""
 
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -43,6 +46,12 @@ if mode == "fail" and index == int(sys.argv[3]):
     time.sleep(0.5)
     print(f"process {index} fails", file=sys.stderr, flush=True)
     sys.exit(int(sys.argv[4]))
+if mode == "hang" and index != int(sys.argv[3]):
+    time.sleep(0.5)
+    print(f"process {index} done", flush=True)
+    sys.exit(0)
+if mode == "graceful":
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
 child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
 with open(out / "pids", "a") as f:
     f.write(f"{os.getpid()}\n{child.pid}\n")

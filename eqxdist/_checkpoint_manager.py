@@ -1,0 +1,214 @@
+"""`CheckpointManager`: periodic, asynchronous, retained checkpoints and preemption
+handling for a training loop, on Orbax's own `CheckpointManager`."""
+
+import os
+import signal
+import threading
+from pathlib import Path
+from types import FrameType, TracebackType
+from typing import Any
+
+import jax
+from jaxtyping import PyTree
+
+from . import _checkpoint_files as files
+from ._checkpoint import latest_step, restore_checkpoint
+from ._checkpoint_writer import Writer, check_step, orbax
+from ._utils import check_not_consumed, typecheck
+
+
+def _uses_jax_preemption_service() -> bool:
+    # Under `jax.distributed` JAX itself catches SIGTERM and agrees with the other
+    # processes on the step to stop at (its preemption sync point).
+    return bool(jax.distributed.is_initialized())
+
+
+class CheckpointManager:
+    """Checkpoints for a training loop: saves every `save_interval_steps` steps,
+    keeps the newest `max_to_keep`, optionally writes in the background, and saves
+    and stops cleanly when the job is preempted (SIGTERM). Built on Orbax's
+    `CheckpointManager`; the directories are those of `save_checkpoint`, so
+    `restore_checkpoint` and `latest_step` read them too, with the same guarantees
+    (atomic saves, checksums checked on restore, saves of one step never mixed).
+
+    **Arguments:**
+
+    - `directory`: the run's checkpoint directory (created if missing; on a
+      cluster, a file system every process can see). Leftovers of saves that died
+      (temporary directories of this host's dead processes) are removed.
+    - `max_to_keep`: after each completed save, only the newest `max_to_keep`
+      steps remain; `None` keeps all.
+    - `save_interval_steps`: `save(step, ...)` saves when `step` is a multiple of
+      it (or when forced, or on preemption).
+    - `async_save`: `save` returns once the arrays are copied off the devices and
+      the files are written in the background (so the next train step may donate
+      the saved state); `wait_until_finished()` waits for the write.
+
+    Every method must be called by every process of a multi-process run, in the
+    same order. In a single process, the manager installs a SIGTERM handler
+    (restored by `close()`); under `jax.distributed` (`eqxdist.launch`, SLURM,
+    ...) JAX's own preemption sync point is used, so `reached_preemption(step)`
+    becomes `True` at the same step on every process.
+
+    **Raises:**
+
+    `ValueError`/`TypeError` for a `directory` that is a file, a `max_to_keep`
+    below 1 or a `save_interval_steps` below 1.
+
+    !!! Example
+
+        ```python
+        with ed.CheckpointManager("ckpt", max_to_keep=3, save_interval_steps=100,
+                                  async_save=True) as manager:
+            start = manager.latest_step() or 0
+            if start:
+                state = manager.restore(abstract_state)
+            for step in range(start, num_steps):
+                state, metrics = train_step(state, batches[step])
+                manager.save(step + 1, state)
+                if manager.reached_preemption(step + 1):
+                    break  # saved above; exit with status 0, rerun to resume
+        ```
+    """
+
+    @typecheck
+    def __init__(
+        self,
+        directory: str | os.PathLike[str],
+        *,
+        max_to_keep: int | None = None,
+        save_interval_steps: int = 1,
+        async_save: bool = False,
+    ):
+        caller = "CheckpointManager"
+        if max_to_keep is not None and max_to_keep < 1:
+            raise ValueError(
+                f"{caller}: `max_to_keep` must be >= 1 or None (keep all); got "
+                f"{max_to_keep}."
+            )
+        if save_interval_steps < 1:
+            raise ValueError(
+                f"{caller}: `save_interval_steps` must be >= 1; got "
+                f"{save_interval_steps}."
+            )
+        self.directory = Path(directory).absolute()
+        files.check_root(self.directory, caller)
+        self.save_interval_steps = save_interval_steps
+        self._writer = Writer(
+            self.directory,
+            max_to_keep=max_to_keep,
+            save_interval_steps=save_interval_steps,
+            async_save=async_save,
+        )
+        self._sigterm = threading.Event()
+        self._previous_handler: Any = None
+        self._preempted_at: int | None = None
+        self._closed = False
+        if (
+            not _uses_jax_preemption_service()
+            and threading.current_thread() is threading.main_thread()
+        ):
+            self._previous_handler = signal.signal(signal.SIGTERM, self._on_sigterm)
+
+    def _on_sigterm(self, signum: int, frame: FrameType | None) -> None:
+        self._sigterm.set()
+
+    def _check_open(self, method: str) -> None:
+        if self._closed:
+            raise ValueError(
+                f"CheckpointManager.{method}: the manager of {str(self.directory)!r} "
+                "is closed; create a new one."
+            )
+
+    @typecheck
+    def reached_preemption(self, step: int) -> bool:
+        """Whether the job is being preempted and should save and stop at `step`.
+
+        It becomes `True` once any process received SIGTERM, at the same step on
+        every process (JAX's preemption sync point under `jax.distributed`; the
+        signal itself in a single process), and stays `True` for later steps.
+        Call it at every step, from every process."""
+        self._check_open("reached_preemption")
+        step = check_step(step, "CheckpointManager.reached_preemption")
+        if self._preempted_at is not None and step >= self._preempted_at:
+            return True
+        if _uses_jax_preemption_service():
+            reached = bool(orbax().utils.reached_preemption(step))
+        else:
+            reached = self._sigterm.is_set()
+        if reached:
+            self._preempted_at = step
+        return reached
+
+    @typecheck
+    def save(self, step: int, state: PyTree[Any], *, force: bool = False) -> bool:
+        """Save `state` as `step` if `step` is a multiple of `save_interval_steps`,
+        `force` is set, or the job is being preempted (see `reached_preemption`).
+
+        **Returns:**
+
+        Whether it saved. With `async_save=True` the files are still being written
+        when it returns; a crash meanwhile leaves the earlier checkpoints intact.
+
+        **Raises:**
+
+        `ValueError` if `step` is already saved in the directory (or another save
+        of it finished first), if `state` was consumed (donated) by an earlier train
+        step, or if an earlier asynchronous save failed.
+        """
+        self._check_open("save")
+        caller = "CheckpointManager.save"
+        step = check_step(step, caller)
+        check_not_consumed(state, caller)
+        # Orbax decides (interval, preemption under jax.distributed, nothing
+        # newer than the latest step); the single-process SIGTERM is ours.
+        preempted = self.reached_preemption(step)
+        if not (force or preempted or self._writer.should_save(step)):
+            return False
+        self._writer.save(step, state, caller)
+        return True
+
+    @typecheck
+    def restore(self, target: PyTree[Any], *, step: int | None = None) -> PyTree[Any]:
+        """`restore_checkpoint(directory, target, step=step)`, once pending saves
+        have finished."""
+        self._check_open("restore")
+        self._writer.wait("CheckpointManager.restore")
+        return restore_checkpoint(self.directory, target, step=step)
+
+    def latest_step(self) -> int | None:
+        """The newest complete step, or `None`."""
+        return latest_step(self.directory)
+
+    def all_steps(self) -> list[int]:
+        """Every complete step in the directory, in increasing order."""
+        return files.complete_steps(self.directory)
+
+    def wait_until_finished(self) -> None:
+        """Block until the pending asynchronous save (if any) is committed; raise its
+        error if it failed."""
+        self._writer.wait("CheckpointManager.wait_until_finished")
+
+    def close(self) -> None:
+        """Wait for pending saves and release the manager (and the SIGTERM handler
+        it installed). Closing twice is harmless."""
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            self._writer.wait("CheckpointManager.close")
+        finally:
+            self._writer.close()
+            if self._previous_handler is not None:
+                signal.signal(signal.SIGTERM, self._previous_handler)
+
+    def __enter__(self) -> "CheckpointManager":
+        return self
+
+    def __exit__(
+        self,
+        kind: type[BaseException] | None,
+        error: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.close()

@@ -1,0 +1,59 @@
+"""A training loop that survives preemption, run by tests/test_checkpoint.py (one
+plain process) and tests/test_distributed.py (under `eqxdist.launch`, and as
+SLURM-style processes started by hand):
+
+    preempt_train.py CKPT OUT STEPS
+
+Resumes from the latest checkpoint in CKPT if there is one, trains the `common`
+problem (data parallel, a different batch per step) up to STEPS, and saves when
+preempted: on SIGTERM to any process every process stops at the same step, saves
+it and exits with status 0. A run that reaches STEPS writes the final state to OUT
+(`.npz`, from process 0)."""
+
+import sys
+import time
+
+import eqxdist as ed
+
+ed.initialize_distributed()
+
+import common  # noqa: E402
+import equinox as eqx  # noqa: E402
+import jax  # noqa: E402
+import numpy as np  # noqa: E402
+
+directory, out, steps = sys.argv[1], sys.argv[2], int(sys.argv[3])
+mesh = ed.create_data_parallel_mesh()
+train_step = ed.make_train_step(common.loss_fn, common.OPTIMIZER, mesh, strategy="dp")
+
+
+def batch(step: int) -> dict[str, np.ndarray]:
+    rng = np.random.default_rng(1000 + step)
+    rows = {
+        "x": rng.normal(size=(common.GLOBAL_BATCH, common.FEATURES)),
+        "y": rng.integers(0, common.CLASSES, common.GLOBAL_BATCH),
+    }
+    return common.local_rows(
+        {"x": rows["x"].astype(np.float32), "y": rows["y"].astype(np.int32)}
+    )
+
+
+with ed.CheckpointManager(directory, save_interval_steps=1000, async_save=True) as m:
+    start = m.latest_step() or 0
+    state = common.make_state()
+    if start:
+        state = m.restore(eqx.filter_eval_shape(common.make_state))
+        print(f"resumed at {start}", flush=True)
+    for step in range(start, steps):
+        state, _ = train_step(state, batch(step))
+        jax.block_until_ready(state)
+        print(f"pid {__import__('os').getpid()} step {step + 1}", flush=True)
+        time.sleep(0.3)
+        m.save(step + 1, state)
+        if m.reached_preemption(step + 1):
+            print(f"preempted at {step + 1}", flush=True)
+            break
+    else:
+        arrays = common.flat(state)
+        if jax.process_index() == 0:
+            np.savez(out, **arrays)

@@ -1,0 +1,290 @@
+"""Caller mistakes across the public API (meshes, placement, reductions,
+multi-process start-up, checkpoints): each is a `ValueError`/`TypeError` whose
+message names the argument or leaf path, the value seen and what was expected --
+never a raw JAX, NumPy, Orbax or OS error.
+
+One table: (id, call, exception type, pattern the message must match). The metric
+and train-step mistakes are tested with their modules (tests/test_metrics.py,
+tests/test_train.py)."""
+
+import contextlib
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import PartitionSpec as P
+
+import eqxdist as ed
+
+STRINGS = np.array(["cat", "dog"])
+OBJECTS = np.array([None, 1], dtype=object)
+KEYS = jax.random.split(jax.random.key(0), 8)
+
+
+def mesh():
+    return ed.create_data_parallel_mesh()
+
+
+def in_shard_map(fn, x):
+    return jax.shard_map(fn, mesh=mesh(), in_specs=P("data"), out_specs=P())(x)
+
+
+@contextlib.contextmanager
+def launch_environment(coordinator):
+    names = ("EQXDIST_COORDINATOR", "EQXDIST_NUM_PROCESSES", "EQXDIST_PROCESS_ID")
+    saved = {name: os.environ.get(name) for name in names}
+    os.environ.update(dict(zip(names, (coordinator, "2", "0"), strict=True)))
+    try:
+        yield
+    finally:
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
+
+
+def initialize_with(coordinator):
+    with launch_environment(coordinator):
+        ed.initialize_distributed()
+
+
+def save_into(tmp, state, **kwargs):
+    return ed.save_checkpoint(tmp, state, step=1, **kwargs)
+
+
+LEAF = r"leaf \['x'\] is a NumPy array of dtype"
+CASES = [
+    # -- meshes
+    (
+        "duplicate devices",
+        lambda t: ed.create_device_mesh({"data": 2}, devices=[jax.devices()[0]] * 2),
+        ValueError,
+        r"create_device_mesh: `devices` lists cpu:0 twice \(at positions 0 and 1\)",
+    ),
+    (
+        "duplicate devices in a manager",
+        lambda t: ed.DeviceMeshManager([jax.devices()[1], jax.devices()[1]]),
+        ValueError,
+        r"DeviceMeshManager: `devices` lists cpu:1 twice",
+    ),
+    (
+        "a manager of non-devices",
+        lambda t: ed.DeviceMeshManager([0, 1]),
+        TypeError,
+        # (Under pytest, jaxtyping's import hook checks the annotation first.)
+        r"(?s)(`devices\[0\]` is 0 of type int; expected a `jax.Device`|"
+        r"parameter 'devices'.*\[0, 1\].*Device)",
+    ),
+    (
+        "a bool axis size",
+        lambda t: ed.create_device_mesh({"data": True}),
+        TypeError,
+        r"size of axis 'data' must be an int; got True",
+    ),
+    (
+        "a string for a mesh",
+        lambda t: ed.get_mesh_info("mesh"),
+        TypeError,
+        r"(?s)parameter 'mesh'.*'mesh'.*Mesh",
+    ),
+    # -- placement
+    (
+        "strings in shard_batch",
+        lambda t: ed.shard_batch(
+            {"x": STRINGS[[0, 1] * 4]}, ed.create_data_parallel_sharding(mesh())
+        ),
+        TypeError,
+        r"shard_batch: `batch` " + LEAF + r" <U3 \(\['cat', 'dog', 'cat', \.\.\.\]\); "
+        r"expected a numeric or bool array",
+    ),
+    (
+        "objects in shard_batch",
+        lambda t: ed.shard_batch(
+            {"x": OBJECTS}, ed.create_data_parallel_sharding(mesh())
+        ),
+        TypeError,
+        r"shard_batch: `batch` " + LEAF + r" object \(\[None, 1\]\)",
+    ),
+    (
+        "strings in replicate_params",
+        lambda t: ed.replicate_params({"x": STRINGS}, mesh()),
+        TypeError,
+        r"replicate_params: `params` " + LEAF + " <U3",
+    ),
+    (
+        "objects in shard_model_state",
+        lambda t: ed.shard_model_state({"x": OBJECTS}, mesh(), "shard"),
+        TypeError,
+        r"shard_model_state: `state` " + LEAF + " object",
+    ),
+    (
+        "a string for a mesh in replicate_params",
+        lambda t: ed.replicate_params({"x": jnp.ones(2)}, "mesh"),
+        TypeError,
+        r"parameter 'mesh'",
+    ),
+    (
+        "a non-string data axis",
+        lambda t: ed.DataParallel(data_axis=3),
+        TypeError,
+        r"(?s)(DataParallel: `data_axis` must be a mesh axis name .*; got 3|"
+        r"parameter 'data_axis'.*Actual value: 3.*str)",
+    ),
+    (
+        "keys in all_reduce_gradients",
+        lambda t: in_shard_map(lambda k: ed.all_reduce_gradients({"x": k})["x"], KEYS),
+        TypeError,
+        r"all_reduce_gradients: `gradients` leaf \['x'\] is an array of PRNG keys "
+        r"\(key<fry>\); keys cannot be reduced",
+    ),
+    # -- reductions
+    *[
+        (
+            f"strings in global {name}",
+            lambda t, name=name: getattr(ed, name)({"x": STRINGS}, axis_name=None),
+            TypeError,
+            rf"{name}: `metrics` " + LEAF + " <U3",
+        )
+        for name in ("reduce_mean", "reduce_sum", "reduce_max", "reduce_min")
+    ],
+    (
+        "objects in global reduce_custom",
+        lambda t: ed.reduce_custom({"x": OBJECTS}, {"x": "sum"}, axis_name=None),
+        TypeError,
+        r"reduce_custom: `metrics` leaf \['x'\] is a NumPy array of dtype object",
+    ),
+    (
+        "keys in reduce_mean",
+        lambda t: in_shard_map(lambda k: ed.reduce_mean({"x": k})["x"], KEYS),
+        TypeError,
+        r"reduce_mean: `metrics` leaf \['x'\] is an array of PRNG keys \(key<fry>\); "
+        "keys cannot be averaged",
+    ),
+    (
+        "keys in global reduce_mean",
+        lambda t: ed.reduce_mean({"x": KEYS}, axis_name=None),
+        TypeError,
+        r"keys cannot be averaged",
+    ),
+    (
+        "keys in all_gather",
+        lambda t: in_shard_map(lambda k: ed.all_gather({"x": k})["x"], KEYS),
+        TypeError,
+        r"all_gather: `metrics` leaf \['x'\] is an array of PRNG keys",
+    ),
+    *[
+        (
+            f"a zero-size leaf in global {name}",
+            lambda t, name=name: getattr(ed, name)(
+                {"ok": jnp.ones(3), "x": jnp.zeros((0, 2))}, axis_name=None
+            ),
+            ValueError,
+            rf"{name}: `metrics` leaf \['x'\] has no elements \(shape \(0, 2\)\), so "
+            rf"its {name[7:]}imum is undefined",
+        )
+        for name in ("reduce_max", "reduce_min")
+    ],
+    (
+        "a list where reduce_custom wants a mapping",
+        lambda t: ed.reduce_custom([jnp.ones(2)], axis_name=None),
+        TypeError,
+        r"parameter 'metrics'",
+    ),
+    # -- multi-process start-up
+    *[
+        (
+            f"EQXDIST_COORDINATOR={value!r}",
+            lambda t, value=value: initialize_with(value),
+            ValueError,
+            rf"EQXDIST_COORDINATOR={value!r} {problem}; expected 'host:port'",
+        )
+        for value, problem in [
+            (":1234", "has no host"),
+            ("localhost", "has no host"),
+            ("localhost:", "has port '', not a number"),
+            ("localhost:http", "has port 'http', not a number"),
+            ("localhost:70000", "has port 70000, outside 1..65535"),
+            ("localhost:0", "has port 0, outside 1..65535"),
+            ("local host:1234", "has host 'local host', not a host name or address"),
+        ]
+    ],
+    # -- checkpoints
+    (
+        "strings in a saved state",
+        lambda t: save_into(t, {"x": STRINGS}),
+        TypeError,
+        r"save_checkpoint: `state` " + LEAF + " <U3",
+    ),
+    (
+        "a consumed state",
+        lambda t: save_into(t, {"x": consumed()}),
+        ValueError,
+        r"save_checkpoint: `state` was consumed by an earlier step .*\['x'\]",
+    ),
+    (
+        "a float step",
+        lambda t: ed.save_checkpoint(t, {"x": jnp.ones(2)}, step=1.0),
+        TypeError,
+        r"parameter 'step'",
+    ),
+    (
+        "a negative step",
+        lambda t: ed.save_checkpoint(t, {"x": jnp.ones(2)}, step=-1),
+        ValueError,
+        r"`step` must be >= 0; got -1",
+    ),
+    (
+        "a file for a checkpoint directory",
+        lambda t: ed.latest_step(a_file(t)),
+        ValueError,
+        r"latest_step: `directory` '.*file' is a file, not a directory",
+    ),
+    (
+        "restoring a step that is not there",
+        lambda t: ed.restore_checkpoint(t, {"x": jnp.ones(2)}, step=3),
+        FileNotFoundError,
+        r"checkpoint directory '.*' does not exist",
+    ),
+    (
+        "a negative max_to_keep",
+        lambda t: ed.CheckpointManager(t, max_to_keep=-1),
+        ValueError,
+        r"`max_to_keep` must be >= 1 or None \(keep all\); got -1",
+    ),
+    (
+        "a string save interval",
+        lambda t: ed.CheckpointManager(t, save_interval_steps="10"),
+        TypeError,
+        r"parameter 'save_interval_steps'",
+    ),
+]
+
+
+def consumed():
+    x = jax.device_put(jnp.ones(8), ed.create_data_parallel_sharding(mesh()))
+    x.delete()
+    return x
+
+
+def a_file(tmp):
+    tmp.mkdir(parents=True, exist_ok=True)
+    (tmp / "file").write_text("")
+    return tmp / "file"
+
+
+@pytest.mark.parametrize(
+    ("call", "kind", "pattern"),
+    [case[1:] for case in CASES],
+    ids=[case[0] for case in CASES],
+)
+def test_caller_mistake_is_a_clear_error(tmp_path, call, kind, pattern):
+    with pytest.raises(kind, match=pattern) as info:
+        call(tmp_path / "ckpt")
+    assert type(info.value).__module__.split(".")[0] in (
+        "builtins",
+        "eqxdist",
+        "jaxtyping",
+    )
