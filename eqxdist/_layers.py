@@ -426,17 +426,50 @@ class Stacked(SelfGathering):
     ) -> Callable[..., Any]:
         """One layer on prefetched parameters `full` whose backward pass keeps only
         the shards, the other leaves and the input: it re-gathers the parameters
-        and recomputes the layer, then reduce-scatters the parameters' gradient
-        (the mean over the axis) onto the shards. `full`'s own gradient is zero:
-        it is a copy of the shards."""
+        and recomputes the layer.
+
+        The parameters' gradient leaves through `port`, a stand-in of their full
+        shape whose own backward pass reduce-scatters it onto the shards (the mean
+        over the axis). Under `jax.vmap(model)` the layer's backward pass is
+        batched, but the gradient reaching `port` is already summed over the
+        batch: one reduce-scatter per parameter, not one per example. `full`'s
+        own gradient is zero: it is a copy of the shards."""
         axis = self.axis_name
 
         @jax.custom_vjp
-        def apply(shards: Any, full: Any, rest_leaves: Any, x: Any) -> Any:
+        def port(shards: Any) -> Any:
+            size = jax.lax.axis_size(axis)
+            return [
+                jnp.zeros((*s.shape[:d], s.shape[d] * size, *s.shape[d + 1 :]), s.dtype)
+                for s, d in zip(shards, dims, strict=True)
+            ]
+
+        def port_fwd(shards: Any) -> Any:
+            return port(shards), None
+
+        def port_bwd(_: None, g: Any) -> Any:
+            size = jax.lax.axis_size(axis)
+            return (
+                [
+                    jax.lax.psum_scatter(gi, axis, scatter_dimension=d, tiled=True)
+                    / size
+                    for gi, d in zip(g, dims, strict=True)
+                ],
+            )
+
+        port.defvjp(port_fwd, port_bwd)
+
+        @jax.custom_vjp
+        def apply(
+            grad_port: Any, shards: Any, full: Any, rest_leaves: Any, x: Any
+        ) -> Any:
             return layer(merge(full, rest_leaves), x)
 
-        def fwd(shards: Any, full: Any, rest_leaves: Any, x: Any) -> Any:
-            return apply(shards, full, rest_leaves, x), (shards, rest_leaves, x)
+        def fwd(
+            grad_port: Any, shards: Any, full: Any, rest_leaves: Any, x: Any
+        ) -> Any:
+            out = apply(grad_port, shards, full, rest_leaves, x)
+            return out, (shards, rest_leaves, x)
 
         def bwd(res: Any, g: Any) -> Any:
             shards, rest_leaves, x = res
@@ -448,16 +481,16 @@ class Stacked(SelfGathering):
                 lambda f, r, x: layer(merge(f, r), x), full, rest_leaves, x
             )
             d_full, d_rest, d_x = vjp(g)
-            size = jax.lax.axis_size(axis)
-            d_shards = [
-                jax.lax.psum_scatter(df, axis, scatter_dimension=d, tiled=True) / size
-                for df, d in zip(d_full, dims, strict=True)
-            ]
-            zeros = [_zero_cotangent(f) for f in full]
-            return d_shards, zeros, d_rest, d_x
+            no_shards = [_zero_cotangent(s) for s in shards]
+            no_full = [_zero_cotangent(f) for f in full]
+            return d_full, no_shards, no_full, d_rest, d_x
 
         apply.defvjp(fwd, bwd)
-        return apply
+
+        def run(shards: Any, full: Any, rest_leaves: Any, x: Any) -> Any:
+            return apply(port(shards), shards, full, rest_leaves, x)
+
+        return run
 
 
 def _stack(blocks: Sequence[Any]) -> Any:

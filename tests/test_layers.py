@@ -348,3 +348,46 @@ def test_layer_module_errors(mesh8):
             out_specs=P(),
             check_vma=False,
         )(stacked.layers.linear.weight, jnp.ones((4, WIDTH)))
+
+
+@pytest.mark.parametrize("remat", [False, True])
+def test_stacked_under_vmap_reduce_scatters_once_per_parameter(mesh8, remat):
+    """`jax.vmap(model)` (the usual Equinox pattern) must not batch the collectives:
+    each reduce-scatter moves one layer's parameter gradient, not one per example."""
+    layers = [
+        eqx.nn.Linear(WIDTH, WIDTH, key=k)
+        for k in jax.random.split(jax.random.key(0), 3)
+    ]
+    model = ed.FSDP(ed.Stacked(layers, remat=remat), mesh8, min_weight_size=64)
+    specs = model.partition_specs()
+    arrays, static = eqx.partition(model, eqx.is_array)
+    x = jnp.asarray(np.random.default_rng(0).normal(size=(32, WIDTH)), jnp.float32)
+
+    def loss(a, xs):
+        return jnp.sum(jax.vmap(eqx.combine(a, static))(xs) ** 2)
+
+    grad = jax.jit(
+        jax.shard_map(
+            jax.grad(loss),
+            mesh=mesh8,
+            in_specs=(specs, P("data")),
+            out_specs=specs,
+            check_vma=False,
+        )
+    )
+    hlo = grad.lower(arrays, x).compile().as_text()
+    shapes = re.findall(r"= f32\[([\d,]*)\]\S* reduce-scatter\(", hlo)
+    assert shapes and all(s == f"{WIDTH},{WIDTH // 8}" for s in shapes), shapes
+    plain = eqx.filter_grad(lambda m: _loss_plain(m, x))(layers)
+    want = jnp.stack([layer.weight for layer in plain]) / 8
+    got = grad(arrays, x).module.layers.weight
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+
+
+def _loss_plain(layers, x):
+    def model(v):
+        for layer in layers:
+            v = layer(v)
+        return v
+
+    return jnp.sum(jax.vmap(model)(x) ** 2)
