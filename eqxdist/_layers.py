@@ -410,7 +410,8 @@ class Stacked(SelfGathering):
                 return (run(shards, full, rest_leaves, x), nxt), None
 
             xs = (
-                slice_of(slice(0, -1), gathered),
+                # Only remat's backward pass needs this layer's shards again.
+                slice_of(slice(0, -1), gathered) if remat else [],
                 slice_of(slice(0, -1), rest),
                 slice_of(slice(1, None), gathered),
             )
