@@ -23,7 +23,8 @@ from ._partition import (
     fsdp_specs,
     gather_specs as gather_specs,
     has_fsdp_modules as has_fsdp_modules,
-    leaf_plan,
+    leaf_plan as leaf_plan,
+    leaf_spec as leaf_spec,
     tree_specs as tree_specs,
 )
 from ._utils import (
