@@ -177,7 +177,8 @@ class Stacked(SelfGathering):
     (only the layer inputs and the parameter shards are kept).
 
     Each block maps an array (or pytree of arrays) to one of the same shape and
-    dtype: `x -> block(x)`.
+    dtype: `x -> block(x)`, or `block(x, key=...)` when the stack is called with a
+    `key` (split into one key per layer).
 
     !!! Example
 
@@ -300,14 +301,19 @@ class Stacked(SelfGathering):
             plan.append(differ[0])
         return plan
 
-    def __call__(self, x: PyTree[Any]) -> PyTree[Any]:
-        """Run the layers in order on `x`."""
+    def __call__(self, x: PyTree[Any], *, key: Any = None) -> PyTree[Any]:
+        """Run the layers in order on `x`; with a `key`, layer `i` is called as
+        `block(x, key=jax.random.split(key, n)[i])` (e.g. for dropout)."""
         arrays, static = eqx.partition(self.layers, is_array)
         leaves, treedef = jax.tree.flatten(arrays)
+        num_params = len(leaves)
 
         def layer(layer_leaves: list[Any], x: Any) -> Any:
-            block = eqx.combine(jax.tree.unflatten(treedef, layer_leaves), static)
-            return block(x)
+            params = jax.tree.unflatten(treedef, layer_leaves[:num_params])
+            block = eqx.combine(params, static)
+            if key is None:
+                return block(x)
+            return block(x, key=layer_leaves[num_params])
 
         # Shapes as built (static); the traced leaves may be local shards.
         shapes = [shape[1:] for shape in self.shapes]
@@ -315,6 +321,10 @@ class Stacked(SelfGathering):
             plan: list[Any] = [None] * len(leaves)
         else:
             plan = self._plan(leaves, shapes)
+        if key is not None:
+            # The layers' keys travel with the layers' leaves, never gathered.
+            leaves = [*leaves, jax.random.split(key, self.num_layers)]
+            plan = [*plan, None]
         if all(d is None for d in plan):
             return self._scan_plain(layer, leaves, x)
         if self.prefetch:

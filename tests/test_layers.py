@@ -396,3 +396,51 @@ def _loss_plain(layers, x):
         return v
 
     return jnp.sum(jax.vmap(model)(x) ** 2)
+
+
+class Noisy(eqx.Module):
+    linear: eqx.nn.Linear
+
+    def __call__(self, x, *, key):
+        return jnp.tanh(jax.vmap(self.linear)(x)) + 0.1 * jax.random.normal(
+            key, x.shape
+        )
+
+
+@pytest.mark.parametrize("prefetch", [False, True])
+@pytest.mark.parametrize("remat", [False, True])
+def test_stacked_passes_one_key_per_layer(mesh8, rng, prefetch, remat):
+    blocks = [
+        Noisy(eqx.nn.Linear(WIDTH, WIDTH, key=k))
+        for k in jax.random.split(jax.random.key(0), 3)
+    ]
+    x = jnp.asarray(rng.normal(size=(8, WIDTH)), jnp.float32)
+    key = jax.random.key(7)
+
+    def unrolled(blocks, x):
+        for block, k in zip(blocks, jax.random.split(key, 3), strict=True):
+            x = block(x, key=k)
+        return jnp.sum(x**2)
+
+    want, want_grads = jax.value_and_grad(unrolled)(blocks, x)
+    stacked = ed.FSDP(
+        ed.Stacked(blocks, remat=remat, prefetch=prefetch), mesh8, min_weight_size=64
+    )
+    np.testing.assert_allclose(jnp.sum(stacked(x, key=key) ** 2), want, rtol=1e-5)
+    specs = stacked.partition_specs()
+    arrays, static = eqx.partition(stacked, eqx.is_array)
+
+    def local(a, x):  # every device sees the whole batch and the same key
+        return jax.grad(
+            lambda a: jnp.sum(eqx.combine(a, static).module(x, key=key) ** 2)
+        )(a)
+
+    grads = jax.shard_map(
+        local, mesh=mesh8, in_specs=(specs, P()), out_specs=specs, check_vma=False
+    )(arrays, x)
+    np.testing.assert_allclose(
+        grads.module.layers.linear.weight,
+        jnp.stack([b.linear.weight for b in want_grads]),
+        rtol=1e-5,
+        atol=1e-6,
+    )
