@@ -45,12 +45,17 @@ from ._data_parallel import (
 )
 from ._distributed import initialize_distributed as initialize_distributed
 from ._eval import EvalStep as EvalStep, make_eval_step as make_eval_step
+from ._flags import (
+    enable_gpu_collective_overlap as enable_gpu_collective_overlap,
+    gpu_xla_flags as gpu_xla_flags,
+)
 from ._fsdp import (
     FSDP as FSDP,
     gather_params as gather_params,
     shard_params as shard_params,
     sync_gradients as sync_gradients,
 )
+from ._layers import FSDPSequential as FSDPSequential, Stacked as Stacked
 from ._mesh import (
     DeviceMeshManager as DeviceMeshManager,
     create_data_parallel_mesh as create_data_parallel_mesh,

@@ -17,13 +17,21 @@ from jax.sharding import Mesh, PartitionSpec as P
 from jaxtyping import PyTree
 
 from ._data_parallel import place
-from ._partition import fsdp_specs, leaf_spec
+from ._partition import (
+    SelfGathering,
+    check_layout,
+    fsdp_specs,
+    gather_specs as gather_specs,
+    has_fsdp_modules as has_fsdp_modules,
+    leaf_plan as leaf_plan,
+    leaf_spec as leaf_spec,
+    tree_specs as tree_specs,
+)
 from ._utils import (
     check_axis_bound,
     check_axis_in_mesh,
     check_min_weight_size,
     is_array,
-    is_array_like,
     path_str,
     typecheck,
 )
@@ -266,53 +274,6 @@ def sync_gradients(
     return jax.tree.unflatten(spec_def, out)
 
 
-def _is_fsdp(x: Any) -> bool:
-    return isinstance(x, FSDP)
-
-
-def leaf_plan(
-    tree: Any, axis_size: int, axis_name: str, min_weight_size: int
-) -> tuple[list[P | None], list[bool]]:
-    """Per leaf of `jax.tree.leaves(tree)`: its FSDP spec, and whether it is gathered
-    at this level (`False` inside nested `FSDP` wrappers, which gather their own
-    leaves and keep their own specs)."""
-    specs: list[P | None] = []
-    own: list[bool] = []
-    for part in jax.tree.leaves(tree, is_leaf=_is_fsdp):
-        if isinstance(part, FSDP):
-            if part.axis_name != axis_name:
-                raise ValueError(
-                    f"A nested FSDP module shards over axis {part.axis_name!r}, but "
-                    f"its parent uses {axis_name!r}; use one data axis."
-                )
-            specs.extend(part.leaf_specs)
-            own.extend([False] * len(part.leaf_specs))
-        else:
-            specs.append(
-                leaf_spec(tuple(part.shape), axis_size, axis_name, min_weight_size)
-                if is_array_like(part)
-                else None
-            )
-            own.append(True)
-    return specs, own
-
-
-def tree_specs(tree: Any, axis_size: int, axis_name: str, min_weight_size: int) -> Any:
-    """`fsdp_specs` of `tree`, except that `FSDP` submodules keep their own specs."""
-    specs, _ = leaf_plan(tree, axis_size, axis_name, min_weight_size)
-    return jax.tree.unflatten(jax.tree.structure(tree), specs)
-
-
-def gather_specs(
-    tree: Any, axis_size: int, axis_name: str, min_weight_size: int
-) -> Any:
-    """Like `tree_specs`, but `P()` inside `FSDP` submodules: the specs with which
-    to gather `tree` at the top, leaving nested wrappers to gather themselves."""
-    specs, own = leaf_plan(tree, axis_size, axis_name, min_weight_size)
-    top = [s if o or s is None else P() for s, o in zip(specs, own, strict=True)]
-    return jax.tree.unflatten(jax.tree.structure(tree), top)
-
-
 # `FSDP(..., remat=True)` keeps only matrix-product results (activations) for the
 # backward pass; everything else, the gathered parameters and any casts of them
 # included, is recomputed from the shards. (A policy that only refuses to save the
@@ -327,12 +288,8 @@ REMAT_POLICY = jax.checkpoint_policies.dots_saveable
 CPU_FSDP_OPTIONS = {"xla_disable_hlo_passes": "cse_barrier_expander"}
 
 
-def has_fsdp_modules(tree: Any) -> bool:
-    """Whether `tree` holds an `FSDP` module."""
-    return any(isinstance(p, FSDP) for p in jax.tree.leaves(tree, is_leaf=_is_fsdp))
-
-
-def _axis_bound(axis_name: str) -> bool:
+def axis_is_bound(axis_name: str) -> bool:
+    """Whether `axis_name` is bound here (inside `shard_map` over it)."""
     try:
         jax.lax.axis_size(axis_name)
     except NameError:
@@ -340,7 +297,16 @@ def _axis_bound(axis_name: str) -> bool:
     return True
 
 
-class FSDP(eqx.Module):
+def check_mesh(mesh: Any, caller: str) -> None:
+    """A `TypeError` naming the value when `mesh` is not a `jax.sharding.Mesh`."""
+    if not isinstance(mesh, Mesh):
+        raise TypeError(
+            f"{caller}: `mesh` must be a jax.sharding.Mesh (e.g. from "
+            f"ed.create_data_parallel_mesh()); got {type(mesh).__name__} {mesh!r}."
+        )
+
+
+class FSDP(SelfGathering):
     """Wrap an Equinox module so that its parameters live sharded over the data axis
     and are all-gathered only when it is called.
 
@@ -364,6 +330,9 @@ class FSDP(eqx.Module):
     16 x 1024 x 1024 MLP of `benchmarks/bench_memory.py` on 8 devices this takes
     the step's temporary memory from 65 MiB to 9 MiB per device.
 
+    To let a block's all-gather run while the previous block computes (prefetch,
+    two blocks' full parameters alive), chain the blocks with `FSDPSequential`.
+
     !!! Example
 
         ```python
@@ -386,27 +355,42 @@ class FSDP(eqx.Module):
         axis_name: str = "data",
         min_weight_size: int = 2**18,
         remat: bool = False,
+        layout: str = "largest",
     ) -> None:
         """**Arguments:**
 
         - `module`: any Equinox module (or pytree) whose `__call__` to wrap. It may
-          itself contain `FSDP` modules, which keep their own layout.
+          itself contain `FSDP` or `Stacked` modules, which keep their own layout.
         - `mesh`: the device mesh; array leaves are placed on it, sharded by the
           rule of `fsdp_specs` over `axis_name`.
         - `axis_name`: the data axis parameters are sharded over.
         - `min_weight_size`: leaves with at most this many elements are replicated.
         - `remat`: re-gather the parameters in the backward pass instead of keeping
           them from the forward pass (less memory, one more all-gather).
+        - `layout`: `"largest"` (the tutorial's rule) or `"leading"` (contiguous
+          shards, faster collectives); see `fsdp_specs`.
 
         **Raises:**
 
-        `ValueError` if `axis_name` is not an axis of `mesh`, or `min_weight_size`
-        is negative.
+        `TypeError` if `mesh` is not a `jax.sharding.Mesh`; `ValueError` if
+        `axis_name` is not an axis of `mesh`, `min_weight_size` is negative,
+        `layout` is unknown, or it is built inside `jax.shard_map` (build it
+        outside and pass it in).
         """
+        check_mesh(mesh, "FSDP")
         check_axis_in_mesh(mesh, axis_name, "FSDP", "axis_name")
         check_min_weight_size(min_weight_size, "FSDP")
+        check_layout(layout, "FSDP")
+        if axis_is_bound(axis_name):
+            raise ValueError(
+                f"FSDP: built inside `jax.shard_map` (mesh axis {axis_name!r} is "
+                "bound here), where `module`'s arrays are per-device values that "
+                "cannot be placed on the mesh. Build the FSDP module outside, once, "
+                "and pass it in with `in_specs=module.partition_specs()` (or let "
+                "make_train_step(..., strategy='fsdp') do it)."
+            )
         specs, own = leaf_plan(
-            module, mesh.shape[axis_name], axis_name, min_weight_size
+            module, mesh.shape[axis_name], axis_name, min_weight_size, layout=layout
         )
         leaves = jax.tree.leaves(module)
         self.leaf_specs = tuple(specs)
@@ -420,13 +404,27 @@ class FSDP(eqx.Module):
         self.axis_name = axis_name
         self.remat = remat
 
+    def own_specs(
+        self, axis_size: int, axis_name: str, min_weight_size: int, layout: str
+    ) -> list[P | None]:
+        """This module's own specs: it keeps the layout it was built with."""
+        if axis_name != self.axis_name:
+            raise ValueError(
+                f"A nested FSDP module shards over axis {self.axis_name!r}, but "
+                f"its parent uses {axis_name!r}; use one data axis."
+            )
+        return list(self.leaf_specs)
+
     def partition_specs(self) -> PyTree[Any]:
         """The `PartitionSpec` of every array leaf of this module (`None` for other
         leaves), as a pytree of this module's structure: the `in_specs`/`out_specs`
         for passing it through `jax.shard_map`."""
         return jax.tree.unflatten(jax.tree.structure(self), list(self.leaf_specs))
 
-    def _gather_plan(self, leaves: list[Any]) -> list[int | None]:
+    def gather_plan(self) -> list[int | None]:
+        """Inside `shard_map`: per leaf of `self.module`, the dimension to gather it
+        on, or `None` (not sharded here, or arrived whole)."""
+        leaves = jax.tree.leaves(self.module)
         size = jax.lax.axis_size(self.axis_name)
         plan: list[int | None] = []
         for leaf, spec, shape in zip(
@@ -447,23 +445,29 @@ class FSDP(eqx.Module):
             plan.append(dim)
         return plan
 
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        """Call the wrapped module with full parameters (gathered if sharded)."""
-        if not _axis_bound(self.axis_name):
-            return self.module(*args, **kwargs)
-        leaves, treedef = jax.tree.flatten(self.module)
-        plan = self._gather_plan(leaves)
-        if all(dim is None for dim in plan):
-            return self.module(*args, **kwargs)
+    def call_gathered(
+        self,
+        module: Any,
+        plan: list[int | None],
+        args: Any,
+        kwargs: Any,
+        *,
+        tie_to_inputs: bool,
+    ) -> Any:
+        """Gather `module`'s (this module's, or a copy whose shards went through an
+        optimization barrier) sharded leaves as `plan` says and call it.
+        `tie_to_inputs`: gather only once `args`/`kwargs` exist."""
+        treedef = jax.tree.structure(module)
 
         def call(module: Any, args: Any, kwargs: Any) -> Any:
             leaves = jax.tree.leaves(module)
             shards = [x for x, dim in zip(leaves, plan, strict=True) if dim is not None]
             inputs, static = eqx.partition((args, kwargs), is_array)
-            # Gather only once the inputs exist, i.e. just before use: otherwise
-            # XLA may hoist every block's all-gather to the start of the step and
-            # hold all the full parameters at once.
-            shards, inputs = jax.lax.optimization_barrier((shards, inputs))
+            if tie_to_inputs:
+                # Gather only once the inputs exist, i.e. just before use:
+                # otherwise XLA may hoist every block's all-gather to the start of
+                # the step and hold all the full parameters at once.
+                shards, inputs = jax.lax.optimization_barrier((shards, inputs))
             gathered = iter(shards)
             full = [
                 x if dim is None else gather_leaf(next(gathered), dim, self.axis_name)
@@ -474,4 +478,13 @@ class FSDP(eqx.Module):
 
         if self.remat:
             call = eqx.filter_checkpoint(call, policy=REMAT_POLICY)
-        return call(self.module, args, kwargs)
+        return call(module, args, kwargs)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        """Call the wrapped module with full parameters (gathered if sharded)."""
+        if not axis_is_bound(self.axis_name):
+            return self.module(*args, **kwargs)
+        plan = self.gather_plan()
+        if all(dim is None for dim in plan):
+            return self.module(*args, **kwargs)
+        return self.call_gathered(self.module, plan, args, kwargs, tie_to_inputs=True)

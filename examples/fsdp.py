@@ -17,6 +17,7 @@ import equinox as eqx
 
 import eqxdist as ed
 
+ed.enable_gpu_collective_overlap()  # XLA's GPU overlap flags; a no-op without a GPU
 ed.simulate_cpu_devices(8)  # before JAX starts its backend
 
 

@@ -1,0 +1,116 @@
+"""Opt-in XLA flags that let GPUs overlap FSDP's collectives with compute."""
+
+import importlib.metadata
+import os
+import pkgutil
+
+import jax
+from jax._src.xla_bridge import backends_are_initialized
+
+from ._utils import typecheck
+
+# Async collectives are XLA:GPU's default; these let the scheduler use them.
+GPU_XLA_FLAGS = (
+    # Schedule collectives by their cost, so that all-gathers and
+    # reduce-scatters run on their own stream alongside independent compute.
+    "--xla_gpu_enable_latency_hiding_scheduler=true",
+    # Inside a loop (Stacked's scan over layers), issue the next iteration's
+    # all-gather / reduce-scatter / all-reduce during this iteration.
+    "--xla_gpu_enable_pipelined_all_gather=true",
+    "--xla_gpu_enable_pipelined_reduce_scatter=true",
+    "--xla_gpu_enable_pipelined_all_reduce=true",
+    # Unroll scans by two so that pipelined collectives have a partner iteration.
+    "--xla_gpu_enable_while_loop_double_buffering=true",
+)
+
+
+@typecheck
+def gpu_xla_flags() -> str:
+    """The XLA flags that let a GPU overlap FSDP's all-gathers and reduce-scatters
+    with compute, as one string for `XLA_FLAGS`.
+
+    They turn on XLA:GPU's latency-hiding scheduler (collectives, asynchronous by
+    default, are scheduled alongside independent compute: `FSDPSequential`'s and
+    `Stacked`'s prefetched gathers run while the previous block computes),
+    pipelining of collectives across loop iterations (the scan of `Stacked`) and
+    the loop double buffering it relies on. They cost compile time and some memory
+    (collectives in flight hold their buffers longer). CPU and TPU backends ignore
+    them; see `enable_gpu_collective_overlap` to set them.
+
+    **Returns:**
+
+    The flags, space-separated.
+
+    !!! Example
+
+        ```bash
+        XLA_FLAGS="$(python -c 'import eqxdist; print(eqxdist.gpu_xla_flags())')" \\
+            python train.py
+        ```
+    """
+    return " ".join(GPU_XLA_FLAGS)
+
+
+def _gpu_plugin_installed() -> bool:
+    names = [ep.name for ep in importlib.metadata.entry_points(group="jax_plugins")]
+    try:
+        import jax_plugins  # type: ignore[import-not-found]
+
+        names += [m.name for m in pkgutil.iter_modules(jax_plugins.__path__)]
+    except ImportError:
+        pass
+    return any("cuda" in n or "rocm" in n for n in names)
+
+
+@typecheck
+def enable_gpu_collective_overlap() -> bool:
+    """Add `gpu_xla_flags()` to `XLA_FLAGS` when this process will run on a GPU;
+    nothing otherwise (CPU runs are unchanged).
+
+    Call it first thing, before JAX starts its backend (before the first array or
+    `jax.devices()`; importing `jax` or `eqxdist` is fine), as with
+    `simulate_cpu_devices`. A GPU is expected when a CUDA or ROCm plugin of JAX is
+    installed and `JAX_PLATFORMS`, if set, allows it. Flags already in `XLA_FLAGS`
+    win: a flag you set yourself is not repeated.
+
+    **Returns:**
+
+    Whether the flags were added.
+
+    **Raises:**
+
+    `RuntimeError` if JAX has already started on a GPU, when the flags could no
+    longer take effect.
+
+    !!! Example
+
+        ```python
+        import eqxdist as ed
+
+        ed.enable_gpu_collective_overlap()  # a no-op without a GPU
+        mesh = ed.create_data_parallel_mesh()
+        ```
+    """
+    if backends_are_initialized():
+        if jax.devices()[0].platform == "gpu":
+            flags = os.environ.get("XLA_FLAGS", "")
+            if all(f.split("=")[0] in flags for f in GPU_XLA_FLAGS):
+                return False
+            raise RuntimeError(
+                "enable_gpu_collective_overlap: JAX has already started on a GPU, "
+                "so XLA flags can no longer take effect; call it before creating "
+                "any array (or set XLA_FLAGS to ed.gpu_xla_flags() before starting "
+                "Python)."
+            )
+        return False
+    platforms = os.environ.get("JAX_PLATFORMS", "")
+    if platforms and not any(p in platforms for p in ("cuda", "gpu", "rocm")):
+        return False
+    if not _gpu_plugin_installed():
+        return False
+    flags = os.environ.get("XLA_FLAGS", "")
+    new = [f for f in GPU_XLA_FLAGS if f.split("=")[0] not in flags]
+    if not new:
+        return False
+    os.environ["XLA_FLAGS"] = " ".join([flags, *new]).strip()
+    return True

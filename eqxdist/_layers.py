@@ -1,0 +1,532 @@
+"""Chains of blocks whose FSDP all-gathers run one block ahead: `FSDPSequential`
+(separate blocks, unrolled) and `Stacked` (identical blocks with their parameters
+stacked on a leading layer axis, run with `jax.lax.scan`)."""
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh, PartitionSpec as P
+from jaxtyping import PyTree
+
+from ._fsdp import (
+    FSDP,
+    REMAT_POLICY,
+    axis_is_bound,
+    check_mesh,
+    gather_leaf,
+)
+from ._partition import SelfGathering, has_fsdp_modules, leaf_spec
+from ._utils import is_array, is_array_like
+
+
+def _tie(module: Any, plan: list[int | None], x: Any) -> tuple[Any, Any]:
+    """Pass `module`'s shards (the leaves `plan` gathers) and `x` through one
+    optimization barrier: the shards' gather then waits for `x` to exist."""
+    leaves, treedef = jax.tree.flatten(module)
+    shards = [leaf for leaf, dim in zip(leaves, plan, strict=True) if dim is not None]
+    arrays, static = eqx.partition(x, is_array)
+    shards, arrays = jax.lax.optimization_barrier((shards, arrays))
+    it = iter(shards)
+    leaves = [
+        leaf if dim is None else next(it)
+        for leaf, dim in zip(leaves, plan, strict=True)
+    ]
+    return jax.tree.unflatten(treedef, leaves), eqx.combine(arrays, static)
+
+
+class FSDPSequential(eqx.Module):
+    """A chain of `FSDP` blocks, `x -> blocks[-1](...blocks[0](x))`, whose
+    all-gathers run one block ahead.
+
+    Inside `jax.shard_map`, block `i + 1`'s all-gather is tied to block `i`'s
+    *input* (through an optimization barrier) rather than to its output, so a
+    GPU/TPU can gather the next block's parameters while this block computes; it
+    cannot run further ahead, so at most two blocks' full parameters are alive in
+    the forward pass (one with separate `FSDP` blocks). With `remat=True` the
+    backward pass re-gathers each block's parameters as `FSDP` does. Under plain
+    `jit`, or eagerly, the blocks are simply called in turn.
+
+    It holds only `FSDP` modules, so training steps (`make_train_step(...,
+    strategy="fsdp")`) and `partition_specs` treat it like nested `FSDP` blocks.
+
+    !!! Example
+
+        ```python
+        body = ed.FSDPSequential(blocks, mesh, min_weight_size=2**16,
+                                 layout="leading", remat=True)
+        y = body(x)
+        ```
+    """
+
+    blocks: tuple[FSDP, ...]
+    prefetch: bool = eqx.field(static=True)
+
+    def __init__(
+        self,
+        blocks: Sequence[Any],
+        mesh: Mesh,
+        *,
+        axis_name: str = "data",
+        min_weight_size: int = 2**18,
+        remat: bool = False,
+        layout: str = "largest",
+        prefetch: bool = True,
+    ) -> None:
+        """**Arguments:**
+
+        - `blocks`: the modules to chain, each called on the previous one's output;
+          an `FSDP` block is kept as it is, any other is wrapped in `FSDP` with the
+          settings below.
+        - `mesh`, `axis_name`, `min_weight_size`, `remat`, `layout`: as for `FSDP`.
+        - `prefetch`: gather one block ahead (`False`: as separate `FSDP` blocks).
+
+        **Raises:**
+
+        As `FSDP`; `ValueError` for an empty `blocks` or an `FSDP` block over
+        another axis.
+        """
+        check_mesh(mesh, "FSDPSequential")
+        if len(blocks) == 0:
+            raise ValueError("FSDPSequential: `blocks` is empty; pass at least one.")
+        wrapped = []
+        for i, block in enumerate(blocks):
+            if isinstance(block, FSDP):
+                if block.axis_name != axis_name:
+                    raise ValueError(
+                        f"FSDPSequential: `blocks[{i}]` is an FSDP module over axis "
+                        f"{block.axis_name!r}, but `axis_name`={axis_name!r}; use "
+                        "one data axis."
+                    )
+                wrapped.append(block)
+            else:
+                wrapped.append(
+                    FSDP(
+                        block,
+                        mesh,
+                        axis_name=axis_name,
+                        min_weight_size=min_weight_size,
+                        remat=remat,
+                        layout=layout,
+                    )
+                )
+        self.blocks = tuple(wrapped)
+        self.prefetch = prefetch
+
+    def partition_specs(self) -> PyTree[Any]:
+        """The `PartitionSpec` of every array leaf (see `FSDP.partition_specs`)."""
+        return jax.tree.map(
+            lambda b: b.partition_specs(),
+            self,
+            is_leaf=lambda x: isinstance(x, FSDP),
+        )
+
+    def __call__(self, x: Any) -> Any:
+        """Run the blocks in turn on `x`."""
+        axis = self.blocks[0].axis_name
+        if not self.prefetch or not axis_is_bound(axis):
+            for block in self.blocks:
+                x = block(x)
+            return x
+        plans = [block.gather_plan() for block in self.blocks]
+        modules = [block.module for block in self.blocks]
+        if any(d is not None for d in plans[0]):
+            modules[0], x = _tie(modules[0], plans[0], x)
+        for i, block in enumerate(self.blocks):
+            nxt = i + 1
+            if nxt < len(modules) and any(d is not None for d in plans[nxt]):
+                # Block i+1's shards wait for block i's input, not its output.
+                modules[nxt], x = _tie(modules[nxt], plans[nxt], x)
+            if all(d is None for d in plans[i]):
+                x = modules[i](x)
+            else:
+                x = block.call_gathered(
+                    modules[i], plans[i], (x,), {}, tie_to_inputs=False
+                )
+        return x
+
+
+def _zero_cotangent(x: Any) -> Any:
+    if jnp.issubdtype(x.dtype, jnp.inexact):
+        return jnp.zeros_like(x)
+    return np.zeros(x.shape, jax.dtypes.float0)
+
+
+class Stacked(SelfGathering):
+    """`n` identical blocks held as one module whose array leaves have a leading
+    layer axis of size `n`, run in turn with `jax.lax.scan`: the model is traced
+    and compiled once per block type, not once per layer, so compile time stays
+    flat in depth. It is an ordinary `eqx.Module` pytree: optimizers, checkpoints
+    and `eqx.tree_at` see arrays of shape `(n, ...)`.
+
+    Under FSDP (`make_train_step(..., strategy="fsdp")`, or `FSDP(stacked, mesh)`)
+    the layer axis is never sharded; each leaf is sharded by the FSDP rule applied
+    to its per-layer shape (dimensions shifted by one, the spec starting with
+    `None`), and inside `jax.shard_map` each layer's slice is all-gathered inside
+    the scan body, just before that layer runs. With `prefetch=True` (the default)
+    layer `i + 1`'s slice is gathered while layer `i` computes (tied to layer `i`'s
+    input; at most two layers' full parameters alive in the forward pass). Under
+    a data-parallel step, plain `jit` or eagerly, it simply scans.
+
+    `remat=True` rematerialises each layer in the backward pass: without prefetch,
+    as `FSDP(..., remat=True)` (matrix products kept, the rest recomputed); with
+    prefetch, the whole layer is recomputed from its input and re-gathered shards
+    (only the layer inputs and the parameter shards are kept).
+
+    Each block maps an array (or pytree of arrays) to one of the same shape and
+    dtype: `x -> block(x)`, or `block(x, key=...)` when the stack is called with a
+    `key` (split into one key per layer).
+
+    !!! Example
+
+        ```python
+        blocks = [Block(512, k) for k in jax.random.split(key, 16)]
+        model = Model(embed, ed.Stacked(blocks, remat=True), head)
+        step = ed.make_train_step(loss_fn, optimizer, mesh, strategy="fsdp")
+        ```
+    """
+
+    layers: Any
+    num_layers: int = eqx.field(static=True)
+    axis_name: str = eqx.field(static=True)
+    remat: bool = eqx.field(static=True)
+    prefetch: bool = eqx.field(static=True)
+    shapes: tuple[tuple[int, ...], ...] = eqx.field(static=True)
+
+    def __init__(
+        self,
+        blocks: Sequence[Any] | Any,
+        *,
+        axis_name: str = "data",
+        remat: bool = False,
+        prefetch: bool = True,
+    ) -> None:
+        """**Arguments:**
+
+        - `blocks`: a list or tuple of modules of one structure (array leaves of
+          equal shapes and dtypes, other leaves equal), stacked here; or one module
+          whose array leaves already carry the leading layer axis, e.g.
+          `eqx.filter_vmap(make_block)(jax.random.split(key, n))`.
+        - `axis_name`: the data axis the layers' parameters are sharded over.
+        - `remat`: rematerialise each layer in the backward pass (less memory).
+        - `prefetch`: under FSDP, gather the next layer during this one.
+
+        **Raises:**
+
+        `ValueError` for no blocks, blocks of different structures or shapes,
+        stacked leaves of different leading sizes, or `FSDP`/`Stacked` modules
+        inside a block (wrap the `Stacked` instead).
+        """
+        layers = _stack(blocks) if isinstance(blocks, (list, tuple)) else blocks
+        if has_fsdp_modules(layers):
+            raise ValueError(
+                "Stacked: a block holds an FSDP or Stacked module; pass the plain "
+                "blocks (Stacked gathers each layer itself under FSDP), or wrap "
+                "the Stacked module in FSDP."
+            )
+        sizes = {int(x.shape[0]) for x in jax.tree.leaves(layers) if is_array_like(x)}
+        if any(x.ndim == 0 for x in jax.tree.leaves(layers) if is_array_like(x)):
+            raise ValueError(
+                "Stacked: `blocks` is one module with a scalar array leaf; every "
+                "array leaf needs the leading layer axis."
+            )
+        if len(sizes) != 1:
+            raise ValueError(
+                "Stacked: the array leaves of `blocks` must share one leading "
+                f"(layer) size; got sizes {sorted(sizes)}."
+            )
+        self.layers = layers
+        (self.num_layers,) = sizes
+        self.axis_name = axis_name
+        self.remat = remat
+        self.prefetch = prefetch
+        # Global shapes, as built: inside shard_map the leaves may be shards.
+        self.shapes = tuple(
+            tuple(x.shape) for x in jax.tree.leaves(layers) if is_array_like(x)
+        )
+
+    def own_specs(
+        self, axis_size: int, axis_name: str, min_weight_size: int, layout: str
+    ) -> list[P | None]:
+        """The FSDP rule applied to each leaf's per-layer shape; the layer axis is
+        left unsharded (a leading `None`)."""
+        if axis_name != self.axis_name:
+            raise ValueError(
+                f"A Stacked module gathers over axis {self.axis_name!r}, but its "
+                f"parent shards over {axis_name!r}; use one data axis."
+            )
+        specs: list[P | None] = []
+        for x in jax.tree.leaves(self.layers):
+            if not is_array_like(x):
+                specs.append(None)
+                continue
+            inner = leaf_spec(
+                tuple(x.shape[1:]), axis_size, axis_name, min_weight_size, prefer=layout
+            )
+            specs.append(P(None, *inner) if len(inner) else P())
+        return specs
+
+    def _plan(self, leaves: list[Any], shapes: list[tuple[int, ...]]) -> list[Any]:
+        """Per stacked array leaf, the per-layer dimension to gather, or `None`."""
+        size = jax.lax.axis_size(self.axis_name)
+        plan: list[int | None] = []
+        for leaf, full in zip(leaves, shapes, strict=True):
+            if leaf.shape[0] != self.num_layers:
+                raise ValueError(
+                    f"Stacked: a parameter of global shape "
+                    f"{(self.num_layers, *full)} arrived with shape {leaf.shape}; "
+                    "the layer axis must not be sharded."
+                )
+            local = tuple(leaf.shape[1:])
+            if local == full:
+                plan.append(None)
+                continue
+            differ = [
+                i for i, (a, b) in enumerate(zip(local, full, strict=False)) if a != b
+            ]
+            if (
+                len(local) != len(full)
+                or len(differ) != 1
+                or local[differ[0]] * size != full[differ[0]]
+            ):
+                raise ValueError(
+                    f"Stacked: a parameter of global shape {full} arrived with "
+                    f"shape {local}; expected the whole array or a shard over "
+                    f"{self.axis_name!r} of one non-layer dimension (pass it into "
+                    "shard_map with the specs make_train_step or FSDP give it)."
+                )
+            plan.append(differ[0])
+        return plan
+
+    def __call__(self, x: PyTree[Any], *, key: Any = None) -> PyTree[Any]:
+        """Run the layers in order on `x`; with a `key`, layer `i` is called as
+        `block(x, key=jax.random.split(key, n)[i])` (e.g. for dropout)."""
+        arrays, static = eqx.partition(self.layers, is_array)
+        leaves, treedef = jax.tree.flatten(arrays)
+        num_params = len(leaves)
+
+        def layer(layer_leaves: list[Any], x: Any) -> Any:
+            params = jax.tree.unflatten(treedef, layer_leaves[:num_params])
+            block = eqx.combine(params, static)
+            if key is None:
+                return block(x)
+            return block(x, key=layer_leaves[num_params])
+
+        # Shapes as built (static); the traced leaves may be local shards.
+        shapes = [shape[1:] for shape in self.shapes]
+        if not axis_is_bound(self.axis_name):
+            plan: list[Any] = [None] * len(leaves)
+        else:
+            plan = self._plan(leaves, shapes)
+        if key is not None:
+            # The layers' keys travel with the layers' leaves, never gathered.
+            leaves = [*leaves, jax.random.split(key, self.num_layers)]
+            plan = [*plan, None]
+        if all(d is None for d in plan):
+            return self._scan_plain(layer, leaves, x)
+        if self.prefetch:
+            return self._scan_prefetch(layer, leaves, plan, x)
+        return self._scan_gather(layer, leaves, plan, x)
+
+    def _scan_plain(self, layer: Callable[..., Any], leaves: list[Any], x: Any) -> Any:
+        def body(x: Any, layer_leaves: list[Any]) -> tuple[Any, None]:
+            return layer(layer_leaves, x), None
+
+        if self.remat:
+            body = jax.checkpoint(body, policy=REMAT_POLICY)
+        x, _ = jax.lax.scan(body, x, leaves)
+        return x
+
+    def _gather(self, shards: list[Any], dims: list[int], *, grad: bool) -> list[Any]:
+        if grad:
+            return [
+                gather_leaf(s, d, self.axis_name)
+                for s, d in zip(shards, dims, strict=True)
+            ]
+        # A prefetched copy: its gradient reaches the shards another way.
+        return [
+            jax.lax.stop_gradient(
+                jax.lax.all_gather(s, self.axis_name, axis=d, tiled=True)
+            )
+            for s, d in zip(shards, dims, strict=True)
+        ]
+
+    def _scan_gather(
+        self, layer: Callable[..., Any], leaves: list[Any], plan: list[Any], x: Any
+    ) -> Any:
+        """Each layer gathers its own slice once its input exists (no prefetch)."""
+        dims = [d for d in plan if d is not None]
+
+        def body(x: Any, layer_leaves: list[Any]) -> tuple[Any, None]:
+            shards = [
+                s for s, d in zip(layer_leaves, plan, strict=True) if d is not None
+            ]
+            shards, x = jax.lax.optimization_barrier((shards, x))
+            full = iter(self._gather(shards, dims, grad=True))
+            merged = [
+                s if d is None else next(full)
+                for s, d in zip(layer_leaves, plan, strict=True)
+            ]
+            return layer(merged, x), None
+
+        if self.remat:
+            body = jax.checkpoint(body, policy=REMAT_POLICY)
+        x, _ = jax.lax.scan(body, x, leaves)
+        return x
+
+    def _scan_prefetch(
+        self, layer: Callable[..., Any], leaves: list[Any], plan: list[Any], x: Any
+    ) -> Any:
+        """Layer i runs on parameters gathered during layer i - 1 (the scan's
+        carry); layer 0's are gathered before the scan, once its input exists, and
+        the last layer runs after it on the last carry."""
+        gathered = [i for i, d in enumerate(plan) if d is not None]
+        dims = [plan[i] for i in gathered]
+        rest = [i for i, d in enumerate(plan) if d is None]
+        remat = self.remat
+
+        def merge(full: list[Any], rest_leaves: list[Any]) -> list[Any]:
+            out: list[Any] = [None] * len(plan)
+            for i, f in zip(gathered, full, strict=True):
+                out[i] = f
+            for i, r in zip(rest, rest_leaves, strict=True):
+                out[i] = r
+            return out
+
+        def run(
+            shards: list[Any], full: list[Any], rest_leaves: list[Any], x: Any
+        ) -> Any:
+            if not remat:
+                return layer(merge(full, rest_leaves), x)
+            return self._remat_layer(layer, merge, dims)(shards, full, rest_leaves, x)
+
+        def slice_of(i: int | slice, which: list[int]) -> list[Any]:
+            return [leaves[j][i] for j in which]
+
+        first = slice_of(0, gathered)
+        first, x = jax.lax.optimization_barrier((first, x))
+        full = self._gather(first, dims, grad=not remat)
+        if self.num_layers > 1:
+
+            def body(carry: Any, xs: Any) -> tuple[Any, None]:
+                x, full = carry
+                shards, rest_leaves, next_shards = xs
+                # Layer i+1's shards wait for layer i's input, not its output.
+                next_shards, x = jax.lax.optimization_barrier((next_shards, x))
+                nxt = self._gather(next_shards, dims, grad=not remat)
+                return (run(shards, full, rest_leaves, x), nxt), None
+
+            xs = (
+                # Only remat's backward pass needs this layer's shards again.
+                slice_of(slice(0, -1), gathered) if remat else [],
+                slice_of(slice(0, -1), rest),
+                slice_of(slice(1, None), gathered),
+            )
+            (x, full), _ = jax.lax.scan(body, (x, full), xs)
+        last = self.num_layers - 1
+        return run(slice_of(last, gathered), full, slice_of(last, rest), x)
+
+    def _remat_layer(
+        self,
+        layer: Callable[..., Any],
+        merge: Callable[[list[Any], list[Any]], list[Any]],
+        dims: list[Any],
+    ) -> Callable[..., Any]:
+        """One layer on prefetched parameters `full` whose backward pass keeps only
+        the shards, the other leaves and the input: it re-gathers the parameters
+        and recomputes the layer.
+
+        The parameters' gradient leaves through `port`, a stand-in of their full
+        shape whose own backward pass reduce-scatters it onto the shards (the mean
+        over the axis). Under `jax.vmap(model)` the layer's backward pass is
+        batched, but the gradient reaching `port` is already summed over the
+        batch: one reduce-scatter per parameter, not one per example. `full`'s
+        own gradient is zero: it is a copy of the shards."""
+        axis = self.axis_name
+
+        @jax.custom_vjp
+        def port(shards: Any) -> Any:
+            size = jax.lax.axis_size(axis)
+            return [
+                jnp.zeros((*s.shape[:d], s.shape[d] * size, *s.shape[d + 1 :]), s.dtype)
+                for s, d in zip(shards, dims, strict=True)
+            ]
+
+        def port_fwd(shards: Any) -> Any:
+            return port(shards), None
+
+        def port_bwd(_: None, g: Any) -> Any:
+            size = jax.lax.axis_size(axis)
+            return (
+                [
+                    jax.lax.psum_scatter(gi, axis, scatter_dimension=d, tiled=True)
+                    / size
+                    for gi, d in zip(g, dims, strict=True)
+                ],
+            )
+
+        port.defvjp(port_fwd, port_bwd)
+
+        @jax.custom_vjp
+        def apply(
+            grad_port: Any, shards: Any, full: Any, rest_leaves: Any, x: Any
+        ) -> Any:
+            return layer(merge(full, rest_leaves), x)
+
+        def fwd(
+            grad_port: Any, shards: Any, full: Any, rest_leaves: Any, x: Any
+        ) -> Any:
+            out = apply(grad_port, shards, full, rest_leaves, x)
+            return out, (shards, rest_leaves, x)
+
+        def bwd(res: Any, g: Any) -> Any:
+            shards, rest_leaves, x = res
+            full = [
+                jax.lax.all_gather(s, axis, axis=d, tiled=True)
+                for s, d in zip(shards, dims, strict=True)
+            ]
+            _, vjp = jax.vjp(
+                lambda f, r, x: layer(merge(f, r), x), full, rest_leaves, x
+            )
+            d_full, d_rest, d_x = vjp(g)
+            no_shards = [_zero_cotangent(s) for s in shards]
+            no_full = [_zero_cotangent(f) for f in full]
+            return d_full, no_shards, no_full, d_rest, d_x
+
+        apply.defvjp(fwd, bwd)
+
+        def run(shards: Any, full: Any, rest_leaves: Any, x: Any) -> Any:
+            return apply(port(shards), shards, full, rest_leaves, x)
+
+        return run
+
+
+def _stack(blocks: Sequence[Any]) -> Any:
+    if len(blocks) == 0:
+        raise ValueError("Stacked: `blocks` is empty; pass at least one block.")
+    first_def = jax.tree.structure(blocks[0])
+    first = jax.tree.leaves(blocks[0])
+    for i, block in enumerate(blocks[1:], start=1):
+        leaves, treedef = jax.tree.flatten(block)
+        if treedef != first_def:  # type: ignore[operator]
+            raise ValueError(
+                f"Stacked: `blocks[{i}]` has a different structure from "
+                f"`blocks[0]`; expected identical blocks. Got {treedef} and "
+                f"{first_def}."
+            )
+        for a, b in zip(first, leaves, strict=True):
+            if is_array(a) != is_array(b) or (
+                is_array(a) and (a.shape != b.shape or a.dtype != b.dtype)
+            ):
+                raise ValueError(
+                    f"Stacked: `blocks[{i}]` has a leaf of shape/dtype "
+                    f"{getattr(b, 'shape', b)} {getattr(b, 'dtype', '')} where "
+                    f"`blocks[0]` has {getattr(a, 'shape', a)} "
+                    f"{getattr(a, 'dtype', '')}; expected identical blocks."
+                )
+    return jax.tree.map(
+        lambda *xs: jnp.stack(xs) if is_array(xs[0]) else xs[0], *blocks
+    )
