@@ -202,6 +202,7 @@ def make_eval_step(
     compute_dtype: Any = None,
     fsdp_axis: str | None = None,
     param_rules: Sequence[tuple[str, P]] = (),
+    fsdp_layout: str = "leading",
 ) -> EvalStep:
     """Build a compiled, sharded evaluation step `eval_step(state_or_model, batch)
     -> metrics` for batches of any number of rows.
@@ -223,8 +224,8 @@ def make_eval_step(
       `eval_fn` sees. Metrics as a training step's: `Metric`s, arrays, numbers,
       `(sum, count)` tuples (sum them with the mask).
     - `mesh`, `strategy`, `data_axis`, `min_weight_size`, `fsdp_axis`,
-      `param_rules`: the layout, as for `make_train_step` (use the same as the
-      training step's, so that its state needs no copy).
+      `param_rules`, `fsdp_layout`: the layout, as for `make_train_step` (use the
+      same as the training step's, so that its state needs no copy).
     - `compute_dtype`: the dtype trained parameters are cast to, as in training.
 
     **Returns:**
@@ -258,6 +259,7 @@ def make_eval_step(
         fsdp_axis=fsdp_axis,
         min_weight_size=min_weight_size,
         param_rules=param_rules,
+        fsdp_layout=fsdp_layout,
         caller="make_eval_step",
     )
     dtype = check_compute_dtype(compute_dtype, "make_eval_step")

@@ -20,8 +20,8 @@ import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from ._data_parallel import local_shard_count, place
-from ._fsdp import leaf_plan, sharded_dim
-from ._partition import leaf_spec
+from ._fsdp import sharded_dim
+from ._partition import check_layout, leaf_plan, leaf_spec
 from ._utils import (
     AxisName,
     axis_names,
@@ -76,7 +76,8 @@ class Layout:
     **Arguments:**
 
     - `mesh`, `strategy`, `data_axis`, `fsdp_axis`, `min_weight_size`,
-      `param_rules`: as `make_train_step` takes them (validated here, once).
+      `param_rules`, `fsdp_layout`: as `make_train_step` takes them (validated
+      here, once).
     - `caller`: named in error messages.
     """
 
@@ -89,6 +90,7 @@ class Layout:
         fsdp_axis: str | None,
         min_weight_size: int,
         param_rules: ParamRules,
+        fsdp_layout: str = "leading",
         caller: str,
     ) -> None:
         if strategy not in STRATEGIES:
@@ -104,6 +106,7 @@ class Layout:
         for axis in data_axes:
             check_axis_in_mesh(mesh, axis, caller, "data_axis")
         check_min_weight_size(min_weight_size, caller)
+        check_layout(fsdp_layout, caller, "fsdp_layout")
         if fsdp_axis is not None and strategy != "fsdp":
             raise ValueError(
                 f"{caller}: `fsdp_axis`={fsdp_axis!r} is given but strategy is "
@@ -121,6 +124,7 @@ class Layout:
         self.data_axes = data_axes
         self.fsdp_axis = (fsdp_axis or data_axes[-1]) if strategy == "fsdp" else None
         self.min_weight_size = min_weight_size
+        self.fsdp_layout = fsdp_layout
         self.rules = self._check_rules(param_rules)
         self.batch_spec = P(data_axes[0] if len(data_axes) == 1 else data_axes)
         self.batch_sharding = NamedSharding(mesh, self.batch_spec)
@@ -265,7 +269,9 @@ class Layout:
         if self.fsdp_axis is None:
             return None
         size = self.mesh.shape[self.fsdp_axis]
-        _, own = leaf_plan(model, size, self.fsdp_axis, self.min_weight_size)
+        _, own = leaf_plan(
+            model, size, self.fsdp_axis, self.min_weight_size, layout=self.fsdp_layout
+        )
         spec_leaves = flatten_up_to(model, specs)
         top = [
             _restrict(s, (self.fsdp_axis,))
