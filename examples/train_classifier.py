@@ -288,9 +288,7 @@ def train(strategy: str, data: tuple[np.ndarray, ...], log: Any) -> dict[str, An
         state = manager.restore(step.place_state(state))
         first_epoch = int(state.step) // steps_per_epoch
         history = json.loads((Path(ARGS.out) / strategy / "history.json").read_text())
-        print(
-            f"{strategy:>6} resumed from step {int(state.step)} (epoch {first_epoch})"
-        )
+        print(f"{strategy:>6} resumed at step {int(state.step)}, epoch {first_epoch}")
 
     last_epoch = ARGS.epochs
     if ARGS.stop_after is not None:
