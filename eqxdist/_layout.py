@@ -21,7 +21,8 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from ._data_parallel import local_shard_count, place
 from ._fsdp import sharded_dim
-from ._partition import check_layout, leaf_plan, leaf_spec
+from ._layers import Stacked
+from ._partition import SelfGathering, check_layout, leaf_plan, leaf_spec
 from ._utils import (
     AxisName,
     axis_names,
@@ -68,6 +69,15 @@ def _restrict(spec: P | None, keep: tuple[str, ...]) -> P | None:
 def _entry_size(mesh: Mesh, entry: Any) -> int:
     names = (entry,) if isinstance(entry, str) else tuple(entry or ())
     return math.prod(mesh.shape[n] for n in names)
+
+
+def _in_stacked(model: Any) -> list[bool]:
+    """Per leaf of `jax.tree.leaves(model)`: whether a `Stacked` module holds it."""
+    out: list[bool] = []
+    for part in jax.tree.leaves(model, is_leaf=lambda x: isinstance(x, SelfGathering)):
+        n = len(jax.tree.leaves(part)) if isinstance(part, SelfGathering) else 1
+        out.extend([isinstance(part, Stacked)] * n)
+    return out
 
 
 class Layout:
@@ -233,26 +243,70 @@ class Layout:
 
     def model_specs(self, model: Any) -> Any:
         """The `PartitionSpec` of every array leaf of `model` (`None` at other
-        leaves): rule axes, plus `fsdp_axis` under FSDP. `FSDP` submodules keep
-        their own layout."""
+        leaves): rule axes, plus `fsdp_axis` under FSDP. `FSDP`/`Stacked`
+        submodules keep their own FSDP layout, to which rules add their axes."""
         with_path = jax.tree_util.tree_flatten_with_path(model)[0]
         leaves = [x for _, x in with_path]
-        rules = self._rule_specs([path_str(p) for p, _ in with_path], leaves)
+        paths = [path_str(p) for p, _ in with_path]
+        rules = self._rule_specs(paths, leaves)
         if self.fsdp_axis is None:
             specs: list[Any] = [
                 (r or P()) if is_array_like(x) else None
                 for x, r in zip(leaves, rules, strict=True)
             ]
         else:
-            size = self.mesh.shape[self.fsdp_axis]
             own_specs, own = leaf_plan(
-                model, size, self.fsdp_axis, self.min_weight_size
+                model,
+                self.mesh.shape[self.fsdp_axis],
+                self.fsdp_axis,
+                self.min_weight_size,
+                layout=self.fsdp_layout,
             )
-            specs = [
-                self._fsdp_spec(tuple(x.shape), r) if o and is_array_like(x) else s
-                for x, r, s, o in zip(leaves, rules, own_specs, own, strict=True)
-            ]
+            stacked = _in_stacked(model)
+            specs = []
+            for path, x, r, s, o, in_stack in zip(
+                paths, leaves, rules, own_specs, own, stacked, strict=True
+            ):
+                if not is_array_like(x):
+                    specs.append(None)
+                elif o:
+                    specs.append(self._fsdp_spec(tuple(x.shape), r))
+                elif in_stack and r is not None:
+                    specs.append(self._stacked_spec(path, tuple(x.shape), r))
+                else:
+                    specs.append(self._merge(path, r, s))
         return jax.tree.unflatten(jax.tree.structure(model), specs)
+
+    def _stacked_spec(self, path: str, shape: tuple[int, ...], rule: P) -> P:
+        """A ruled leaf of a `Stacked` module: the FSDP rule on the per-layer shape,
+        on a dimension the rule leaves free (`Stacked` finds the gathered dimension
+        by shape); the layer axis is never sharded."""
+        if len(rule) and rule[0] is not None:
+            raise ValueError(
+                f"{self.caller}: param_rules shard dimension 0 of {path}, the layer "
+                "axis of a Stacked module, which is never sharded; start the spec "
+                "with None."
+            )
+        inner = self._fsdp_spec(shape[1:], P(*rule[1:]))
+        return P(None, *inner)
+
+    def _merge(self, path: str, rule: P | None, own: P | None) -> P | None:
+        """A rule's axes added to the FSDP spec a `FSDP`/`Stacked` module gives
+        its own leaf, or a `ValueError` when both claim one dimension."""
+        if rule is None or own is None:
+            return own if rule is None else rule
+        n = max(len(rule), len(own))
+        a = list(rule) + [None] * (n - len(rule))
+        b = list(own) + [None] * (n - len(own))
+        for dim, (x, y) in enumerate(zip(a, b, strict=True)):
+            if x is not None and y is not None:
+                raise ValueError(
+                    f"{self.caller}: param_rules shard dimension {dim} of {path} "
+                    f"over {x!r}, which its FSDP/Stacked module already shards over "
+                    f"{y!r}; write the rule for another dimension (a Stacked leaf's "
+                    "dimension 0 is the layer axis)."
+                )
+        return P(*[x if x is not None else y for x, y in zip(a, b, strict=True)])
 
     def manual_specs(self, specs: Any) -> Any:
         """`specs` restricted to the data axes: what `shard_map` (manual over the data

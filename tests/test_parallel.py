@@ -8,6 +8,7 @@ from pathlib import Path
 
 import equinox as eqx
 import jax
+import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
@@ -282,3 +283,77 @@ def test_shard_batch_over_tuple_axes(rng):
         np.testing.assert_array_equal(shard.data, x[2 * i : 2 * i + 2])
     with pytest.raises(ValueError, match=r"'batch' is not an axis of the mesh"):
         ed.create_data_parallel_sharding(mesh, ("replica", "batch"))
+
+
+class Block(eqx.Module):
+    up: eqx.nn.Linear
+    down: eqx.nn.Linear
+
+    def __init__(self, key):
+        k1, k2 = jax.random.split(key)
+        self.up = eqx.nn.Linear(16, 64, key=k1)
+        self.down = eqx.nn.Linear(64, 16, key=k2)
+
+    def __call__(self, x, *, key=None):
+        return x + self.down(jax.nn.gelu(self.up(x)))
+
+
+class Deep(eqx.Module):
+    body: eqx.Module
+    head: eqx.nn.Linear
+
+    def __call__(self, x):
+        return self.head(self.body(x))
+
+
+def _deep_loss(model, batch, key):
+    del key
+    logits = jax.vmap(model)(batch["x"])
+    return optax.softmax_cross_entropy_with_integer_labels(
+        logits, batch["y"]
+    ).mean(), {}
+
+
+@pytest.mark.parametrize("strategy", ["dp", "fsdp"])
+def test_stacked_layers_with_megatron_rules(strategy):
+    """Scan over layers composes with tensor-parallel rules: the layer axis stays
+    whole, the rule takes its dimension, FSDP another."""
+    blocks = [Block(k) for k in jax.random.split(jax.random.key(0), 3)]
+    head = eqx.nn.Linear(16, 4, key=jax.random.key(9))
+    reference = Deep(eqx.nn.Sequential(blocks), head)
+    model = Deep(ed.Stacked(blocks), head)
+    rules = (
+        (r"\.up\.weight$", P(None, "model", None)),
+        (r"\.up\.bias$", P(None, "model")),
+        (r"\.down\.weight$", P(None, None, "model")),
+    )
+    mesh = ed.create_device_mesh({"data": 4, "model": 2})
+    step = ed.make_train_step(
+        _deep_loss,
+        OPTIMIZER,
+        mesh,
+        strategy=strategy,
+        param_rules=rules,
+        min_weight_size=64,
+    )
+    state = ed.TrainState.create(model, OPTIMIZER, jax.random.key(1))
+    params = eqx.filter(reference, eqx.is_inexact_array)
+    opt_state = OPTIMIZER.init(params)
+    for batch in _batches():
+        state, _ = step(state, batch)
+        grads = eqx.filter_grad(lambda m, b=batch: _deep_loss(m, b, None)[0])(reference)
+        updates, opt_state = OPTIMIZER.update(grads, opt_state, params)
+        reference = eqx.apply_updates(reference, updates)
+        params = eqx.filter(reference, eqx.is_inexact_array)
+    stacked = jax.tree.map(lambda *xs: jnp.stack(xs), *reference.body.layers)
+    np.testing.assert_allclose(
+        state.model.body.layers.up.weight, stacked.up.weight, atol=1e-5
+    )
+    np.testing.assert_allclose(
+        state.model.head.weight, reference.head.weight, atol=1e-5
+    )
+    spec = step.state_specs(state).model.body.layers.up.weight
+    expected = (
+        P(None, "model", "data") if strategy == "fsdp" else P(None, "model", None)
+    )
+    assert spec == expected
