@@ -126,7 +126,7 @@ def test_fsdp_training_equals_single_device(mesh8, rng, body):
     if isinstance(got.body, ed.Stacked):
         # The layer axis is never sharded; the per-layer rule shards the rest.
         spec = step.state_specs(state).model.body.layers.linear.weight
-        assert spec == P(None, None, "data")
+        assert spec == P(None, "data", None)  # the train step's leading layout
         assert got.body.layers.linear.weight.sharding.spec == spec
 
 
@@ -169,7 +169,7 @@ def test_stacked_state_checkpoints_like_any_model(mesh8, rng, tmp_path):
         )
     # Adam's moments carry the layer axis, sharded like their parameters.
     mu = state.opt_state[0].mu.body.layers.linear.weight
-    assert mu.shape == (3, WIDTH, WIDTH) and mu.sharding.spec == P(None, None, "data")
+    assert mu.shape == (3, WIDTH, WIDTH) and mu.sharding.spec == P(None, "data", None)
 
 
 # -- the compiled HLO: gathers run one block ahead -----------------------------
