@@ -6,9 +6,19 @@
 - `bench_memory`: per-device bytes of the train state, and peak memory of a deep MLP
   under DP / FSDP / per-block FSDP / per-block FSDP with rematerialised gathers (from
   `compiled.memory_analysis()`: deterministic).
-- `bench_metrics`: syncing a 16-metric collection: collectives and bytes (from the
-  compiled HLO: deterministic) and time, against one collective per state
-  (torchmetrics/d9d style) and gather-then-reduce (CLU style).
+- `bench_metrics`: syncing a 16-metric collection and a realistic evaluation
+  collection: collectives and bytes (from the compiled HLO: deterministic) and time,
+  against one collective per state (torchmetrics/d9d style) and gather-then-reduce
+  (CLU style).
+- `bench_fsdp_accumulation`: FSDP with 4 minibatches (gather once per step, the
+  default, and per minibatch) against a hand-written gather-once FSDP step; step
+  time ratios and collectives per step.
+- `bench_fsdp_layout`: a deep MLP under FSDP: the tutorial's layout against the
+  leading-dimension layout, per-block `FSDP`, `FSDPSequential` (prefetch) and
+  `Stacked` (scan over layers); step time, compile time against depth, memory.
+- `bench_parallel`: a small transformer under DP, FSDP, FSDP x TP and HSDP against
+  hand-written `jax.jit` steps with the same shardings; time, memory, collectives.
+- `bench_checkpoint`: the cost of checkpoint checksums per GiB.
 
     python benchmarks/run_all.py [--quick]
 
@@ -26,10 +36,18 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+import bench_checkpoint
+import bench_fsdp_accumulation
+import bench_fsdp_layout
 import bench_memory
 import bench_metrics
 import bench_train
 import jax
+
+try:
+    import bench_parallel
+except ImportError:  # pragma: no cover - the transformer benchmark is optional
+    bench_parallel = None
 
 
 def _rows(quick: bool) -> list[tuple[str, str, str, str, str]]:
@@ -78,6 +96,34 @@ def _rows(quick: bool) -> list[tuple[str, str, str, str, str]]:
                 f"{r['time_us']:.0f} us = {r['time_vs_grouped']:.2f}x grouped",
             )
         )
+    for r in bench_fsdp_accumulation.run(
+        repeats=3 if quick else 7, steps=10 if quick else 20
+    ):
+        lo, hi = r["spread"]
+        out.append(
+            (
+                "fsdp accumulation",
+                f"{r['model']} model, 4 minibatches",
+                r["variant"],
+                f"{r['ms_per_step']:.2f} ms/step, {r['collectives']} collectives",
+                f"{r['vs_hand_written']:.2f}x hand-written ({lo:.2f}-{hi:.2f})",
+            )
+        )
+    depth, width = (4, 512) if quick else (8, 1024)
+    for name, figures, hlo in bench_fsdp_layout.run(
+        depth=depth,
+        width=width,
+        rows=64,
+        repeats=3 if quick else 5,
+        steps=4 if quick else 8,
+        remat=False,
+    ):
+        out.append(("fsdp layout", f"deep MLP {depth}x{width}^2", name, figures, hlo))
+    if bench_parallel is not None:
+        for row in bench_parallel.rows(quick=quick):
+            out.append(("transformer", *row))
+    for name, value in bench_checkpoint.run(64 if quick else 256, 3).items():
+        out.append(("checkpoint", "sharded state", name, f"{value:.3f}", ""))
     return out
 
 

@@ -129,6 +129,9 @@ class EvalStep:
             batch_sharding=self.layout.batch_sharding,
             donate=False,
             max_in_flight=8,
+            compiler_options=lambda inputs: self.layout.compiler_options(
+                inputs.model, math_.compute_dtype
+            ),
             name="eval step",
         )
 

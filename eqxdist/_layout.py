@@ -20,9 +20,15 @@ import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from ._data_parallel import local_shard_count, place
-from ._fsdp import sharded_dim
+from ._fsdp import CPU_FSDP_OPTIONS, sharded_dim
 from ._layers import Stacked
-from ._partition import SelfGathering, check_layout, leaf_plan, leaf_spec
+from ._partition import (
+    SelfGathering,
+    check_layout,
+    has_fsdp_modules,
+    leaf_plan,
+    leaf_spec,
+)
 from ._utils import (
     AxisName,
     axis_names,
@@ -245,6 +251,9 @@ class Layout:
         """The `PartitionSpec` of every array leaf of `model` (`None` at other
         leaves): rule axes, plus `fsdp_axis` under FSDP. `FSDP`/`Stacked`
         submodules keep their own FSDP layout, to which rules add their axes."""
+        return self._cached("model", model, lambda: self._model_specs(model))
+
+    def _model_specs(self, model: Any) -> Any:
         with_path = jax.tree_util.tree_flatten_with_path(model)[0]
         leaves = [x for _, x in with_path]
         paths = [path_str(p) for p, _ in with_path]
@@ -390,13 +399,19 @@ class Layout:
     def state_specs(self, state: Any, optimizer: optax.GradientTransformation) -> Any:
         """The specs of a whole `TrainState` (model, optimizer state, replicated
         model state, step and key), cached per structure and shapes."""
-        leaves, treedef = jax.tree.flatten(state)
+        return self._cached("state", state, lambda: self._state_specs(state, optimizer))
+
+    def _cached(self, kind: str, tree: Any, compute: Any) -> Any:
+        """`compute()`, once per kind, structure and shapes of `tree`: the slow path
+        of a step and its trace ask for the same specs."""
+        leaves, treedef = jax.tree.flatten(tree)
         key = (
+            kind,
             treedef,
             tuple((tuple(x.shape), str(x.dtype)) for x in leaves if is_array_like(x)),
         )
         if key not in self._specs_cache:
-            self._specs_cache[key] = self._state_specs(state, optimizer)
+            self._specs_cache[key] = compute()
         return self._specs_cache[key]
 
     def _state_specs(self, state: Any, optimizer: optax.GradientTransformation) -> Any:
@@ -424,6 +439,20 @@ class Layout:
             key=replicated(state.key),
             model_state=replicated(state.model_state),
         )
+
+    def compiler_options(self, model: Any, compute_dtype: Any) -> dict[str, Any] | None:
+        """XLA options for a step of `model` on this layout (CPU only; `None`
+        elsewhere): keep `FSDP` modules' optimisation barriers, and skip XLA:CPU's
+        all-reduce promotion pass, which aborts the process when compiling
+        bfloat16 collectives of tensor-parallel rules."""
+        if self.mesh.devices.flat[0].platform != "cpu":
+            return None
+        passes = []
+        if has_fsdp_modules(model):
+            passes.append(CPU_FSDP_OPTIONS["xla_disable_hlo_passes"])
+        if self.rules and compute_dtype is not None:
+            passes.append("all-reduce-promotion")
+        return {"xla_disable_hlo_passes": ",".join(passes)} if passes else None
 
     def place(self, tree: Any, specs: Any, *, copy: bool = False) -> Any:
         return place(tree, specs, self.mesh, copy=copy)

@@ -10,7 +10,6 @@ from jax.sharding import Mesh, PartitionSpec as P
 from jaxtyping import PyTree
 
 from ._compiled import CompiledStep
-from ._fsdp import CPU_FSDP_OPTIONS, has_fsdp_modules
 from ._layout import Layout
 from ._train import (
     FSDP_GATHERS,
@@ -49,7 +48,9 @@ class TrainStep:
             donate=donate,
             max_in_flight=max_steps_in_flight,
             check_batch=self._check_batch,
-            compiler_options=_compiler_options,
+            compiler_options=lambda state: self.layout.compiler_options(
+                state.model, math.compute_dtype
+            ),
             name="train step",
         )
 
@@ -127,11 +128,6 @@ def _kept(state: TrainState) -> Any:
         key=jax.tree.map(lambda _: True, state.key),
         model_state=jax.tree.map(lambda _: False, state.model_state),
     )
-
-
-def _compiler_options(state: Any) -> dict[str, Any] | None:
-    on_cpu = jax.devices()[0].platform == "cpu"
-    return CPU_FSDP_OPTIONS if on_cpu and has_fsdp_modules(state.model) else None
 
 
 @typecheck

@@ -357,3 +357,26 @@ def test_stacked_layers_with_megatron_rules(strategy):
         P(None, "model", "data") if strategy == "fsdp" else P(None, "model", None)
     )
     assert spec == expected
+
+
+def test_bf16_with_rules_compiles_and_matches_dp():
+    """XLA:CPU aborts compiling bf16 collectives of rule axes unless its
+    all-reduce promotion pass is skipped (the layout's compiler options)."""
+    sgd = optax.sgd(0.1)
+    results = []
+    for mesh, kw in [
+        (
+            ed.create_device_mesh({"data": 4, "model": 2}),
+            {"strategy": "fsdp", "param_rules": MEGATRON},
+        ),
+        (ed.create_data_parallel_mesh(), {"strategy": "dp"}),
+    ]:
+        step = ed.make_train_step(
+            loss_fn, sgd, mesh, min_weight_size=64, compute_dtype=jnp.bfloat16, **kw
+        )
+        state = ed.TrainState.create(Net(jax.random.key(0)), sgd, jax.random.key(1))
+        for batch in _batches():
+            state, _ = step(state, batch)
+        assert state.model.up.weight.dtype == jnp.float32
+        results.append(state.model)
+    assert _max_diff(*results) < 5e-3
