@@ -35,18 +35,30 @@ def add_tutorial_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--steps", type=int, default=15, help="steps whose metrics are averaged"
     )
-    parser.add_argument("--batch-size", type=int, default=BATCH_SIZE)
     parser.add_argument(
-        "--minibatches", type=int, default=NUM_MINIBATCHES, help="per step"
+        "--batch-size",
+        type=int,
+        default=BATCH_SIZE,
+        help="global batch size: a multiple of the devices x --minibatches",
     )
-    parser.add_argument("--lr", type=float, default=LEARNING_RATE, help="adamw")
+    parser.add_argument(
+        "--minibatches",
+        type=int,
+        default=NUM_MINIBATCHES,
+        help="gradient accumulation: minibatches per step",
+    )
+    parser.add_argument(
+        "--lr", type=float, default=LEARNING_RATE, help="adamw learning rate"
+    )
     parser.add_argument(
         "--min-weight-size",
         type=int,
         default=2**4,
         help="FSDP replicates parameters this small (the tutorial's 2**4)",
     )
-    parser.add_argument("--seed", type=int, default=SEED)
+    parser.add_argument(
+        "--seed", type=int, default=SEED, help="seed of the model, dropout and data"
+    )
 
 
 def parse_args(description: str) -> argparse.Namespace:

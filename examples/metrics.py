@@ -130,12 +130,19 @@ def evaluate_global(mesh, model, x, y, mask):
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--num-examples", type=int, default=1000)
-    parser.add_argument("--batch-size", type=int, default=64, help="multiple of 8")
-    parser.add_argument("--features", type=int, default=16)
-    parser.add_argument("--classes", type=int, default=5)
-    parser.add_argument("--seed", type=int, default=0)
+    parser = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0],
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    parser.add_argument(
+        "--num-examples", type=int, default=1000, help="examples evaluated (any number)"
+    )
+    parser.add_argument(
+        "--batch-size", type=int, default=64, help="rows per step, a multiple of 8"
+    )
+    parser.add_argument("--features", type=int, default=16, help="input features")
+    parser.add_argument("--classes", type=int, default=5, help="number of classes")
+    parser.add_argument("--seed", type=int, default=0, help="random seed")
     args = parser.parse_args()
 
     mesh = ed.create_data_parallel_mesh()

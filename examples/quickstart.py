@@ -20,9 +20,17 @@ import eqxdist as ed
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(
+        description=__doc__.splitlines()[0],
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
     parser.add_argument("--devices", type=int, default=8, help="simulated CPU devices")
-    parser.add_argument("--batch-size", type=int, default=64, help="global batch size")
+    parser.add_argument(
+        "--batch-size",
+        type=int,
+        default=64,
+        help="global batch size (a multiple of --devices)",
+    )
     args = parser.parse_args()
 
     ed.simulate_cpu_devices(args.devices)  # before JAX starts its backend
