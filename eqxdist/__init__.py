@@ -85,4 +85,4 @@ from ._train import (
     fold_rng_over_axis as fold_rng_over_axis,
 )
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"

@@ -239,6 +239,7 @@ class Progress:
                     unit="step",
                     ncols=80,
                     leave=True,
+                    file=sys.stdout,
                 )
 
     def step(self, loss: float | None) -> None:
