@@ -24,7 +24,6 @@ executed per step (ops inside loops times their trip count).
 import argparse
 import collections
 import os
-import re
 import statistics
 import sys
 import time
@@ -200,32 +199,10 @@ VARIANTS: dict[str, Callable[[dict[str, Any], Any], Callable[[], Any]]] = {
 }
 
 
-def collectives_per_step(hlo: str) -> int:
-    """All-gathers and reduce-scatters executed per step: ops inside while-loop
-    bodies count as many times as the loop runs."""
-    bodies: dict[str, list[str]] = {}
-    current = None
-    for line in hlo.splitlines():
-        head = re.match(r"^(?:ENTRY )?%?([\w.\-]+) .*\{$", line)
-        if head:
-            current = head.group(1)
-            bodies[current] = []
-        elif current is not None:
-            bodies[current].append(line)
-    trips = {}
-    for lines in bodies.values():
-        for line in lines:
-            loop = re.search(r"while\(.*body=%?([\w.\-]+)", line)
-            if loop:
-                n = re.search(r'known_trip_count"?[:=]\{"?n"?[:=]"?(\d+)', line)
-                trips[loop.group(1)] = int(n.group(1)) if n else 1
-    return sum(
-        trips.get(name, 1)
-        * sum(
-            bool(re.search(r"(all-gather|reduce-scatter)(-start)?\(", x)) for x in lines
-        )
-        for name, lines in bodies.items()
-    )
+def collectives_per_step(compiled: Any) -> int:
+    """All-gathers and reduce-scatters executed per step (`ed.count_collectives`)."""
+    counts = ed.count_collectives(compiled)
+    return counts["all-gather"] + counts["reduce-scatter"]
 
 
 def _time(call: Callable[[], Any], steps: int) -> float:
@@ -251,7 +228,7 @@ def run(*, repeats: int = 7, steps: int = 30) -> list[dict[str, Any]]:
         for call in calls.values():
             _time(call, IN_FLIGHT + 2)
         counts = {
-            label: collectives_per_step(call.lowered().compile().as_text())  # type: ignore[attr-defined]
+            label: collectives_per_step(call.lowered().compile())  # type: ignore[attr-defined]
             for label, call in calls.items()
         }
         times: dict[str, list[float]] = {label: [] for label in calls}

@@ -55,6 +55,7 @@ from ._fsdp import (
     shard_params as shard_params,
     sync_gradients as sync_gradients,
 )
+from ._hlo import count_collectives as count_collectives
 from ._layers import FSDPSequential as FSDPSequential, Stacked as Stacked
 from ._mesh import (
     DeviceMeshManager as DeviceMeshManager,

@@ -14,10 +14,9 @@ from jax.sharding import Mesh, PartitionSpec as P
 
 from ._compiled import CompiledStep
 from ._data_parallel import local_shard_count
-from ._fsdp import gather_params
 from ._layout import Layout
 from ._metric_tree import check_metrics, reduce_metrics
-from ._train import TrainState, trainable_mask_tree
+from ._train import TrainState, split_inputs, trainable_mask_tree
 from ._utils import (
     AxisName,
     cast_floating,
@@ -57,20 +56,16 @@ class EvalMath(eqx.Module):
         specs = layout.model_specs(inputs.model)
         manual = layout.manual_specs(specs)
         gspecs = layout.gather_specs(inputs.model, specs)
-        cast_mask = inputs.cast_mask()
-        arrays, static = eqx.partition(inputs.model, is_array)
-        trained, frozen = eqx.partition(arrays, cast_mask)
-        ms_arrays, ms_static = eqx.partition(inputs.model_state, is_array)
-        batch_arrays, batch_static = eqx.partition(batch, is_array)
-        batch_specs = jax.tree.map(
-            lambda x: layout.batch_spec if jnp.ndim(x) else P(), batch_arrays
-        )
+        (
+            (trained, frozen, static),
+            (ms_arrays, ms_static),
+            (batch_arrays, batch_static),
+        ) = split_inputs(inputs.model, inputs.cast_mask(), inputs.model_state, batch)
+        batch_specs = layout.batch_specs(batch_arrays)
         with_state = inputs.model_state is not None
 
         def gather(tree: Any) -> Any:
-            if gspecs is None or layout.fsdp_axis is None:
-                return tree
-            return gather_params(tree, gspecs, layout.fsdp_axis)
+            return layout.gather(tree, gspecs)
 
         def per_device(t: Any, f: Any, ms: Any, local: Any, local_mask: Any) -> Any:
             model = eqx.combine(gather(cast_floating(t, self.compute_dtype)), gather(f))

@@ -20,7 +20,7 @@ import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from ._data_parallel import local_shard_count, place
-from ._fsdp import CPU_FSDP_OPTIONS, sharded_dim
+from ._fsdp import CPU_FSDP_OPTIONS, gather_params, sharded_dim
 from ._layers import Stacked
 from ._partition import (
     SelfGathering,
@@ -343,6 +343,20 @@ class Layout:
             for s, o in zip(spec_leaves, own, strict=True)
         ]
         return jax.tree.unflatten(jax.tree.structure(model), top)
+
+    def gather(self, tree: Any, gspecs: Any) -> Any:
+        """Inside the step's `shard_map`: `tree`'s FSDP shards all-gathered as
+        `gspecs` (from `gather_specs`) say; as it is without FSDP."""
+        if gspecs is None or self.fsdp_axis is None:
+            return tree
+        return gather_params(tree, gspecs, self.fsdp_axis)
+
+    def batch_specs(self, batch_arrays: Any) -> Any:
+        """The `shard_map` specs of a batch's arrays: rows split over the data axes,
+        0-d leaves replicated."""
+        return jax.tree.map(
+            lambda x: self.batch_spec if np.ndim(x) else P(), batch_arrays
+        )
 
     def opt_state_specs(
         self,

@@ -15,7 +15,7 @@ import optax
 from jax.sharding import PartitionSpec as P
 from jaxtyping import Array, Int, PRNGKeyArray, PyTree
 
-from ._fsdp import gather_params, sync_gradients
+from ._fsdp import sync_gradients
 from ._layout import Layout
 from ._metric_tree import check_metrics, merge_metrics, reduce_metrics
 from ._utils import (
@@ -424,6 +424,21 @@ def sync_model_state(model_state: Any, axes: tuple[str, ...]) -> Any:
     return jax.tree.map(sync, model_state)
 
 
+def split_inputs(
+    model: Any, mask: Any, model_state: Any, batch: Any
+) -> tuple[tuple[Any, Any, Any], tuple[Any, Any], tuple[Any, Any]]:
+    """What a step passes into `shard_map` and what it closes over:
+    `((trained, frozen, static), (model-state arrays, static), (batch arrays,
+    static))`, `mask` choosing the trained leaves of `model`."""
+    arrays, static = eqx.partition(model, is_array)
+    trained, frozen = eqx.partition(arrays, mask)
+    return (
+        (trained, frozen, static),
+        eqx.partition(model_state, is_array),
+        eqx.partition(batch, is_array),
+    )
+
+
 class StepMath(eqx.Module):
     """What one training step computes, on global arrays: gradients and metrics
     inside `jax.shard_map` (manual over the data axes), then the optimizer update
@@ -446,21 +461,18 @@ class StepMath(eqx.Module):
         manual = layout.manual_specs(specs.model)
         gspecs = layout.gather_specs(state.model, specs.model)
         mask = state.trainable_mask()
-        arrays, static = eqx.partition(state.model, is_array)
-        params, frozen = eqx.partition(arrays, mask)
-        ms_arrays, ms_static = eqx.partition(state.model_state, is_array)
-        batch_arrays, batch_static = eqx.partition(batch, is_array)
-        batch_specs = jax.tree.map(
-            lambda x: layout.batch_spec if jnp.ndim(x) else P(), batch_arrays
-        )
+        (
+            (params, frozen, static),
+            (ms_arrays, ms_static),
+            (batch_arrays, batch_static),
+        ) = split_inputs(state.model, mask, state.model_state, batch)
+        batch_specs = layout.batch_specs(batch_arrays)
         with_state = state.model_state is not None
         loss = _checked_loss(self.loss_fn, with_state)
         cast = self.compute_dtype
 
         def gather(tree: Any) -> Any:
-            if gspecs is None or layout.fsdp_axis is None:
-                return tree
-            return gather_params(tree, gspecs, layout.fsdp_axis)
+            return layout.gather(tree, gspecs)
 
         def materialise(p: Any) -> Any:
             # Cast before the gather, so that FSDP's all-gathers (and the

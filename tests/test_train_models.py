@@ -287,34 +287,10 @@ def test_bf16_fsdp_gathers_move_bf16(mesh8):
         assert "xbf16>" in line and "xf32>" not in line, line
 
 
-def _collectives(hlo):
-    """all-gather / reduce-scatter ops executed per step: ops in while bodies count
-    trip-count times."""
-    comps = {}
-    current = None
-    for line in hlo.splitlines():
-        m = re.match(r"^(?:ENTRY )?%?([\w.\-]+) .*\{$", line)
-        if m:
-            current = m.group(1)
-            comps[current] = []
-        elif current is not None:
-            comps[current].append(line)
-    trips = {}
-    for lines in comps.values():
-        for line in lines:
-            m = re.search(r"while\(.*body=%?([\w.\-]+)", line)
-            if m:
-                t = re.search(r'known_trip_count"?[:=]\{"?n"?[:=]"?(\d+)', line)
-                trips[m.group(1)] = int(t.group(1)) if t else 1
-    count = 0
-    for name, lines in comps.items():
-        ops = sum(
-            1
-            for line in lines
-            if re.search(r"(all-gather|reduce-scatter)(-start)?\(", line)
-        )
-        count += ops * trips.get(name, 1)
-    return count
+def _collectives(compiled):
+    """All-gathers and reduce-scatters executed per step."""
+    counts = ed.count_collectives(compiled)
+    return counts["all-gather"] + counts["reduce-scatter"]
 
 
 def test_fsdp_accumulation_gathers_once(mesh8):
@@ -332,7 +308,7 @@ def test_fsdp_accumulation_gathers_once(mesh8):
             num_minibatches=n,
             fsdp_gather=gather,
         )
-        counts[n, gather] = _collectives(step.lower(state, batch).compile().as_text())
+        counts[n, gather] = _collectives(step.lower(state, batch).compile())
     assert counts[1, "step"] > 0
     assert counts[4, "step"] <= counts[1, "step"]
     assert counts[4, "minibatch"] > counts[4, "step"]
