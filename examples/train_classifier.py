@@ -370,13 +370,19 @@ def plot(results: dict[str, dict[str, Any]], path: str) -> None:
     fig, (curves, matrix) = plt.subplots(1, 2, figsize=(11, 4))
     for name, result in results.items():
         epochs = range(1, len(result["history"]["train_loss"]) + 1)
-        curves.plot(epochs, result["history"]["train_loss"], label=f"{name} train")
         curves.plot(
-            epochs, result["history"]["test_loss"], "--", label=f"{name} held-out"
+            epochs, result["history"]["train_loss"], "o-", ms=3, label=f"{name} train"
+        )
+        curves.plot(
+            epochs,
+            result["history"]["test_loss"],
+            "o--",
+            ms=3,
+            label=f"{name} held-out",
         )
     curves.set_xlabel("epoch")
     curves.set_ylabel("cross-entropy loss")
-    curves.set_title("1 device vs DP vs FSDP on 8 (the curves coincide)")
+    curves.set_title(" vs ".join(results) + " (the curves coincide)")
     curves.legend(fontsize=8)
     confusion = np.asarray(next(iter(results.values()))["test"]["confusion"])
     matrix.imshow(confusion, cmap="Blues")
