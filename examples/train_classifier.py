@@ -91,7 +91,10 @@ def parse_args() -> argparse.Namespace:
 
 
 ARGS = parse_args()
-ed.simulate_cpu_devices(ARGS.devices)  # before JAX starts its backend
+# Before JAX starts its backend: overlap collectives with compute when a GPU is
+# present (does nothing on CPU), and simulate the CPU devices.
+ed.enable_gpu_collective_overlap()
+ed.simulate_cpu_devices(ARGS.devices)
 
 
 # -- data -------------------------------------------------------------------------
