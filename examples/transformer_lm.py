@@ -1,0 +1,484 @@
+"""Train a character-level transformer language model with FSDP x tensor parallelism.
+
+A small decoder-only transformer written in plain Equinox (token and position
+embeddings, pre-LayerNorm blocks of causal self-attention and an MLP) learns to
+continue the public-domain text in `examples/data/public_domain.txt` (Shakespeare's
+sonnets and US founding documents, see `examples/data/README.md`), on 8 simulated
+CPU devices arranged as a `{"data": 4, "model": 2}` mesh:
+
+- the batch is split 4 ways over `"data"`, and parameters (with their Adam moments)
+  are sharded 4 ways over it too (`strategy="fsdp"`);
+- the attention and MLP weights are also split 2 ways over `"model"` in the Megatron
+  layout (`param_rules`): query/key/value and the MLP's first layer column-wise
+  (by output features), the attention output and the MLP's second layer row-wise
+  (by input features), so each device holds 1/8 of them.
+
+The loss function is written for one device and full-size arrays; eqxdist places
+everything and XLA partitions the computation. The script prints the layout, a
+progress bar with the loss and perplexity, held-out perplexity and a sample of
+generated text, then trains the same model under plain data parallelism for a few
+steps on the same batches and checks that both give the same parameters.
+
+    python examples/transformer_lm.py [--steps 300] [--d-model 64] [--layers 2]
+"""
+
+import argparse
+import math
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from jax.sharding import PartitionSpec as P
+
+import eqxdist as ed
+
+DATA = Path(__file__).resolve().parent / "data" / "public_domain.txt"
+
+
+def parse_args() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0],
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    add = parser.add_argument
+    add("--steps", type=int, default=300, help="training steps")
+    add("--batch-size", type=int, default=32, help="global batch (sequences)")
+    add("--seq-len", type=int, default=64, help="characters per training sequence")
+    add("--d-model", type=int, default=64, help="width of the residual stream")
+    add("--heads", type=int, default=4, help="attention heads")
+    add("--layers", type=int, default=2, help="transformer blocks")
+    add("--mlp-ratio", type=int, default=4, help="MLP hidden width / d-model")
+    add("--lr", type=float, default=3e-3, help="peak adamw learning rate")
+    add("--minibatches", type=int, default=1, help="gradient accumulation steps")
+    add("--data-parallel", type=int, default=4, help='size of the "data" axis')
+    add("--tensor-parallel", type=int, default=2, help='size of the "model" axis')
+    add(
+        "--min-weight-size",
+        type=int,
+        default=2**10,
+        help="FSDP shards parameters with more elements than this",
+    )
+    add("--log-every", type=int, default=25, help="steps between progress updates")
+    add(
+        "--compare-steps",
+        type=int,
+        default=8,
+        help="steps of the plain data-parallel run checked against FSDP x TP "
+        "(0 skips the check)",
+    )
+    add(
+        "--sample-chars",
+        type=int,
+        default=200,
+        help="characters of text to generate at the end (0: none)",
+    )
+    add("--seed", type=int, default=0, help="random seed (model and batch order)")
+    return parser.parse_args()
+
+
+ARGS = parse_args()
+# Before JAX starts its backend: one CPU device per mesh position.
+ed.simulate_cpu_devices(ARGS.data_parallel * ARGS.tensor_parallel)
+
+
+# -- the model ---------------------------------------------------------------------
+
+
+class CausalSelfAttention(eqx.Module):
+    query: eqx.nn.Linear
+    key: eqx.nn.Linear
+    value: eqx.nn.Linear
+    out: eqx.nn.Linear
+    num_heads: int = eqx.field(static=True)
+
+    def __init__(self, d_model: int, num_heads: int, key: jax.Array) -> None:
+        kq, kk, kv, ko = jax.random.split(key, 4)
+        self.query = eqx.nn.Linear(d_model, d_model, key=kq)
+        # No key bias: it adds the same score to every key of a query, which the
+        # softmax cancels, so its gradient is exactly zero in theory and rounding
+        # noise in practice (which Adam would scale up into real updates).
+        self.key = eqx.nn.Linear(d_model, d_model, use_bias=False, key=kk)
+        self.value = eqx.nn.Linear(d_model, d_model, key=kv)
+        self.out = eqx.nn.Linear(d_model, d_model, key=ko)
+        self.num_heads = num_heads
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        length, d_model = x.shape
+        head_dim = d_model // self.num_heads
+
+        def heads(layer: eqx.nn.Linear) -> jax.Array:
+            return jax.vmap(layer)(x).reshape(length, self.num_heads, head_dim)
+
+        q, k, v = heads(self.query), heads(self.key), heads(self.value)
+        scores = jnp.einsum("thd,shd->hts", q, k) / math.sqrt(head_dim)
+        causal = jnp.tril(jnp.ones((length, length), dtype=bool))
+        weights = jax.nn.softmax(jnp.where(causal, scores, -jnp.inf), axis=-1)
+        mixed = jnp.einsum("hts,shd->thd", weights, v).reshape(length, d_model)
+        return jax.vmap(self.out)(mixed)
+
+
+class MLP(eqx.Module):
+    up: eqx.nn.Linear
+    down: eqx.nn.Linear
+
+    def __init__(self, d_model: int, hidden: int, key: jax.Array) -> None:
+        k1, k2 = jax.random.split(key)
+        self.up = eqx.nn.Linear(d_model, hidden, key=k1)
+        self.down = eqx.nn.Linear(hidden, d_model, key=k2)
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        return jax.vmap(self.down)(jax.nn.gelu(jax.vmap(self.up)(x)))
+
+
+class Block(eqx.Module):
+    norm1: eqx.nn.LayerNorm
+    attn: CausalSelfAttention
+    norm2: eqx.nn.LayerNorm
+    mlp: MLP
+
+    def __init__(self, d_model: int, heads: int, hidden: int, key: jax.Array):
+        k1, k2 = jax.random.split(key)
+        self.norm1 = eqx.nn.LayerNorm(d_model)
+        self.attn = CausalSelfAttention(d_model, heads, k1)
+        self.norm2 = eqx.nn.LayerNorm(d_model)
+        self.mlp = MLP(d_model, hidden, k2)
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        x = x + self.attn(jax.vmap(self.norm1)(x))
+        return x + self.mlp(jax.vmap(self.norm2)(x))
+
+
+class TransformerLM(eqx.Module):
+    """Decoder-only transformer: `tokens (length,) -> logits (length, vocab)`."""
+
+    token_embed: eqx.nn.Embedding
+    position_embed: jax.Array
+    blocks: list[Block]
+    norm: eqx.nn.LayerNorm
+    head: eqx.nn.Linear
+
+    def __init__(
+        self,
+        vocab: int,
+        *,
+        d_model: int,
+        heads: int,
+        layers: int,
+        mlp_ratio: int,
+        max_len: int,
+        key: jax.Array,
+    ) -> None:
+        keys = jax.random.split(key, layers + 3)
+        self.token_embed = eqx.nn.Embedding(vocab, d_model, key=keys[0])
+        self.position_embed = 0.02 * jax.random.normal(keys[1], (max_len, d_model))
+        self.blocks = [
+            Block(d_model, heads, mlp_ratio * d_model, k) for k in keys[3:]
+        ]
+        self.norm = eqx.nn.LayerNorm(d_model)
+        self.head = eqx.nn.Linear(d_model, vocab, key=keys[2])
+
+    def __call__(self, tokens: jax.Array) -> jax.Array:
+        x = jax.vmap(self.token_embed)(tokens) + self.position_embed[: len(tokens)]
+        for block in self.blocks:
+            x = block(x)
+        return jax.vmap(self.head)(jax.vmap(self.norm)(x))
+
+
+# Tensor parallelism in the Megatron layout: paths are inside the model, as
+# `jax.tree_util.keystr` writes them (".blocks[0].attn.query.weight"); eqx.nn.Linear
+# weights are (out_features, in_features). Column-parallel layers split their output
+# features (and bias), so each device computes some of the heads / hidden units;
+# row-parallel layers split their input features, consuming those shards and
+# summing the partial outputs. Everything else (embeddings, LayerNorms, head,
+# row-parallel biases) is replicated over "model".
+MEGATRON_RULES = (
+    (r"\.attn\.(query|key|value)\.weight$", P("model", None)),
+    (r"\.attn\.(query|value)\.bias$", P("model")),
+    (r"\.attn\.out\.weight$", P(None, "model")),
+    (r"\.mlp\.up\.weight$", P("model", None)),
+    (r"\.mlp\.up\.bias$", P("model")),
+    (r"\.mlp\.down\.weight$", P(None, "model")),
+)
+
+HAS_PERPLEXITY = hasattr(ed, "Perplexity")
+
+
+def token_metrics(
+    logits: jax.Array, targets: jax.Array, weights: jax.Array | None = None
+) -> tuple[jax.Array, ed.MetricCollection]:
+    """Per-token losses, and the loss (and perplexity, when eqxdist has the metric)
+    as `Metric`s, which the steps reduce across devices."""
+    losses = optax.softmax_cross_entropy_with_integer_labels(logits, targets)
+    metrics: dict[str, ed.Metric] = {"loss": ed.Mean().update(losses, weights)}
+    if HAS_PERPLEXITY:
+        mask = None if weights is None else weights.astype(bool)
+        metrics["perplexity"] = ed.Perplexity().update(logits, targets, mask)
+    return losses, ed.MetricCollection(metrics)
+
+
+def loss_fn(model: TransformerLM, batch: dict[str, jax.Array], key: Any) -> Any:
+    del key  # no dropout: every layout follows the same trajectory
+    tokens = batch["tokens"]
+    logits = jax.vmap(model)(tokens[:, :-1])
+    losses, metrics = token_metrics(logits, tokens[:, 1:])
+    return losses.mean(), metrics
+
+
+def eval_fn(model: TransformerLM, batch: dict[str, jax.Array], mask: jax.Array) -> Any:
+    """Held-out metrics of this device's rows; `mask` is False on the rows
+    `make_eval_step` padded."""
+    tokens = batch["tokens"]
+    logits = jax.vmap(model)(tokens[:, :-1])
+    weights = jnp.broadcast_to(mask[:, None], tokens[:, 1:].shape)
+    return token_metrics(logits, tokens[:, 1:], weights.astype(jnp.float32))[1]
+
+
+def perplexity(values: dict[str, Any]) -> float:
+    if "perplexity" in values:
+        return float(values["perplexity"])
+    return math.exp(float(values["loss"]))  # exp of the token-weighted mean NLL
+
+
+# -- data --------------------------------------------------------------------------
+
+
+def load_text() -> tuple[np.ndarray, np.ndarray, str]:
+    """The text as integer tokens, split 90/10 into train and held-out, and the
+    vocabulary (every character that occurs)."""
+    text = DATA.read_text(encoding="ascii")
+    vocab = "".join(sorted(set(text)))
+    ids = np.frombuffer(text.encode("ascii"), dtype=np.uint8)
+    lookup = np.zeros(256, dtype=np.int32)
+    lookup[np.frombuffer(vocab.encode("ascii"), dtype=np.uint8)] = np.arange(
+        len(vocab)
+    )
+    tokens = lookup[ids]
+    split = int(0.9 * len(tokens))
+    return tokens[:split], tokens[split:], vocab
+
+
+def batches(train: np.ndarray, steps: int) -> list[dict[str, np.ndarray]]:
+    """`steps` batches of random windows of `seq_len + 1` characters (inputs and
+    next-character targets), drawn up front so that every run sees them in the
+    same order."""
+    rng = np.random.default_rng(ARGS.seed)
+    window = ARGS.seq_len + 1
+    starts = rng.integers(0, len(train) - window, size=(steps, ARGS.batch_size))
+    offsets = np.arange(window)
+    return [{"tokens": train[s[:, None] + offsets]} for s in starts]
+
+
+def held_out_batch(held_out: np.ndarray) -> dict[str, np.ndarray]:
+    """Non-overlapping windows of the held-out text: any number of rows, which
+    `make_eval_step` pads and masks."""
+    window = ARGS.seq_len + 1
+    rows = (len(held_out) - 1) // ARGS.seq_len
+    starts = np.arange(rows) * ARGS.seq_len
+    return {"tokens": held_out[starts[:, None] + np.arange(window)]}
+
+
+# -- training ----------------------------------------------------------------------
+
+
+class Progress:
+    """A one-line progress bar on a terminal (redrawn every `--log-every` steps);
+    one line per update otherwise."""
+
+    def __init__(self, total: int) -> None:
+        self.total = total
+        self.start = time.perf_counter()
+        self.tty = sys.stdout.isatty()
+
+    def update(self, done: int, note: str) -> None:
+        elapsed = time.perf_counter() - self.start
+        rate = done / elapsed if elapsed > 0 else 0.0
+        eta = (self.total - done) / rate if rate > 0 else 0.0
+        width = 20
+        bar = "#" * (width * done // self.total)
+        line = (
+            f"[{bar:.<{width}}] {done:>{len(str(self.total))}}/{self.total} "
+            f"{rate:5.1f} steps/s  ETA {eta:4.0f}s  {note}"
+        )
+        print("\r" + line if self.tty else line, end="" if self.tty else "\n")
+        sys.stdout.flush()
+
+    def close(self) -> None:
+        if self.tty:
+            print()
+
+
+@eqx.filter_jit
+def merge(a: ed.Metric, b: ed.Metric) -> ed.Metric:
+    return a.merge(b)
+
+
+def host_params(model: Any) -> list[np.ndarray]:
+    """The model's arrays, gathered to the host."""
+    return [np.asarray(x) for x in jax.tree.leaves(eqx.filter(model, eqx.is_array))]
+
+
+def state_bytes(state: ed.TrainState) -> int:
+    """Bytes of parameters + optimizer state held by the first device."""
+    device = jax.devices()[0]
+    return sum(
+        shard.data.nbytes
+        for leaf in jax.tree.leaves((state.model, state.opt_state))
+        if isinstance(leaf, jax.Array)
+        for shard in leaf.addressable_shards
+        if shard.device == device
+    )
+
+
+def new_state(vocab: int) -> tuple[ed.TrainState, optax.GradientTransformation]:
+    model = TransformerLM(
+        vocab,
+        d_model=ARGS.d_model,
+        heads=ARGS.heads,
+        layers=ARGS.layers,
+        mlp_ratio=ARGS.mlp_ratio,
+        max_len=ARGS.seq_len,
+        key=jax.random.key(ARGS.seed),
+    )
+    schedule = optax.warmup_cosine_decay_schedule(
+        0.0, ARGS.lr, max(1, ARGS.steps // 10), max(ARGS.steps, 2)
+    )
+    optimizer = optax.chain(
+        optax.clip_by_global_norm(1.0), optax.adamw(schedule, weight_decay=0.01)
+    )
+    return ed.TrainState.create(model, optimizer, jax.random.key(1)), optimizer
+
+
+def describe_layout(step: ed.TrainStep, state: ed.TrainState) -> None:
+    specs = step.state_specs(state).model.blocks[0]
+    print("layout of block 0 (PartitionSpec of each weight):")
+    for name, spec in [
+        ("attn.query.weight", specs.attn.query.weight),
+        ("attn.out.weight", specs.attn.out.weight),
+        ("mlp.up.weight", specs.mlp.up.weight),
+        ("mlp.up.bias", specs.mlp.up.bias),
+        ("mlp.down.weight", specs.mlp.down.weight),
+        ("norm1.weight", specs.norm1.weight),
+    ]:
+        print(f"  {name:<18} {spec}")
+
+
+def train_fsdp_tp(
+    data: list[dict[str, np.ndarray]], vocab: str, held_out: dict[str, np.ndarray]
+) -> list[np.ndarray] | None:
+    """The main run; returns the parameters after `--compare-steps` steps."""
+    mesh = ed.create_device_mesh(
+        {"data": ARGS.data_parallel, "model": ARGS.tensor_parallel}
+    )
+    layout: dict[str, Any] = {
+        "strategy": "fsdp",
+        "param_rules": MEGATRON_RULES,
+        "min_weight_size": ARGS.min_weight_size,
+    }
+    state, optimizer = new_state(len(vocab))
+    step = ed.make_train_step(
+        loss_fn, optimizer, mesh, num_minibatches=ARGS.minibatches, **layout
+    )
+    evaluate = ed.make_eval_step(eval_fn, mesh, **layout)
+    num_params = sum(x.size for x in jax.tree.leaves(eqx.filter(state.model, eqx.is_array)))
+    print(
+        f"model: {ARGS.layers} blocks, d_model {ARGS.d_model}, {ARGS.heads} heads, "
+        f"{num_params:,} parameters; mesh {dict(mesh.shape)}"
+    )
+    describe_layout(step, state)
+
+    progress = Progress(len(data))
+    snapshot, interval, start = None, None, time.perf_counter()
+    for i, batch in enumerate(data):
+        state, metrics = step(state, batch)
+        interval = metrics if interval is None else merge(interval, metrics)
+        if i + 1 == ARGS.compare_steps:
+            snapshot = host_params(state.model)
+        if (i + 1) % ARGS.log_every == 0 or i + 1 == len(data):
+            values = interval.compute()  # blocks: the interval's steps are done
+            progress.update(
+                i + 1,
+                f"loss {float(values['loss']):.4f}  ppl {perplexity(values):7.3f}",
+            )
+            interval = None
+    progress.close()
+    seconds = time.perf_counter() - start
+    held = evaluate(state, held_out).compute()
+    print(
+        f"trained {len(data)} steps in {seconds:.1f}s; held-out loss "
+        f"{float(held['loss']):.4f}, perplexity {perplexity(held):.3f} "
+        f"({len(held_out['tokens'])} sequences)"
+    )
+    print(f"train state bytes per device: {state_bytes(state):,}")
+    if ARGS.sample_chars > 0:
+        print("sample: " + repr(generate(state.model, vocab, "Shall I ")))
+    return snapshot
+
+
+def generate(model: TransformerLM, vocab: str, prompt: str) -> str:
+    """A sampled continuation of `prompt` (temperature 0.8), on one device."""
+    model = jax.device_put(model, jax.devices()[0])
+    index = {c: i for i, c in enumerate(vocab)}
+    window = np.zeros(ARGS.seq_len, dtype=np.int32)
+    tokens = [index[c] for c in prompt if c in index]
+
+    @eqx.filter_jit
+    def next_token(model: TransformerLM, window: Any, pos: Any, key: Any) -> Any:
+        # Causal: the logits at `pos` ignore the zeros after it.
+        return jax.random.categorical(key, model(window)[pos] / 0.8)
+
+    text = prompt
+    keys = jax.random.split(jax.random.key(ARGS.seed), ARGS.sample_chars)
+    for key in keys:
+        recent = tokens[-ARGS.seq_len :]
+        window[: len(recent)] = recent
+        token = int(next_token(model, window, jnp.asarray(len(recent) - 1), key))
+        tokens.append(token)
+        text += vocab[token]
+    return text
+
+
+def compare_with_dp(
+    data: list[dict[str, np.ndarray]], vocab: str, expected: list[np.ndarray]
+) -> bool:
+    """Plain data parallelism (every device holds the whole state, 8-way batch
+    split) on the same batches, from the same initial state."""
+    mesh = ed.create_data_parallel_mesh()
+    state, optimizer = new_state(len(vocab))
+    step = ed.make_train_step(
+        loss_fn, optimizer, mesh, strategy="dp", num_minibatches=ARGS.minibatches
+    )
+    for batch in data[: ARGS.compare_steps]:
+        state, _ = step(state, batch)
+    got = host_params(state.model)
+    diff = max(float(np.max(np.abs(a - b))) for a, b in zip(got, expected, strict=True))
+    agree = diff < 1e-5
+    print(
+        f"DP ({mesh.size} devices) vs FSDP x TP after {ARGS.compare_steps} steps: "
+        f"max |param diff| {diff:.2e} (tolerance 1e-5): "
+        + ("parameters agree" if agree else "parameters DISAGREE")
+    )
+    return agree
+
+
+def main() -> None:
+    train, held_out, vocab = load_text()
+    if ARGS.compare_steps > ARGS.steps:
+        sys.exit("--compare-steps must not exceed --steps")
+    print(
+        f"text: {len(train):,} training / {len(held_out):,} held-out characters, "
+        f"vocabulary of {len(vocab)}"
+    )
+    data = batches(train, ARGS.steps)
+    snapshot = train_fsdp_tp(data, vocab, held_out_batch(held_out))
+    if snapshot is not None and not compare_with_dp(data, vocab, snapshot):
+        sys.exit(1)
+
+
+if __name__ == "__main__":
+    main()
