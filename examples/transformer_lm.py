@@ -54,7 +54,7 @@ def parse_args() -> argparse.Namespace:
     add("--heads", type=int, default=4, help="attention heads")
     add("--layers", type=int, default=2, help="transformer blocks")
     add("--mlp-ratio", type=int, default=4, help="MLP hidden width / d-model")
-    add("--lr", type=float, default=3e-3, help="peak adamw learning rate")
+    add("--lr", type=float, default=1e-2, help="peak adamw learning rate")
     add("--minibatches", type=int, default=1, help="gradient accumulation steps")
     add("--data-parallel", type=int, default=4, help='size of the "data" axis')
     add("--tensor-parallel", type=int, default=2, help='size of the "model" axis')
@@ -177,9 +177,7 @@ class TransformerLM(eqx.Module):
         keys = jax.random.split(key, layers + 3)
         self.token_embed = eqx.nn.Embedding(vocab, d_model, key=keys[0])
         self.position_embed = 0.02 * jax.random.normal(keys[1], (max_len, d_model))
-        self.blocks = [
-            Block(d_model, heads, mlp_ratio * d_model, k) for k in keys[3:]
-        ]
+        self.blocks = [Block(d_model, heads, mlp_ratio * d_model, k) for k in keys[3:]]
         self.norm = eqx.nn.LayerNorm(d_model)
         self.head = eqx.nn.Linear(d_model, vocab, key=keys[2])
 
@@ -255,9 +253,7 @@ def load_text() -> tuple[np.ndarray, np.ndarray, str]:
     vocab = "".join(sorted(set(text)))
     ids = np.frombuffer(text.encode("ascii"), dtype=np.uint8)
     lookup = np.zeros(256, dtype=np.int32)
-    lookup[np.frombuffer(vocab.encode("ascii"), dtype=np.uint8)] = np.arange(
-        len(vocab)
-    )
+    lookup[np.frombuffer(vocab.encode("ascii"), dtype=np.uint8)] = np.arange(len(vocab))
     tokens = lookup[ids]
     split = int(0.9 * len(tokens))
     return tokens[:split], tokens[split:], vocab
@@ -288,17 +284,19 @@ def held_out_batch(held_out: np.ndarray) -> dict[str, np.ndarray]:
 
 class Progress:
     """A one-line progress bar on a terminal (redrawn every `--log-every` steps);
-    one line per update otherwise."""
+    one line per update otherwise. Speed is measured since the previous update, so
+    compilation only slows the first."""
 
     def __init__(self, total: int) -> None:
         self.total = total
-        self.start = time.perf_counter()
+        self.last_time, self.last_done = time.perf_counter(), 0
         self.tty = sys.stdout.isatty()
 
     def update(self, done: int, note: str) -> None:
-        elapsed = time.perf_counter() - self.start
-        rate = done / elapsed if elapsed > 0 else 0.0
-        eta = (self.total - done) / rate if rate > 0 else 0.0
+        now = time.perf_counter()
+        rate = (done - self.last_done) / max(now - self.last_time, 1e-9)
+        self.last_time, self.last_done = now, done
+        eta = (self.total - done) / rate
         width = 20
         bar = "#" * (width * done // self.total)
         line = (
@@ -385,7 +383,9 @@ def train_fsdp_tp(
         loss_fn, optimizer, mesh, num_minibatches=ARGS.minibatches, **layout
     )
     evaluate = ed.make_eval_step(eval_fn, mesh, **layout)
-    num_params = sum(x.size for x in jax.tree.leaves(eqx.filter(state.model, eqx.is_array)))
+    num_params = sum(
+        x.size for x in jax.tree.leaves(eqx.filter(state.model, eqx.is_array))
+    )
     print(
         f"model: {ARGS.layers} blocks, d_model {ARGS.d_model}, {ARGS.heads} heads, "
         f"{num_params:,} parameters; mesh {dict(mesh.shape)}"
