@@ -54,7 +54,7 @@ class EvalMath(eqx.Module):
         layout = self.layout
         batch, mask = batch
         specs = layout.model_specs(inputs.model)
-        manual = layout.manual_specs(specs)
+        manual = layout.manual_specs(inputs.model, specs)
         gspecs = layout.gather_specs(inputs.model, specs)
         (
             (trained, frozen, static),

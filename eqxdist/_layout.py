@@ -317,30 +317,68 @@ class Layout:
                 )
         return P(*[x if x is not None else y for x, y in zip(a, b, strict=True)])
 
-    def manual_specs(self, specs: Any) -> Any:
-        """`specs` restricted to the data axes: what `shard_map` (manual over the data
-        axes only) takes; the rule axes stay with XLA."""
-        return jax.tree.map(
-            lambda s: _restrict(s, self.data_axes),
-            specs,
-            is_leaf=lambda x: x is None or isinstance(x, P),
+    def has_rule_axes(self, spec: P | None) -> bool:
+        """Whether `spec` shards over a mesh axis that is not a data axis (a
+        `param_rules` axis)."""
+        return bool(spec_axes(spec) - set(self.data_axes))
+
+    def _gathered_at_boundary(self, model: Any, specs: Any) -> list[bool]:
+        """Per leaf of `model`: sharded over `fsdp_axis` and over rule axes, and
+        gathered by the step (not by an `FSDP`/`Stacked` module)."""
+        spec_leaves = flatten_up_to(model, specs)
+        if self.fsdp_axis is None:
+            return [False] * len(spec_leaves)
+        _, own = leaf_plan(
+            model,
+            self.mesh.shape[self.fsdp_axis],
+            self.fsdp_axis,
+            self.min_weight_size,
+            layout=self.fsdp_layout,
         )
+        return [
+            o and s is not None and self.has_rule_axes(s)
+            for s, o in zip(spec_leaves, own, strict=True)
+        ]
+
+    def manual_specs(self, model: Any, specs: Any) -> Any:
+        """`specs` (of `model`) restricted to the data axes: what `shard_map`
+        (manual over the data axes only) takes; the rule axes stay with XLA.
+
+        A leaf the step gathers that is sharded over rule axes too enters
+        unsharded over the data axes: XLA's partitioner replicates the operand of a
+        collective over the manual (data) axes across the automatic (rule) axes, so
+        an FSDP all-gather inside `shard_map` would gather such a leaf over the
+        rule axes as well, undoing tensor parallelism (every device would hold and
+        multiply whole weights). Gathered at the `shard_map` boundary instead, XLA
+        gathers it over the data axes only, keeping the rule axes sharded; its
+        gradient is then averaged with an all-reduce over the data axes, and the
+        update keeps its FSDP shard."""
+        boundary = self._gathered_at_boundary(model, specs)
+        spec_leaves = flatten_up_to(model, specs)
+        out = [
+            P() if b else _restrict(s, self.data_axes)
+            for s, b in zip(spec_leaves, boundary, strict=True)
+        ]
+        return jax.tree.unflatten(jax.tree.structure(model), out)
 
     def gather_specs(self, model: Any, specs: Any) -> Any:
         """The specs with which the step gathers `model` at the top: `fsdp_axis`
-        only, and nothing inside `FSDP` submodules (they gather themselves)."""
+        only, and nothing inside `FSDP`/`Stacked` submodules (they gather
+        themselves) nor of leaves gathered at the `shard_map` boundary (see
+        `manual_specs`)."""
         if self.fsdp_axis is None:
             return None
         size = self.mesh.shape[self.fsdp_axis]
         _, own = leaf_plan(
             model, size, self.fsdp_axis, self.min_weight_size, layout=self.fsdp_layout
         )
+        boundary = self._gathered_at_boundary(model, specs)
         spec_leaves = flatten_up_to(model, specs)
         top = [
             _restrict(s, (self.fsdp_axis,))
-            if o and s is not None
+            if o and s is not None and not b
             else (P() if s is not None else None)
-            for s, o in zip(spec_leaves, own, strict=True)
+            for s, o, b in zip(spec_leaves, own, boundary, strict=True)
         ]
         return jax.tree.unflatten(jax.tree.structure(model), top)
 

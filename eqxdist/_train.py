@@ -458,7 +458,7 @@ class StepMath(eqx.Module):
         axes = layout.data_axes
         layout.check_rows(batch, self.num_minibatches, traced=True)
         specs = layout.state_specs(state, self.optimizer)
-        manual = layout.manual_specs(specs.model)
+        manual = layout.manual_specs(state.model, specs.model)
         gspecs = layout.gather_specs(state.model, specs.model)
         mask = state.trainable_mask()
         (

@@ -2,6 +2,7 @@
 parallelism from `param_rules`, each against single-device training written in
 plain Equinox/optax on the same global data."""
 
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -380,3 +381,36 @@ def test_bf16_with_rules_compiles_and_matches_dp():
         assert state.model.up.weight.dtype == jnp.float32
         results.append(state.model)
     assert _max_diff(*results) < 5e-3
+
+
+def _all_gathers(hlo):
+    """Result element counts of the all-gathers in compiled HLO text."""
+    counts = []
+    for match in re.finditer(r"= \w+\[([\d,]*)\]\S* all-gather(?:-start)?\(", hlo):
+        counts.append(int(np.prod([int(d) for d in match[1].split(",") if d])))
+    return counts
+
+
+def test_fsdp_gather_keeps_tensor_parallel_shards():
+    # Under FSDP x TP each device gathers its "model" shard of a ruled weight over
+    # "data", never the whole weight: an all-gather over the data axis inside
+    # shard_map would be partitioned by XLA with its operand replicated over
+    # "model", so every device would hold (and multiply) whole weights.
+    mesh = ed.create_device_mesh({"data": 4, "model": 2})
+    step = ed.make_train_step(
+        loss_fn,
+        OPTIMIZER,
+        mesh,
+        strategy="fsdp",
+        param_rules=MEGATRON,
+        min_weight_size=64,
+    )
+    state = ed.TrainState.create(Net(jax.random.key(0)), OPTIMIZER, jax.random.key(1))
+    hlo = step.lower(state, _batches(steps=1)[0]).compile().as_text()
+    gathered = _all_gathers(hlo)
+    assert gathered, "FSDP gathers the sharded weights"
+    ruled = state.model.up.weight.size  # 64 x 16, also the size of down.weight
+    assert max(gathered) <= ruled // 2, gathered
+    # Each ruled weight is gathered once, as its "model" half (the head is too
+    # small to be sharded).
+    assert gathered == [ruled // 2, ruled // 2]

@@ -1,0 +1,129 @@
+"""The decoder-only transformer of `transformer_lm.py` and its Megatron-layout
+tensor-parallel rules, shared with `benchmarks/bench_parallel.py`.
+
+Plain Equinox: token and position embeddings, pre-LayerNorm blocks of causal
+self-attention and an MLP, a final LayerNorm and a linear head. Nothing in it
+knows about devices; `make_train_step(..., param_rules=MEGATRON_RULES)` places it.
+"""
+
+import math
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
+
+
+class CausalSelfAttention(eqx.Module):
+    query: eqx.nn.Linear
+    key: eqx.nn.Linear
+    value: eqx.nn.Linear
+    out: eqx.nn.Linear
+    num_heads: int = eqx.field(static=True)
+
+    def __init__(self, d_model: int, num_heads: int, key: jax.Array) -> None:
+        kq, kk, kv, ko = jax.random.split(key, 4)
+        self.query = eqx.nn.Linear(d_model, d_model, key=kq)
+        # No key bias: it adds the same score to every key of a query, which the
+        # softmax cancels, so its gradient is exactly zero in theory and rounding
+        # noise in practice (which Adam would scale up into real updates).
+        self.key = eqx.nn.Linear(d_model, d_model, use_bias=False, key=kk)
+        self.value = eqx.nn.Linear(d_model, d_model, key=kv)
+        self.out = eqx.nn.Linear(d_model, d_model, key=ko)
+        self.num_heads = num_heads
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        length, d_model = x.shape
+        head_dim = d_model // self.num_heads
+
+        def heads(layer: eqx.nn.Linear) -> jax.Array:
+            return jax.vmap(layer)(x).reshape(length, self.num_heads, head_dim)
+
+        q, k, v = heads(self.query), heads(self.key), heads(self.value)
+        scores = jnp.einsum("thd,shd->hts", q, k) / math.sqrt(head_dim)
+        causal = jnp.tril(jnp.ones((length, length), dtype=bool))
+        weights = jax.nn.softmax(jnp.where(causal, scores, -jnp.inf), axis=-1)
+        mixed = jnp.einsum("hts,shd->thd", weights, v).reshape(length, d_model)
+        return jax.vmap(self.out)(mixed)
+
+
+class MLP(eqx.Module):
+    up: eqx.nn.Linear
+    down: eqx.nn.Linear
+
+    def __init__(self, d_model: int, hidden: int, key: jax.Array) -> None:
+        k1, k2 = jax.random.split(key)
+        self.up = eqx.nn.Linear(d_model, hidden, key=k1)
+        self.down = eqx.nn.Linear(hidden, d_model, key=k2)
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        return jax.vmap(self.down)(jax.nn.gelu(jax.vmap(self.up)(x)))
+
+
+class Block(eqx.Module):
+    norm1: eqx.nn.LayerNorm
+    attn: CausalSelfAttention
+    norm2: eqx.nn.LayerNorm
+    mlp: MLP
+
+    def __init__(self, d_model: int, heads: int, hidden: int, key: jax.Array):
+        k1, k2 = jax.random.split(key)
+        self.norm1 = eqx.nn.LayerNorm(d_model)
+        self.attn = CausalSelfAttention(d_model, heads, k1)
+        self.norm2 = eqx.nn.LayerNorm(d_model)
+        self.mlp = MLP(d_model, hidden, k2)
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        x = x + self.attn(jax.vmap(self.norm1)(x))
+        return x + self.mlp(jax.vmap(self.norm2)(x))
+
+
+class TransformerLM(eqx.Module):
+    """Decoder-only transformer: `tokens (length,) -> logits (length, vocab)`."""
+
+    token_embed: eqx.nn.Embedding
+    position_embed: jax.Array
+    blocks: list[Block]
+    norm: eqx.nn.LayerNorm
+    head: eqx.nn.Linear
+
+    def __init__(
+        self,
+        vocab: int,
+        *,
+        d_model: int,
+        heads: int,
+        layers: int,
+        mlp_ratio: int,
+        max_len: int,
+        key: jax.Array,
+    ) -> None:
+        keys = jax.random.split(key, layers + 3)
+        self.token_embed = eqx.nn.Embedding(vocab, d_model, key=keys[0])
+        self.position_embed = 0.02 * jax.random.normal(keys[1], (max_len, d_model))
+        self.blocks = [Block(d_model, heads, mlp_ratio * d_model, k) for k in keys[3:]]
+        self.norm = eqx.nn.LayerNorm(d_model)
+        self.head = eqx.nn.Linear(d_model, vocab, key=keys[2])
+
+    def __call__(self, tokens: jax.Array) -> jax.Array:
+        x = jax.vmap(self.token_embed)(tokens) + self.position_embed[: len(tokens)]
+        for block in self.blocks:
+            x = block(x)
+        return jax.vmap(self.head)(jax.vmap(self.norm)(x))
+
+
+# Tensor parallelism in the Megatron layout: paths are inside the model, as
+# `jax.tree_util.keystr` writes them (".blocks[0].attn.query.weight"); eqx.nn.Linear
+# weights are (out_features, in_features). Column-parallel layers split their output
+# features (and bias), so each device computes some of the heads / hidden units;
+# row-parallel layers split their input features, consuming those shards and
+# summing the partial outputs. Everything else (embeddings, LayerNorms, head,
+# row-parallel biases) is replicated over "model".
+MEGATRON_RULES = (
+    (r"\.attn\.(query|key|value)\.weight$", P("model", None)),
+    (r"\.attn\.(query|value)\.bias$", P("model")),
+    (r"\.attn\.out\.weight$", P(None, "model")),
+    (r"\.mlp\.up\.weight$", P("model", None)),
+    (r"\.mlp\.up\.bias$", P("model")),
+    (r"\.mlp\.down\.weight$", P(None, "model")),
+)
