@@ -414,3 +414,22 @@ def test_fsdp_gather_keeps_tensor_parallel_shards():
     # Each ruled weight is gathered once, as its "model" half (the head is too
     # small to be sharded).
     assert gathered == [ruled // 2, ruled // 2]
+
+
+@pytest.mark.parametrize("fsdp_gather", ["step", "minibatch"])
+def test_megatron_rules_with_accumulation(reference, fsdp_gather):
+    # Ruled leaves are gathered at the shard_map boundary; accumulation in either
+    # gather mode still gives the single-device update.
+    mesh = ed.create_device_mesh({"data": 4, "model": 2})
+    step = ed.make_train_step(
+        loss_fn,
+        OPTIMIZER,
+        mesh,
+        strategy="fsdp",
+        param_rules=MEGATRON,
+        min_weight_size=64,
+        num_minibatches=2,
+        fsdp_gather=fsdp_gather,
+    )
+    state, _ = _train(step)
+    assert _max_diff(state.model, reference) < 1e-5
