@@ -19,7 +19,7 @@ progress bar with the loss and perplexity, held-out perplexity and a sample of
 generated text, then trains the same model under plain data parallelism for a few
 steps on the same batches and checks that both give the same parameters.
 
-    python examples/transformer_lm.py [--steps 300] [--d-model 64] [--layers 2]
+    python examples/transformer_lm.py [--steps 600] [--d-model 64] [--layers 2]
 """
 
 import argparse
@@ -47,7 +47,7 @@ def parse_args() -> argparse.Namespace:
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
     add = parser.add_argument
-    add("--steps", type=int, default=300, help="training steps")
+    add("--steps", type=int, default=600, help="training steps")
     add("--batch-size", type=int, default=32, help="global batch (sequences)")
     add("--seq-len", type=int, default=64, help="characters per training sequence")
     add("--d-model", type=int, default=64, help="width of the residual stream")
