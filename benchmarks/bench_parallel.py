@@ -20,9 +20,10 @@ Each layout runs two ways, side by side in this process:
   `PartitionSpec`s, taken from `step.state_specs`) and the same donation: the step
   a user writes for XLA's partitioner, and the reference of the ratios.
 
-Timing is interleaved: every repeat times each variant for `--steps` steps (the
-order rotating), blocking every 8 steps; the table gives the median milliseconds
-per step, and the median (and min-max) of the per-repeat ratios eqxdist / hand-written.
+Timing is interleaved: every repeat times each variant for `--steps` steps, the
+variants of a layout back to back (their order rotating), blocking every 8 steps;
+the table gives the median milliseconds per step, and the median (and min-max) of
+the per-repeat ratios eqxdist / hand-written.
 Memory and communication are read off the compiled steps (deterministic):
 per-device train-state bytes as the layout predicts them (each leaf's bytes over
 the product of the mesh axes its spec names) and as placed (the shards on device
@@ -30,7 +31,7 @@ the product of the mesh axes its spec names) and as placed (the shards on device
 temporaries: the peak), and the collectives in the compiled HLO (count and result
 bytes per kind).
 
-    python benchmarks/bench_parallel.py [--quick] [--repeats 5] [--steps 16]
+    python benchmarks/bench_parallel.py [--quick] [--repeats 9] [--steps 8]
 
 The script sets up 8 simulated CPU devices itself (before JAX starts). `run()`
 returns the rows for other scripts.
@@ -310,7 +311,7 @@ def _time(run: Callable[[], Any], steps: int) -> float:
 
 
 def run(
-    *, repeats: int = 5, steps: int = 16, config: dict[str, Any] | None = None
+    *, repeats: int = 9, steps: int = 8, config: dict[str, Any] | None = None
 ) -> list[dict[str, Any]]:
     """One row per layout: timings, ratios, memory and collectives."""
     config = config or {
@@ -333,11 +334,16 @@ def run(
     for variant in variants.values():  # warm up: first dispatches, caches
         _time(variant["run"], 2)
     times: dict[tuple[str, str], list[float]] = {key: [] for key in variants}
-    order = list(variants)
+    labels = ["eqxdist", *HAND.values()]
     for r in range(repeats):
-        rotated = order[r % len(order) :] + order[: r % len(order)]
-        for key in rotated:
-            times[key].append(_time(variants[key]["run"], steps))
+        # The variants of one layout run back to back (order rotating), so that
+        # each ratio compares timings taken moments apart on a shared machine.
+        rotated = labels[r % len(labels) :] + labels[: r % len(labels)]
+        for name in LAYOUTS:
+            for label in rotated:
+                times[(name, label)].append(
+                    _time(variants[(name, label)]["run"], steps)
+                )
     rows = []
     for name in LAYOUTS:
         ours = variants[(name, "eqxdist")]
@@ -419,8 +425,8 @@ def main() -> None:
         description=__doc__.split("\n\n")[0],
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
-    parser.add_argument("--repeats", type=int, default=5, help="interleaved repeats")
-    parser.add_argument("--steps", type=int, default=16, help="steps per repeat")
+    parser.add_argument("--repeats", type=int, default=9, help="interleaved repeats")
+    parser.add_argument("--steps", type=int, default=8, help="steps per repeat")
     parser.add_argument(
         "--quick", action="store_true", help="3 repeats of 8 steps (a smoke run)"
     )
