@@ -406,6 +406,7 @@ def print_table(rows: list[dict[str, Any]]) -> None:
             f"{r['peak_hand']:,} | {r['peak_hand_gathered']:,} |"
         )
     print(
+        "\nCollectives in the compiled step: count and result bytes per device.\n"
         "\n| layout | collectives eqxdist | hand-written | hand-written, gathered |"
         "\n|---|---|---|---|"
     )
@@ -438,7 +439,7 @@ def main() -> None:
     )
     rows = run(repeats=repeats, steps=steps)
     print_table(rows)
-    worst = max(min(r["ratio_hand"], r["ratio_hand_gathered"]) for r in rows)
+    worst = max(max(r["ratio_hand"], r["ratio_hand_gathered"]) for r in rows)
     exact = all(r["state_bytes_predicted"] == r["state_bytes_placed"] for r in rows)
     print(
         f"\nworst median ratio against the faster hand-written step {worst:.3f}x "
