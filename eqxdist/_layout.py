@@ -236,9 +236,8 @@ class Layout:
         taken = {d for d, e in enumerate(rule) if e is not None}
         free_shape = tuple(1 if d in taken else n for d, n in enumerate(shape))
         size = self.mesh.shape[self.fsdp_axis]
-        dim = sharded_dim(
-            leaf_spec(free_shape, size, self.fsdp_axis, 0), self.fsdp_axis
-        )
+        spec = leaf_spec(free_shape, size, self.fsdp_axis, 0, prefer=self.fsdp_layout)
+        dim = sharded_dim(spec, self.fsdp_axis)
         if dim is None or dim in taken:
             return rule
         entries = list(rule) + [None] * (len(shape) - len(rule))
