@@ -41,13 +41,9 @@ import bench_fsdp_accumulation
 import bench_fsdp_layout
 import bench_memory
 import bench_metrics
+import bench_parallel
 import bench_train
 import jax
-
-try:
-    import bench_parallel
-except ImportError:  # pragma: no cover - the transformer benchmark is optional
-    bench_parallel = None
 
 
 def _rows(quick: bool) -> list[tuple[str, str, str, str, str]]:
@@ -119,9 +115,19 @@ def _rows(quick: bool) -> list[tuple[str, str, str, str, str]]:
         remat=False,
     ):
         out.append(("fsdp layout", f"deep MLP {depth}x{width}^2", name, figures, hlo))
-    if bench_parallel is not None:
-        for row in bench_parallel.rows(quick=quick):
-            out.append(("transformer", *row))
+    for r in bench_parallel.run(repeats=3 if quick else 9, steps=8):
+        out.append(
+            (
+                "transformer step",
+                f"{r['layout']} on "
+                + " x ".join(f"{k} {v}" for k, v in r["mesh"].items()),
+                "eqxdist",
+                f"{r['ms_eqxdist']:.2f} ms/step, {r['state_bytes_placed']:,} B/device "
+                f"state (predicted {r['state_bytes_predicted']:,})",
+                f"{r['ratio_hand_gathered']:.2f}x hand-written (gathered), "
+                f"{r['ratio_hand']:.2f}x hand-written (plain)",
+            )
+        )
     for name, value in bench_checkpoint.run(64 if quick else 256, 3).items():
         out.append(("checkpoint", "sharded state", name, f"{value:.3f}", ""))
     return out
