@@ -37,9 +37,10 @@ from ._utils import (
 )
 
 
-def _spec_names(spec: P) -> set[str]:
+def spec_axes(spec: P | None) -> set[str]:
+    """Every mesh axis a `PartitionSpec` names."""
     names: set[str] = set()
-    for entry in spec:
+    for entry in spec or ():
         if isinstance(entry, str):
             names.add(entry)
         elif isinstance(entry, tuple):
@@ -266,7 +267,7 @@ def sync_gradients(
     def sync(g: Any, spec: Any) -> Any:
         if not is_array(g):
             return g
-        names = _spec_names(spec)
+        names = spec_axes(spec)
         rest = tuple(a for a in axis_names if a not in names)
         return jax.lax.pmean(g, rest) if rest else g
 

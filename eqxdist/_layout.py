@@ -19,8 +19,8 @@ import numpy as np
 import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from ._data_parallel import local_shard_count, place
-from ._fsdp import CPU_FSDP_OPTIONS, gather_params, sharded_dim
+from ._data_parallel import local_shard_count
+from ._fsdp import CPU_FSDP_OPTIONS, gather_params, sharded_dim, spec_axes
 from ._layers import Stacked
 from ._partition import (
     SelfGathering,
@@ -45,17 +45,6 @@ from ._utils import (
 STRATEGIES = ("dp", "fsdp")
 
 ParamRules = Sequence[tuple[str, P]]
-
-
-def spec_axes(spec: P | None) -> set[str]:
-    """Every mesh axis a `PartitionSpec` names."""
-    names: set[str] = set()
-    for entry in spec or ():
-        if isinstance(entry, str):
-            names.add(entry)
-        elif isinstance(entry, tuple):
-            names.update(entry)
-    return names
 
 
 def _restrict(spec: P | None, keep: tuple[str, ...]) -> P | None:
@@ -504,9 +493,6 @@ class Layout:
         if self.rules and compute_dtype is not None:
             passes.append("all-reduce-promotion")
         return {"xla_disable_hlo_passes": ",".join(passes)} if passes else None
-
-    def place(self, tree: Any, specs: Any, *, copy: bool = False) -> Any:
-        return place(tree, specs, self.mesh, copy=copy)
 
     # -- batches -------------------------------------------------------------------
 

@@ -10,6 +10,7 @@ from jax.sharding import Mesh, PartitionSpec as P
 from jaxtyping import PyTree
 
 from ._compiled import CompiledStep
+from ._data_parallel import place
 from ._layout import Layout
 from ._train import (
     FSDP_GATHERS,
@@ -98,9 +99,7 @@ class TrainStep:
         that the step's donation never deletes arrays the caller still holds, such
         as those of the model the state was created from)."""
         check_not_consumed(state, "place_state")
-        placed: TrainState = self.layout.place(
-            state, self.state_specs(state), copy=True
-        )
+        placed: TrainState = place(state, self.state_specs(state), self.mesh, copy=True)
         return placed
 
     def lower(self, state: TrainState, batch: PyTree[Any]) -> Any:
