@@ -3,37 +3,12 @@
 The whole public API is importable from here (`import eqxdist as ed`).
 """
 
-from ._accumulator import (
-    FoldAccumulator as FoldAccumulator,
-    MetricAccumulator as MetricAccumulator,
-    ReduceOp as ReduceOp,
-)
-from ._aggregation import (
-    LastValue as LastValue,
-    Max as Max,
-    Mean as Mean,
-    Min as Min,
-    Std as Std,
-    Sum as Sum,
-)
 from ._checkpoint import (
+    CheckpointManager as CheckpointManager,
     CheckpointNotFoundError as CheckpointNotFoundError,
     latest_step as latest_step,
     restore_checkpoint as restore_checkpoint,
     save_checkpoint as save_checkpoint,
-)
-from ._checkpoint_manager import CheckpointManager as CheckpointManager
-from ._classification import (
-    AUROC as AUROC,
-    Accuracy as Accuracy,
-    Perplexity as Perplexity,
-)
-from ._confusion import (
-    ConfusionMatrix as ConfusionMatrix,
-    F1Score as F1Score,
-    FBetaScore as FBetaScore,
-    Precision as Precision,
-    Recall as Recall,
 )
 from ._data_parallel import (
     DataParallel as DataParallel,
@@ -66,8 +41,28 @@ from ._mesh import (
     get_mesh_info as get_mesh_info,
     simulate_cpu_devices as simulate_cpu_devices,
 )
-from ._metric_tree import print_metrics as print_metrics
-from ._metrics import Metric as Metric, MetricCollection as MetricCollection
+from ._metrics import (
+    AUROC as AUROC,
+    Accuracy as Accuracy,
+    ConfusionMatrix as ConfusionMatrix,
+    F1Score as F1Score,
+    FBetaScore as FBetaScore,
+    FoldAccumulator as FoldAccumulator,
+    LastValue as LastValue,
+    Max as Max,
+    Mean as Mean,
+    Metric as Metric,
+    MetricAccumulator as MetricAccumulator,
+    MetricCollection as MetricCollection,
+    Min as Min,
+    Perplexity as Perplexity,
+    Precision as Precision,
+    Recall as Recall,
+    ReduceOp as ReduceOp,
+    Std as Std,
+    Sum as Sum,
+    print_metrics as print_metrics,
+)
 from ._partition import fsdp_specs as fsdp_specs
 from ._reductions import (
     DistributedMetrics as DistributedMetrics,

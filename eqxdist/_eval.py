@@ -15,7 +15,7 @@ from jax.sharding import Mesh, PartitionSpec as P
 from ._compiled import CompiledStep
 from ._data_parallel import local_shard_count
 from ._layout import Layout
-from ._metric_tree import check_metrics, reduce_metrics
+from ._metrics.tree import check_metrics, reduce_metrics
 from ._train import TrainState, split_inputs, trainable_mask_tree
 from ._utils import (
     AxisName,

@@ -17,7 +17,7 @@ from jaxtyping import Array, Int, PRNGKeyArray, PyTree
 
 from ._fsdp import sync_gradients
 from ._layout import Layout
-from ._metric_tree import check_metrics, merge_metrics, reduce_metrics
+from ._metrics.tree import check_metrics, merge_metrics, reduce_metrics
 from ._utils import (
     AxisName,
     cast_floating,

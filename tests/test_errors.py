@@ -4,7 +4,7 @@ message names the argument or leaf path, the value seen and what was expected --
 never a raw JAX, NumPy, Orbax or OS error.
 
 One table: (id, call, exception type, pattern the message must match). The metric
-and train-step mistakes are tested with their modules (tests/test_metrics.py,
+and train-step mistakes are tested with their modules (tests/metrics/test_metrics.py,
 tests/test_train.py)."""
 
 import contextlib

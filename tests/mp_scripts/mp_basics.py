@@ -1,5 +1,5 @@
 """Meshes, batches, reductions, metrics and state placement across processes, run by
-tests/test_distributed.py as `python -m eqxdist.launch -n 2 -d 4 mp_basics.py OUT`.
+tests/launch/test_launch.py as `python -m eqxdist.launch -n 2 -d 4 mp_basics.py OUT`.
 
 Process 0 writes `OUT/basics.json`: for each check either its value (which the test
 compares with NumPy on the same global data) or `{"error": ...}`."""

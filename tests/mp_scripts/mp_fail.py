@@ -1,5 +1,5 @@
 """A multi-process training run in which process 1 fails at step 3, run by
-tests/test_distributed.py as `python -m eqxdist.launch -n 2 -d 4 mp_fail.py OUT HOW`:
+tests/launch/test_launch.py as `python -m eqxdist.launch -n 2 -d 4 mp_fail.py OUT HOW`:
 with HOW `raise` it raises a RuntimeError, with `exit` it calls `sys.exit(3)`.
 
 Process 0 would train forever (stuck in a collective once process 1 is gone); it

@@ -1,4 +1,4 @@
-"""Multi-process training and checkpoints, run by tests/test_distributed.py as
+"""Multi-process training and checkpoints, run by tests/launch/test_launch.py as
 `python -m eqxdist.launch -n 2 -d 4 mp_train.py OUT CKPT1`.
 
 - trains the `common` problem with DP and with FSDP for `STEPS` steps and writes the

@@ -1,5 +1,6 @@
-"""A training loop that survives preemption, run by tests/test_checkpoint.py (one
-plain process) and tests/test_distributed.py (under `eqxdist.launch`, and as
+"""A training loop that survives preemption, run by
+tests/checkpoint/test_checkpoint.py (one plain process) and
+tests/launch/test_launch.py (under `eqxdist.launch`, and as
 SLURM-style processes started by hand):
 
     preempt_train.py CKPT OUT STEPS

@@ -1,5 +1,5 @@
 """Save steps 1, 2, 3, ... of a 4 MiB state through a `CheckpointManager` until
-killed; run by tests/test_checkpoint.py, which SIGKILLs it at random moments.
+killed; run by tests/checkpoint/test_checkpoint.py, which SIGKILLs it at random moments.
 
     save_loop.py DIR sync|async
 

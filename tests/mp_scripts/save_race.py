@@ -1,7 +1,7 @@
 """One side of a race: prints `ready`, waits for a line on stdin, then saves
 `{"a": full(VALUE), "b": ..., "c": ...}` as step 5 of DIR. Prints `saved`, or `lost:`
 and the error (which must be a `ValueError`). Run twice at once by
-tests/test_checkpoint.py.
+tests/checkpoint/test_checkpoint.py.
 
     save_race.py DIR VALUE
 """

@@ -1,6 +1,6 @@
 """The launcher's watchdog, started by `eqxdist.launch` as
 
-    python .../eqxdist/_launch_watchdog.py
+    python .../eqxdist/_launch/watchdog.py
 
 It reads process-group ids (one per line) from stdin, the launcher holding the
 other end of the pipe. When that pipe closes -- the launcher exited, or was killed

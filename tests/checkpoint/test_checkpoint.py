@@ -1,6 +1,6 @@
 """Checkpoints in one process with 8 devices: exact round trips, restoring under
 another layout or device count, resuming training, interrupted saves and bad input.
-(Saving and restoring across processes is in tests/test_distributed.py.)"""
+(Saving and restoring across processes is in tests/launch/test_launch.py.)"""
 
 import json
 import os
@@ -22,7 +22,7 @@ from mp_scripts import common
 import eqxdist as ed
 from eqxdist import CheckpointNotFoundError
 
-SCRIPTS = Path(__file__).parent / "mp_scripts"
+SCRIPTS = Path(__file__).parent.parent / "mp_scripts"
 
 
 def key_aware(x):
@@ -490,7 +490,7 @@ def test_checkpoints_written_by_v0_1_still_restore(tmp_path):
 
 
 def test_a_new_manager_removes_the_leftovers_of_dead_saves_only(tmp_path):
-    from eqxdist._checkpoint_files import host_name
+    from eqxdist._checkpoint.files import host_name
 
     dead = subprocess.run(
         [sys.executable, "-c", "import os; print(os.getpid())"],

@@ -11,8 +11,8 @@ from typing import Any
 import jax
 import numpy as np
 
-from ._metrics import Metric
-from ._utils import AxisName, is_array, path_str, typecheck
+from .._utils import AxisName, is_array, path_str, typecheck
+from .base import Metric
 
 
 def is_metric(x: Any) -> bool:

@@ -11,10 +11,10 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P, Sharding
 from jaxtyping import PyTree
 
-from . import _checkpoint_files as files
-from ._checkpoint_writer import Writer, check_step, orbax
-from ._mesh import create_data_parallel_mesh
-from ._utils import check_not_consumed, is_array_like, path_str, typecheck
+from .._mesh import create_data_parallel_mesh
+from .._utils import check_not_consumed, is_array_like, path_str, typecheck
+from . import files
+from .writer import Writer, check_step, orbax
 
 
 class CheckpointNotFoundError(FileNotFoundError, ValueError):

@@ -1,6 +1,6 @@
 """How `python -m eqxdist.launch` starts each process:
 
-    python -u .../eqxdist/_launch_child.py SCRIPT ARGS...
+    python -u .../eqxdist/_launch/child.py SCRIPT ARGS...
 
 runs SCRIPT exactly as `python SCRIPT ARGS...` would (same `sys.argv`, `__file__`,
 `sys.path[0]` and tracebacks), except that once the process has joined a

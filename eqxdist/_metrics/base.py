@@ -30,8 +30,8 @@ from typing import Any, TypeVar
 import equinox as eqx
 import jax
 
-from ._accumulator import MetricAccumulator, replace_fields, sync_accumulators
-from ._utils import AxisName
+from .._utils import AxisName
+from .accumulator import MetricAccumulator, replace_fields, sync_accumulators
 
 _M = TypeVar("_M", bound="Metric")
 

@@ -24,9 +24,10 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, ArrayLike
 
-from ._accumulator import MetricAccumulator
-from ._aggregation import Mean
-from ._metric_inputs import (
+from .accumulator import MetricAccumulator
+from .aggregation import Mean
+from .base import Metric
+from .inputs import (
     as_array,
     check_range,
     class_predictions,
@@ -36,7 +37,6 @@ from ._metric_inputs import (
     float_dtype,
     integer_labels,
 )
-from ._metrics import Metric
 
 
 class Accuracy(Metric):

@@ -23,7 +23,7 @@ import eqxdist as ed
 from eqxdist import launch
 from eqxdist._distributed import detected_cluster
 
-SCRIPTS = Path(__file__).parent / "mp_scripts"
+SCRIPTS = Path(__file__).parent.parent / "mp_scripts"
 # A generous bound: the runs take seconds; a hang (the bug these tests are for)
 # would take forever.
 TIMEOUT = 240

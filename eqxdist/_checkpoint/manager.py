@@ -11,10 +11,10 @@ from typing import Any
 import jax
 from jaxtyping import PyTree
 
-from . import _checkpoint_files as files
-from ._checkpoint import latest_step, restore_checkpoint
-from ._checkpoint_writer import Writer, check_step, orbax
-from ._utils import check_not_consumed, typecheck
+from .._utils import check_not_consumed, typecheck
+from . import files
+from .api import latest_step, restore_checkpoint
+from .writer import Writer, check_step, orbax
 
 
 def _uses_jax_preemption_service() -> bool:

@@ -15,8 +15,9 @@ import equinox as eqx
 import jax.numpy as jnp
 from jaxtyping import Array, ArrayLike
 
-from ._accumulator import MetricAccumulator
-from ._metric_inputs import (
+from .accumulator import MetricAccumulator
+from .base import Metric
+from .inputs import (
     check_range,
     class_predictions,
     count_dtype,
@@ -24,7 +25,6 @@ from ._metric_inputs import (
     float_dtype,
     integer_labels,
 )
-from ._metrics import Metric
 
 AVERAGES = ("micro", "macro", "weighted", "binary", None)
 

@@ -28,8 +28,8 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, ArrayLike, DTypeLike
 
-from ._metric_inputs import as_array, cast_into, check_broadcast
-from ._utils import AxisName, check_axis_bound
+from .._utils import AxisName, check_axis_bound
+from .inputs import as_array, cast_into, check_broadcast
 
 
 class ReduceOp(enum.StrEnum):

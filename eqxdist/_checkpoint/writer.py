@@ -24,8 +24,8 @@ import jax
 import numpy as np
 from jax._src import distributed as jax_distributed
 
-from . import _checkpoint_files as files
-from ._utils import check_array_leaves, is_array, is_key_array, path_str
+from .._utils import check_array_leaves, is_array, is_key_array, path_str
+from . import files
 
 # Every process saves in the same order, so a per-process counter names each save
 # the same on all of them (for agreeing on its temporary directory).

@@ -17,15 +17,15 @@ import equinox as eqx
 import jax.numpy as jnp
 from jaxtyping import Array, ArrayLike, DTypeLike
 
-from ._accumulator import FoldAccumulator, MetricAccumulator, ReduceOp, two_sum
-from ._metric_inputs import (
+from .accumulator import FoldAccumulator, MetricAccumulator, ReduceOp, two_sum
+from .base import Metric
+from .inputs import (
     as_array,
     cast_into,
     check_broadcast,
     count_dtype,
     state_dtype,
 )
-from ._metrics import Metric
 
 NAN_STRATEGIES = ("propagate", "ignore")
 

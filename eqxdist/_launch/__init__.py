@@ -1,0 +1,3 @@
+"""The local multi-process launcher behind `python -m eqxdist.launch`: the command
+line and run loop (`cli`), the per-process wrapper (`child`, run by path) and the
+watchdog process (`watchdog`, run by path). Standard library only."""
