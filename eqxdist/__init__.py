@@ -32,6 +32,21 @@ from ._fsdp import (
 )
 from ._hlo import count_collectives as count_collectives
 from ._layers import FSDPSequential as FSDPSequential, Stacked as Stacked
+from ._loop import (
+    CsvWriter as CsvWriter,
+    JsonlWriter as JsonlWriter,
+    LoopResult as LoopResult,
+    MultiWriter as MultiWriter,
+    Progress as Progress,
+    TensorBoardWriter as TensorBoardWriter,
+    Watchdog as Watchdog,
+    Writer as Writer,
+    enable_compilation_cache as enable_compilation_cache,
+    learning_rate as learning_rate,
+    mfu as mfu,
+    restore_latest as restore_latest,
+    train_loop as train_loop,
+)
 from ._mesh import (
     DeviceMeshManager as DeviceMeshManager,
     create_data_parallel_mesh as create_data_parallel_mesh,

@@ -110,6 +110,14 @@ class TrainStep:
         check_train_state(state, "train step")
         return self._cache.lower(state, batch)
 
+    def cost(self, state: TrainState, batch: PyTree[Any]) -> dict[str, float]:
+        """XLA's cost analysis of the compiled step for these arguments, totalled
+        over the mesh's devices: at least `"flops"` (per step, all devices), for
+        `ed.mfu`. `state` may be abstract, as for `lower`."""
+        from ._loop.flops import step_cost  # the loop sits above the step
+
+        return step_cost(self, state, batch)
+
     def __call__(self, state: TrainState, batch: PyTree[Any]) -> tuple[TrainState, Any]:
         """One training step; see `make_train_step`."""
         return self._cache(state, batch)

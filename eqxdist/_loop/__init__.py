@@ -1,0 +1,22 @@
+"""The loop around the train step: metric writers, FLOPs and MFU, progress,
+watchdog, and `train_loop` built from them."""
+
+from .flops import mfu as mfu
+from .loop import (
+    LoopResult as LoopResult,
+    restore_latest as restore_latest,
+    train_loop as train_loop,
+)
+from .pieces import (
+    Progress as Progress,
+    Watchdog as Watchdog,
+    enable_compilation_cache as enable_compilation_cache,
+    learning_rate as learning_rate,
+)
+from .writers import (
+    CsvWriter as CsvWriter,
+    JsonlWriter as JsonlWriter,
+    MultiWriter as MultiWriter,
+    TensorBoardWriter as TensorBoardWriter,
+    Writer as Writer,
+)

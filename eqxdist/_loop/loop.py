@@ -1,0 +1,385 @@
+"""`train_loop`: the loop around a train step, made of the pieces in `pieces`,
+`writers` and `flops` (each usable alone)."""
+
+import dataclasses
+import inspect
+import os
+import statistics
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+
+from .._checkpoint import CheckpointManager
+from .._eval import EvalStep
+from .._steps import TrainStep
+from .._train import TrainState
+from .._utils import typecheck
+from .flops import mfu, peak_flops
+from .pieces import Progress, Watchdog, enable_compilation_cache, learning_rate, scalars
+from .writers import Writer
+
+
+@dataclasses.dataclass
+class LoopResult:
+    """What `train_loop` returns.
+
+    - `state`: the state after the last step run.
+    - `step`: its step number (`int(state.step)`).
+    - `metrics`: the last step's metrics, as the step returned them.
+    - `logs`: `(step, values)` of every log point (host numbers).
+    - `evals`: `(step, metrics)` of every evaluation (the computed metrics, host
+      arrays, including values of any rank such as a confusion matrix).
+    - `start_step`: the step the run started (or resumed) from.
+    - `preempted`: whether it stopped because the job is being preempted.
+    - `seconds_per_step`: median wall-clock time per step between log points
+      (the first interval, which compiles, left out when there are others).
+    """
+
+    state: Any
+    step: int
+    metrics: Any
+    logs: list[tuple[int, dict[str, float]]]
+    evals: list[tuple[int, dict[str, Any]]]
+    start_step: int
+    preempted: bool
+    seconds_per_step: float
+
+
+def _batch_stream(batches: Any, start: int) -> Iterator[Any]:
+    """Batches from step `start` on: `batches.iterate(start)` (an
+    `ed.BatchLoader`, yielding `(step, batch)`), or `batches(step)`."""
+    if hasattr(batches, "iterate"):
+        for _, batch in batches.iterate(start):
+            yield batch
+    else:
+        step = start
+        while True:
+            yield batches(step)
+            step += 1
+
+
+def restore_latest(
+    checkpoints: CheckpointManager, step: TrainStep, state: TrainState
+) -> tuple[TrainState, dict[str, Any]]:
+    """The latest checkpoint of `checkpoints` restored into `step`'s layout (with
+    `state` giving the structure), and its metadata (`{}` when the manager keeps
+    none); `state` itself, placed, and `{}` when there is no checkpoint yet."""
+    placed = step.place_state(state)
+    if checkpoints.latest_step() is None:
+        return placed, {}
+    restored = checkpoints.restore(placed)
+    read = getattr(checkpoints, "metadata", None)
+    return restored, (dict(read()) if callable(read) else {})
+
+
+def _saves_metadata(checkpoints: CheckpointManager) -> bool:
+    return "metadata" in inspect.signature(checkpoints.save).parameters
+
+
+class _Logger:
+    """Log points: the values of step `s` are fetched at the next log point (when
+    step `s` is long done), so logging never waits for the devices."""
+
+    def __init__(self, run: "_Run") -> None:
+        self.run = run
+        self.pending: tuple[int, dict[str, Any]] | None = None
+        self.last: tuple[int, float] | None = None
+        self.intervals: list[float] = []
+        self.logs: list[tuple[int, dict[str, float]]] = []
+
+    def values(self, s: int, state: Any, metrics: Any, info: Any) -> dict[str, Any]:
+        run = self.run
+        values = scalars(metrics)
+        rate = learning_rate(state.opt_state)
+        if rate is not None:  # a copy: the next step donates the optimizer state
+            values["learning_rate"] = jnp.copy(rate)
+        values.update(scalars(info or {}))
+        now = time.perf_counter()
+        if self.last is not None and s > self.last[0]:
+            seconds = (now - self.last[1]) / (s - self.last[0])
+            self.intervals.append(seconds)
+            values["steps_per_sec"] = 1.0 / seconds
+            for name, per_step in (
+                ("examples_per_sec", run.examples_per_step),
+                ("tokens_per_sec", run.tokens_per_step),
+            ):
+                if per_step:
+                    values[name] = per_step / seconds
+            if run.flops_per_step:
+                util = mfu(run.flops_per_step, seconds, run.devices)
+                if util is not None:
+                    values["mfu"] = util
+        self.last = (s, now)
+        return values
+
+    def log(self, s: int, state: Any, metrics: Any, info: Any) -> None:
+        self.emit()
+        self.pending = (s, self.values(s, state, metrics, info))
+
+    def emit(self) -> None:
+        if self.pending is None:
+            return
+        s, pending = self.pending
+        self.pending = None
+        fetched = jax.device_get(list(pending.values()))  # one fetch, names in order
+        values = {k: float(v) for k, v in zip(pending, fetched, strict=True)}
+        self.logs.append((s, values))
+        if self.run.writer is not None:
+            self.run.writer.write(s, values)
+        shown = {k: v for k, v in values.items() if k in self.run.show}
+        self.run.progress.update(s, shown)
+
+    def seconds_per_step(self) -> float:
+        times = self.intervals[1:] or self.intervals
+        return statistics.median(times) if times else float("nan")
+
+
+@dataclasses.dataclass
+class _Run:
+    step: TrainStep
+    writer: Writer | None
+    progress: Progress
+    show: tuple[str, ...]
+    examples_per_step: int | None
+    tokens_per_step: int | None
+    flops_per_step: float | None
+    devices: list[Any]
+    eval_step: EvalStep | None
+    eval_batches: Any
+    checkpoints: CheckpointManager | None
+    metadata: Callable[[int], dict[str, Any]] | None
+
+    def evaluate(self, s: int, state: Any) -> tuple[int, dict[str, Any]]:
+        batches = self.eval_batches
+        if not isinstance(batches, list | tuple):
+            batches = [batches]
+        total = None
+        for batch in batches:
+            metrics = self.eval_step(state, batch)  # type: ignore[misc]
+            total = metrics if total is None else total.merge(metrics)
+        computed = total.compute() if hasattr(total, "compute") else total
+        values = scalars(computed)
+        if self.writer is not None:
+            self.writer.write(s, {f"eval_{k}": v for k, v in values.items()})
+        text = "  ".join(f"{k} {float(v):.4f}" for k, v in values.items())
+        self.progress.print(f"step {s}  held-out  {text}")
+        return s, jax.device_get(computed)
+
+    def save(self, s: int, state: Any, *, force: bool) -> None:
+        assert self.checkpoints is not None
+        if _saves_metadata(self.checkpoints):
+            meta = {"loader_step": s, **(self.metadata(s) if self.metadata else {})}
+            self.checkpoints.save(s, state, force=force, metadata=meta)  # type: ignore[call-arg]
+        else:
+            self.checkpoints.save(s, state, force=force)
+
+
+def _rows(batch: Any) -> int | None:
+    leaves = [x for x in jax.tree.leaves(batch) if hasattr(x, "shape") and x.shape]
+    return int(leaves[0].shape[0]) if leaves else None
+
+
+def _auto_flops(step: TrainStep, state: Any, batch: Any, devices: list[Any]) -> Any:
+    """The step's FLOPs from XLA, only where `mfu` can use them (a known device:
+    the cost analysis compiles the step once more)."""
+    if any(peak_flops(d) is None for d in devices):
+        return None
+    abstract = eqx.filter_eval_shape(lambda s: s, state)
+    return step.cost(abstract, batch)["flops"]
+
+
+@typecheck
+def train_loop(
+    step: TrainStep,
+    state: TrainState,
+    batches: Any,
+    num_steps: int,
+    *,
+    writer: Writer | None = None,
+    log_every: int = 10,
+    eval_step: EvalStep | None = None,
+    eval_batches: Any = None,
+    eval_every: int | None = None,
+    checkpoints: CheckpointManager | None = None,
+    resume: bool = True,
+    metadata: Callable[[int], dict[str, Any]] | None = None,
+    stop_at: int | None = None,
+    tokens_per_step: int | None = None,
+    flops_per_step: float | str | None = "auto",
+    progress: bool | None = None,
+    name: str = "",
+    show: tuple[str, ...] = ("loss",),
+    watchdog_timeout: float | None = None,
+    profile_steps: tuple[int, int] | None = None,
+    profile_dir: str | os.PathLike[str] | None = None,
+    compilation_cache_dir: str | os.PathLike[str] | None = None,
+    exit_on_preemption: bool = True,
+) -> LoopResult:
+    """Run `step` from the state's step (or the latest checkpoint) to `num_steps`,
+    logging, evaluating, checkpointing, watching and profiling along the way.
+
+    A loop around `step(state, batch)` with the chores every run needs; each chore
+    is also a piece of its own (`Progress`, `Watchdog`, the writers,
+    `learning_rate`, `TrainStep.cost` and `mfu`, `enable_compilation_cache`,
+    `restore_latest`) for a hand-written loop. Nothing in it waits for a step to
+    finish except evaluation and checkpoints: logged values are fetched one log
+    point later, when their step is done, and the train step bounds the steps in
+    flight.
+
+    **Arguments:**
+
+    - `step`, `state`: the train step (`make_train_step`) and the state to start
+      from (placed here; with `resume`, only its structure and placement matter).
+    - `batches`: an `ed.BatchLoader` (anything with `iterate(start_step)` yielding
+      `(step, batch)`), or a function `batch(step) -> batch`; the batch of step
+      `s` must depend only on `s`, so that a resumed run sees the same stream.
+    - `num_steps`: the step to train up to (the value of `state.step` at the end).
+    - `writer`: where log points and evaluations go (`JsonlWriter`, `MultiWriter`,
+      ...). Evaluation values are written with an `eval_` prefix.
+    - `log_every`: steps between log points: the step's scalar metrics, the
+      `learning_rate` the optimizer exposes (`optax.inject_hyperparams`), the step
+      statistics of a step made with `step_info=True`, `steps_per_sec`,
+      `examples_per_sec` (rows of the batch), `tokens_per_sec` (with
+      `tokens_per_step`) and `mfu` (with FLOPs known, on a known device).
+    - `eval_step`, `eval_batches`, `eval_every`: evaluate with
+      `eval_step(state, batch)` over `eval_batches` (a batch or a list of batches,
+      metrics merged) every `eval_every` steps and at the end.
+    - `checkpoints`: a `CheckpointManager`: saves when its `save_interval_steps`
+      says, at the end and on preemption, with `{"loader_step": s, **metadata(s)}`
+      as the checkpoint's metadata where the manager keeps metadata.
+    - `resume`: start from the latest checkpoint of `checkpoints`, if any.
+    - `stop_at`: stop at this step although the run goes to `num_steps` (to split
+      a run; the progress bar still counts to `num_steps`).
+    - `tokens_per_step`: tokens in a global batch, for `tokens_per_sec`.
+    - `flops_per_step`: FLOPs of one step (all devices) for `mfu`; `"auto"` asks
+      XLA (`TrainStep.cost`) when the devices' peak is known; `None`: no MFU.
+    - `progress`, `name`, `show`: the `Progress` display (`None`: a bar on a
+      terminal), its label and the logged values it shows.
+    - `watchdog_timeout`: end the process with every thread's stack and status 1
+      when no step completes for this many seconds (armed after the first step,
+      which compiles). `None`: no watchdog.
+    - `profile_steps`, `profile_dir`: capture a `jax.profiler` trace of the steps
+      `start <= s < stop` into `profile_dir` (for TensorBoard or Perfetto).
+    - `compilation_cache_dir`: a persistent compilation cache
+      (`enable_compilation_cache`).
+    - `exit_on_preemption`: on preemption (SIGTERM; see
+      `CheckpointManager.reached_preemption`) save, then exit the process with
+      status 0; `False` returns with `preempted=True` instead.
+
+    **Returns:**
+
+    A `LoopResult`.
+    """
+    if log_every < 1 or num_steps < 0 or (eval_every is not None and eval_every < 1):
+        raise ValueError(
+            "train_loop: `log_every` and `eval_every` must be >= 1 and `num_steps` "
+            f">= 0; got {log_every}, {eval_every} and {num_steps}."
+        )
+    if (eval_every is None) != (eval_step is None) or (
+        eval_step is not None and eval_batches is None
+    ):
+        raise ValueError(
+            "train_loop: evaluation needs `eval_step`, `eval_batches` and "
+            "`eval_every` together."
+        )
+    if profile_steps is not None and profile_dir is None:
+        raise ValueError("train_loop: `profile_steps` needs a `profile_dir`.")
+    if compilation_cache_dir is not None:
+        enable_compilation_cache(compilation_cache_dir)
+    meta: dict[str, Any] = {}
+    if checkpoints is not None and resume:
+        state, meta = restore_latest(checkpoints, step, state)
+    else:
+        state = step.place_state(state)
+    start = int(meta.get("loader_step", int(state.step)))
+    end = num_steps if stop_at is None else min(num_steps, stop_at)
+    devices = list(step.mesh.devices.flat)
+    run = _Run(
+        step, writer, Progress(num_steps, initial=start, name=name, bar=progress),
+        show, None, tokens_per_step, None, devices, eval_step, eval_batches,
+        checkpoints, metadata,
+    )  # fmt: skip
+    if start and start < end:
+        run.progress.print(f"resumed at step {start}")
+    try:
+        return _run_steps(run, state, batches, start, end, flops_per_step,
+                      log_every, eval_every, watchdog_timeout, profile_steps,
+                      profile_dir, exit_on_preemption)  # fmt: skip
+    finally:
+        run.progress.close()
+
+
+def _run_steps(
+    run: _Run,
+    state: Any,
+    batches: Any,
+    start: int,
+    end: int,
+    flops: float | str | None,
+    log_every: int,
+    eval_every: int | None,
+    timeout: float | None,
+    profile: tuple[int, int] | None,
+    profile_dir: Any,
+    exit_on_preemption: bool,
+) -> LoopResult:
+    logger = _Logger(run)
+    evals: list[tuple[int, dict[str, Any]]] = []
+    watchdog: Watchdog | None = None
+    metrics: Any = None
+    preempted, profiling, s = False, False, start
+    stream = _batch_stream(batches, start)
+    try:
+        for s in range(start + 1, end + 1):  # `s`: the step number after this step
+            batch = next(stream)
+            if s == start + 1:
+                run.examples_per_step = _rows(batch)
+                run.flops_per_step = (
+                    _auto_flops(run.step, state, batch, run.devices)
+                    if flops == "auto"
+                    else flops  # type: ignore[assignment]
+                )
+            if profile is not None and s - 1 == profile[0]:
+                jax.profiler.start_trace(str(profile_dir))
+                profiling = True
+            out = run.step(state, batch)
+            state, metrics = out[0], out[1]
+            if profiling and profile is not None and s == profile[1]:
+                jax.block_until_ready(state)
+                jax.profiler.stop_trace()
+                profiling = False
+            run.progress.advance(s)
+            if s % log_every == 0 or s == end:
+                logger.log(s, state, metrics, out[2] if len(out) > 2 else None)
+            if eval_every is not None and (s % eval_every == 0 or s == end):
+                evals.append(run.evaluate(s, state))
+            if run.checkpoints is not None:
+                preempted = run.checkpoints.reached_preemption(s)
+                run.save(s, state, force=preempted or s == end)
+                if preempted:
+                    break
+            if watchdog is not None:
+                watchdog.beat()
+            elif timeout is not None:  # after the first step, which compiles
+                watchdog = Watchdog(timeout)
+    finally:
+        if profiling:
+            jax.profiler.stop_trace()
+        if watchdog is not None:
+            watchdog.close()
+    logger.emit()
+    if run.writer is not None:
+        run.writer.flush()
+    if preempted and run.checkpoints is not None:
+        run.checkpoints.wait_until_finished()
+        run.progress.print(f"preempted: saved step {s}, exiting")
+        if exit_on_preemption:
+            raise SystemExit(0)
+    return LoopResult(
+        state, s, metrics, logger.logs, evals, start, preempted,
+        logger.seconds_per_step(),
+    )  # fmt: skip
