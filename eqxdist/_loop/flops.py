@@ -50,8 +50,8 @@ def peak_flops(device: Any) -> float | None:
 
 @typecheck
 def mfu(
-    flops_per_step: float,
-    seconds_per_step: float,
+    flops_per_step: float | int,
+    seconds_per_step: float | int,
     devices: Sequence[Any] | None = None,
 ) -> float | None:
     """Model FLOP utilisation: the fraction of the devices' peak dense bfloat16

@@ -106,7 +106,7 @@ class Watchdog:
     """
 
     @typecheck
-    def __init__(self, timeout: float, *, exit_code: int = 1) -> None:
+    def __init__(self, timeout: float | int, *, exit_code: int = 1) -> None:
         if not timeout > 0:
             raise ValueError(f"Watchdog: `timeout` must be > 0 seconds; got {timeout}.")
         if exit_code == 0:

@@ -310,12 +310,6 @@ class MultiWriter(Writer):
     @typecheck
     def __init__(self, writers: Sequence[Writer]) -> None:
         super().__init__()
-        for i, writer in enumerate(writers):
-            if not isinstance(writer, Writer):
-                raise TypeError(
-                    f"MultiWriter: `writers[{i}]` must be an eqxdist writer; got "
-                    f"{type(writer).__name__}."
-                )
         self.writers = list(writers)
 
     def _check(self, values: dict[str, Any], caller: str) -> None:

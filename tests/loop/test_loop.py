@@ -1,0 +1,235 @@
+"""`train_loop`: the same parameters as a bare loop over the step (and as plain
+single-device Optax), exact resume, what it logs, evaluation, preemption,
+profiling, and the watchdog ending a process whose step never completes."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+from typing import Any
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import eqxdist as ed
+
+ROWS, STEPS = 32, 12
+SCHEDULE = optax.linear_schedule(1e-2, 1e-3, STEPS)
+OPTIMIZER = optax.inject_hyperparams(optax.adam)(learning_rate=SCHEDULE)
+
+
+def _data() -> tuple[np.ndarray, np.ndarray]:
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(ROWS * 5, 8)).astype(np.float32)
+    return x, np.tanh(x[:, :3] @ rng.normal(size=(3, 2))).astype(np.float32)
+
+
+X, Y = _data()
+
+
+def batch(step: int) -> dict[str, np.ndarray]:
+    rows = slice(ROWS * (step % 5), ROWS * (step % 5 + 1))
+    return {"x": X[rows], "y": Y[rows]}
+
+
+def loss_fn(model: Any, b: Any, key: Any) -> Any:
+    losses = jnp.mean((jax.vmap(model)(b["x"]) - b["y"]) ** 2, axis=1)
+    return jnp.mean(losses), ed.MetricCollection({"loss": ed.Mean()}).update(
+        loss=(losses,)
+    )
+
+
+def eval_fn(model: Any, b: Any, mask: Any) -> Any:
+    losses = jnp.mean((jax.vmap(model)(b["x"]) - b["y"]) ** 2, axis=1)
+    return ed.MetricCollection({"loss": ed.Mean()}).update(loss=(losses, mask))
+
+
+def make_state() -> ed.TrainState:
+    model = eqx.nn.MLP(8, 2, 16, 1, key=jax.random.key(0))
+    return ed.TrainState.create(model, OPTIMIZER, jax.random.key(1))
+
+
+def params(state_or_model: Any) -> list[np.ndarray]:
+    model = getattr(state_or_model, "model", state_or_model)
+    return [np.asarray(x) for x in jax.tree.leaves(eqx.filter(model, eqx.is_array))]
+
+
+def test_loop_equals_a_bare_loop_and_plain_optax(mesh8: Any, tmp_path: Path) -> None:
+    step = ed.make_train_step(loss_fn, OPTIMIZER, mesh8)
+    state = step.place_state(make_state())
+    losses = []
+    for i in range(STEPS):
+        state, metrics = step(state, batch(i))
+        losses.append(float(metrics.compute()["loss"]))
+    with ed.JsonlWriter(tmp_path / "m.jsonl") as writer:
+        result = ed.train_loop(
+            step, make_state(), batch, STEPS, writer=writer, log_every=5,
+            progress=False,
+        )  # fmt: skip
+    assert result.step == STEPS and not result.preempted
+    for a, b in zip(params(result.state), params(state), strict=True):
+        np.testing.assert_array_equal(a, b)
+    # Plain single-device Equinox + Optax on the same batches.
+    model = make_state().model
+    opt_state = OPTIMIZER.init(eqx.filter(model, eqx.is_array))
+    for i in range(STEPS):
+        b = {k: jnp.asarray(v) for k, v in batch(i).items()}
+        grads = eqx.filter_grad(lambda m: loss_fn(m, b, None)[0])(model)
+        updates, opt_state = OPTIMIZER.update(
+            grads, opt_state, eqx.filter(model, eqx.is_array)
+        )
+        model = eqx.apply_updates(model, updates)
+    for a, b in zip(params(result.state), params(model), strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+    # Log points at 5, 10 and the end; the logged values are the step's own.
+    rows = [json.loads(r) for r in (tmp_path / "m.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [5, 10, 12]
+    for r in rows:
+        assert r["loss"] == pytest.approx(losses[r["step"] - 1], rel=1e-6)
+        # The rate the logged step used (its count before the step).
+        lr = float(SCHEDULE(r["step"] - 1))
+        assert r["learning_rate"] == pytest.approx(lr, rel=1e-6)
+    assert rows[1]["examples_per_sec"] == pytest.approx(ROWS * rows[1]["steps_per_sec"])
+    assert "mfu" not in rows[1]  # CPU: no known peak
+    assert result.logs[-1][1]["loss"] == rows[-1]["loss"]
+
+
+def test_resume_continues_exactly(mesh8: Any, tmp_path: Path) -> None:
+    step = ed.make_train_step(loss_fn, OPTIMIZER, mesh8)
+    whole = ed.train_loop(step, make_state(), batch, STEPS, progress=False)
+    with ed.CheckpointManager(tmp_path, save_interval_steps=4) as manager:
+        first = ed.train_loop(
+            step, make_state(), batch, STEPS, checkpoints=manager, stop_at=7,
+            progress=False,
+        )  # fmt: skip
+        assert first.step == 7 and manager.all_steps() == [4, 7]
+    with ed.CheckpointManager(tmp_path, save_interval_steps=4) as manager:
+        second = ed.train_loop(
+            step, make_state(), batch, STEPS, checkpoints=manager, progress=False
+        )
+        assert second.start_step == 7 and manager.latest_step() == STEPS
+    for a, b in zip(params(second.state), params(whole.state), strict=True):
+        np.testing.assert_array_equal(a, b)
+
+
+def test_periodic_evaluation(mesh8: Any, tmp_path: Path) -> None:
+    step = ed.make_train_step(loss_fn, OPTIMIZER, mesh8)
+    evaluate = ed.make_eval_step(eval_fn, mesh8)
+    held_out = {"x": X[:13], "y": Y[:13]}  # not a multiple of 8 devices
+    with ed.CsvWriter(tmp_path / "m.csv") as writer:
+        result = ed.train_loop(
+            step, make_state(), batch, 10, writer=writer, eval_step=evaluate,
+            eval_batches=[held_out, held_out], eval_every=4, progress=False,
+        )  # fmt: skip
+    assert [s for s, _ in result.evals] == [4, 8, 10]
+    model = result.state.model
+    expected = np.mean((np.asarray(jax.vmap(model)(held_out["x"])) - held_out["y"]) ** 2)
+    assert float(result.evals[-1][1]["loss"]) == pytest.approx(expected, rel=1e-5)
+    assert "eval_loss" in (tmp_path / "m.csv").read_text().splitlines()[0]
+
+
+def test_preemption_saves_and_stops(mesh8: Any, tmp_path: Path) -> None:
+    step = ed.make_train_step(loss_fn, OPTIMIZER, mesh8)
+
+    def signalling(s: int) -> Any:
+        if s == 5:
+            os.kill(os.getpid(), signal.SIGTERM)  # as a scheduler would
+        return batch(s)
+
+    with ed.CheckpointManager(tmp_path, save_interval_steps=100) as manager:
+        result = ed.train_loop(
+            step, make_state(), signalling, STEPS, checkpoints=manager,
+            exit_on_preemption=False, progress=False,
+        )  # fmt: skip
+        assert result.preempted and result.step == 6
+        assert manager.all_steps() == [6]
+    with ed.CheckpointManager(tmp_path / "b", save_interval_steps=100) as manager:
+        with pytest.raises(SystemExit) as exit_:
+            ed.train_loop(
+                step, make_state(), signalling, STEPS, checkpoints=manager,
+                progress=False,
+            )  # fmt: skip
+        assert exit_.value.code == 0 and manager.all_steps() == [6]
+
+
+def test_profile_and_compilation_cache(mesh8: Any, tmp_path: Path) -> None:
+    step = ed.make_train_step(loss_fn, OPTIMIZER, mesh8)
+    before = jax.config.jax_compilation_cache_dir
+    try:
+        ed.train_loop(
+            step, make_state(), batch, 4, profile_steps=(1, 3),
+            profile_dir=tmp_path / "trace", compilation_cache_dir=tmp_path / "cache",
+            progress=False,
+        )  # fmt: skip
+        assert jax.config.jax_compilation_cache_dir == str(tmp_path / "cache")
+    finally:
+        jax.config.update("jax_compilation_cache_dir", before)
+    assert list((tmp_path / "trace").rglob("*.xplane.pb"))
+
+
+def test_plain_progress_lines(mesh8: Any, capsys: Any) -> None:
+    step = ed.make_train_step(loss_fn, OPTIMIZER, mesh8)
+    ed.train_loop(step, make_state(), batch, 4, log_every=2, progress=False, name="mlp")
+    lines = capsys.readouterr().out.splitlines()
+    assert [line.split("  ")[0] for line in lines] == ["mlp step 2/4", "mlp step 4/4"]
+    assert all("  loss " in line for line in lines)
+
+
+def test_bad_arguments(mesh8: Any) -> None:
+    step = ed.make_train_step(loss_fn, OPTIMIZER, mesh8)
+    with pytest.raises(ValueError, match="`log_every` and `eval_every` must be >= 1"):
+        ed.train_loop(step, make_state(), batch, 4, log_every=0)
+    with pytest.raises(ValueError, match="`eval_step`, `eval_batches` and `eval_every`"):
+        ed.train_loop(step, make_state(), batch, 4, eval_every=2)
+    with pytest.raises(ValueError, match="`profile_steps` needs a `profile_dir`"):
+        ed.train_loop(step, make_state(), batch, 4, profile_steps=(0, 1))
+    with pytest.raises(ValueError, match="`timeout` must be > 0"):
+        ed.Watchdog(0)
+
+
+HANG = """
+import time
+import eqxdist as ed
+ed.simulate_cpu_devices(2)
+import jax, jax.numpy as jnp, equinox as eqx, optax, numpy as np
+
+def hang(x):
+    time.sleep(3600)  # a step that never completes, as a hung collective
+    return x
+
+def loss_fn(model, b, key):
+    x = b["x"]
+    x = jax.lax.cond(b["hang"][0] > 0,
+        lambda x: jax.pure_callback(hang, x, x), lambda x: x, x)
+    return jnp.mean(jax.vmap(model)(x) ** 2), {}
+
+model = eqx.nn.Linear(4, 1, key=jax.random.key(0))
+step = ed.make_train_step(loss_fn, optax.sgd(0.1), ed.create_data_parallel_mesh())
+state = ed.TrainState.create(model, optax.sgd(0.1), jax.random.key(0))
+batch = lambda s: {"x": np.ones((2, 4), np.float32),
+                   "hang": np.full((2,), s >= 3, np.int32)}
+print("training", flush=True)
+ed.train_loop(step, state, batch, 100, watchdog_timeout=3, progress=False)
+print("not reached", flush=True)
+"""
+
+
+@pytest.mark.slow
+def test_watchdog_ends_a_process_whose_step_never_completes() -> None:
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    result = subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(HANG)],
+        capture_output=True, text=True, timeout=120, env=env,
+    )  # fmt: skip
+    assert result.returncode == 1, result.stdout + result.stderr
+    assert "training" in result.stdout and "not reached" not in result.stdout
+    assert "eqxdist watchdog: no step completed" in result.stderr
+    # Every thread's stack, the main thread's inside the loop.
+    assert "Thread 0x" in result.stderr and "train_loop" in result.stderr
