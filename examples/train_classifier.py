@@ -17,9 +17,7 @@ draws the loss curves and the confusion matrix.
 
 import argparse
 import json
-import math
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
@@ -31,7 +29,7 @@ import optax
 
 import eqxdist as ed
 
-STRATEGIES = ("single", "dp", "fsdp")
+STRATEGIES = ("single", "dp", "fsdp", "reorder")
 
 
 def parse_args() -> argparse.Namespace:
@@ -67,9 +65,13 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--devices", type=int, default=8, help="simulated CPU devices")
     parser.add_argument("--seed", type=int, default=0, help="random seed")
     parser.add_argument(
+        "--log-every", type=int, default=5, help="steps between log points"
+    )
+    parser.add_argument(
         "--out",
         default="runs/train_classifier",
-        help="directory for checkpoints (OUT/<strategy>/) and metrics.jsonl",
+        help="directory for checkpoints and metrics.jsonl (OUT/<strategy>/) and "
+        "TensorBoard logs (OUT/tensorboard/)",
     )
     parser.add_argument(
         "--resume",
@@ -208,7 +210,87 @@ def eval_fn(model: CNN, model_state: Any, batch: Any, mask: jax.Array) -> Any:
     )
 
 
-# -- reporting ---------------------------------------------------------------------
+# -- training on the loop -----------------------------------------------------
+
+
+def batch_fn(strategy: str, data: tuple[np.ndarray, ...]) -> Any:
+    """The batch of each step (a pure function of the step, so a resumed run sees
+    the same stream): one device gets the rows in the order that gives it the
+    same minibatches as 8 devices; the noise-floor run also permutes the rows
+    within each minibatch, which changes nothing but floating-point rounding."""
+    steps = len(data[0]) // ARGS.batch_size
+
+    def batch(step: int) -> dict[str, np.ndarray]:
+        epoch_batches = batches(data, step // steps)
+        b = epoch_batches[step % steps]
+        if strategy in ("single", "reorder"):
+            b = single_device_order(b)
+        if strategy == "reorder":
+            per = ARGS.batch_size // ARGS.minibatches
+            rng = np.random.default_rng(step)
+            order = [m * per + rng.permutation(per) for m in range(ARGS.minibatches)]
+            b = {k: v[np.concatenate(order)] for k, v in b.items()}
+        return b
+
+    return batch
+
+
+def train(strategy: str, data: tuple[np.ndarray, ...]) -> dict[str, Any]:
+    one_device = strategy in ("single", "reorder")
+    mesh = ed.create_data_parallel_mesh(1 if one_device else None)
+    layout = {
+        "strategy": "fsdp" if strategy == "fsdp" else "dp",
+        "min_weight_size": ARGS.min_weight_size,
+        "compute_dtype": jnp.bfloat16 if ARGS.bf16 else None,
+    }
+    optimizer = optax.inject_hyperparams(optax.adamw)(learning_rate=ARGS.lr)
+    step = ed.make_train_step(
+        loss_fn, optimizer, mesh, num_minibatches=ARGS.minibatches, **layout
+    )
+    # Any number of rows: the held-out set (359) is not a multiple of 8 devices.
+    evaluate = ed.make_eval_step(eval_fn, mesh, **layout)
+    model, model_state = eqx.nn.make_with_state(CNN)(
+        jax.random.key(ARGS.seed), ARGS.dropout
+    )
+    state = ed.TrainState.create(
+        model, optimizer, jax.random.key(ARGS.seed + 1), model_state=model_state
+    )
+    steps_per_epoch = len(data[0]) // ARGS.batch_size
+    out = Path(ARGS.out) / strategy
+    stop = None if ARGS.stop_after is None else ARGS.stop_after * steps_per_epoch
+    with (
+        ed.CheckpointManager(out, save_interval_steps=steps_per_epoch) as manager,
+        ed.MultiWriter(
+            [
+                ed.JsonlWriter(out / "metrics.jsonl", append=ARGS.resume),
+                ed.TensorBoardWriter(Path(ARGS.out) / "tensorboard" / strategy),
+            ]
+        ) as writer,
+    ):
+        start = (manager.latest_step() or 0) if ARGS.resume else 0
+        result = ed.train_loop(
+            step, state, batch_fn(strategy, data), ARGS.epochs * steps_per_epoch,
+            writer=writer, log_every=ARGS.log_every, checkpoints=manager,
+            resume=ARGS.resume, stop_at=start + stop if stop else None,
+            eval_step=evaluate, eval_batches={"x": data[2], "y": data[3]},
+            eval_every=steps_per_epoch, name=f"{strategy:>6}",
+            show=("loss", "accuracy"),
+        )  # fmt: skip
+        # Parameters after the first epoch, where rounding has not grown yet.
+        first = manager.restore(result.state, step=steps_per_epoch)
+    test = (
+        result.evals[-1][1]
+        if result.evals
+        else evaluate(result.state, {"x": data[2], "y": data[3]}).compute()
+    )
+    return {
+        "state": result.state,
+        "first_epoch": first,
+        "devices": mesh.size,
+        "test": test,
+        "state_bytes": state_bytes_per_device(result.state),
+        "step_ms": 1e3 * result.seconds_per_step,
+    }
 
 
 def state_bytes_per_device(state: ed.TrainState) -> int:
@@ -223,136 +305,6 @@ def state_bytes_per_device(state: ed.TrainState) -> int:
     return total
 
 
-class Progress:
-    """tqdm on a terminal (steps/s, ETA, live loss); one line per epoch otherwise."""
-
-    def __init__(self, name: str, total: int, done: int):
-        self.name = name
-        self.bar = None
-        if sys.stdout.isatty():
-            try:
-                from tqdm import tqdm
-            except ImportError:
-                tqdm = None
-            if tqdm is not None:
-                self.bar = tqdm(
-                    total=total,
-                    initial=done,
-                    desc=f"{name:>6}",
-                    unit="step",
-                    ncols=80,
-                    leave=True,
-                    file=sys.stdout,
-                )
-
-    def step(self, loss: float | None) -> None:
-        if self.bar is not None:
-            self.bar.update(1)
-            if loss is not None:
-                self.bar.set_postfix(loss=f"{loss:.4f}", refresh=False)
-
-    def epoch(self, line: str) -> None:
-        if self.bar is not None:
-            self.bar.write(f"{self.name:>6} {line}")
-        else:
-            print(f"{self.name:>6} {line}", flush=True)
-
-    def close(self) -> None:
-        if self.bar is not None:
-            self.bar.close()
-
-
-def train(strategy: str, data: tuple[np.ndarray, ...], log: Any) -> dict[str, Any]:
-    mesh = ed.create_data_parallel_mesh(1 if strategy == "single" else None)
-    layout = {
-        "strategy": "fsdp" if strategy == "fsdp" else "dp",
-        "min_weight_size": ARGS.min_weight_size,
-        "compute_dtype": jnp.bfloat16 if ARGS.bf16 else None,
-    }
-    optimizer = optax.adamw(ARGS.lr)
-    step = ed.make_train_step(
-        loss_fn, optimizer, mesh, num_minibatches=ARGS.minibatches, **layout
-    )
-    # Any number of rows: the held-out set (359) is not a multiple of 8 devices.
-    evaluate = ed.make_eval_step(eval_fn, mesh, **layout)
-
-    model, model_state = eqx.nn.make_with_state(CNN)(
-        jax.random.key(ARGS.seed), ARGS.dropout
-    )
-    state = ed.TrainState.create(
-        model, optimizer, jax.random.key(ARGS.seed + 1), model_state=model_state
-    )
-    steps_per_epoch = len(data[0]) // ARGS.batch_size
-    manager = ed.CheckpointManager(Path(ARGS.out) / strategy, max_to_keep=2)
-    history: dict[str, list[float]] = {"train_loss": [], "test_loss": []}
-    first_epoch = 0
-    if ARGS.resume and manager.latest_step() is not None:
-        # The target gives structure and layout: restore straight into the step's
-        # shardings (the checkpoint may come from another strategy).
-        state = manager.restore(step.place_state(state))
-        first_epoch = int(state.step) // steps_per_epoch
-        history = json.loads((Path(ARGS.out) / strategy / "history.json").read_text())
-        print(f"{strategy:>6} resumed at step {int(state.step)}, epoch {first_epoch}")
-
-    last_epoch = ARGS.epochs
-    if ARGS.stop_after is not None:
-        last_epoch = min(ARGS.epochs, first_epoch + ARGS.stop_after)
-    progress = Progress(
-        strategy, ARGS.epochs * steps_per_epoch, first_epoch * steps_per_epoch
-    )
-    step_times, test = [], None
-    for epoch in range(first_epoch, last_epoch):
-        epoch_metrics = None
-        start = time.perf_counter()
-        for batch in batches(data, epoch):
-            if strategy == "single":
-                batch = single_device_order(batch)
-            state, metrics = step(state, batch)
-            epoch_metrics = (
-                metrics if epoch_metrics is None else epoch_metrics.merge(metrics)
-            )
-            values = metrics.compute()  # blocks: the step is done
-            loss = float(values["loss"])
-            log.write(
-                json.dumps(
-                    {
-                        "strategy": strategy,
-                        "step": int(state.step),
-                        "loss": loss,
-                        "accuracy": float(values["accuracy"]),
-                    }
-                )
-                + "\n"
-            )
-            progress.step(loss)
-        step_times.append((time.perf_counter() - start) / steps_per_epoch)
-        train_values = epoch_metrics.compute()
-        test = evaluate(state, {"x": data[2], "y": data[3]}).compute()
-        history["train_loss"].append(float(train_values["loss"]))
-        history["test_loss"].append(float(test["loss"]))
-        manager.save(int(state.step), state, force=True)
-        (Path(ARGS.out) / strategy / "history.json").write_text(json.dumps(history))
-        progress.epoch(
-            f"epoch {epoch + 1:2d}  loss {train_values['loss']:.4f} "
-            f"acc {train_values['accuracy']:.4f} | held-out loss {test['loss']:.4f} "
-            f"acc {test['accuracy']:.4f} F1 {test['macro_f1']:.4f}"
-        )
-    progress.close()
-    manager.wait_until_finished()
-    manager.close()
-    if test is None:  # nothing left to train: evaluate what was restored
-        test = evaluate(state, {"x": data[2], "y": data[3]}).compute()
-    return {
-        "state": state,
-        "devices": mesh.size,
-        "history": history,
-        "test": test,
-        "state_bytes": state_bytes_per_device(state),
-        # The first epoch of a run includes compilation: the median of the rest.
-        "step_ms": 1e3 * float(np.median(step_times[1:] or step_times or [math.nan])),
-    }
-
-
 def max_param_diff(a: ed.TrainState, b: ed.TrainState) -> float:
     pairs = zip(
         jax.tree.leaves(eqx.filter((a.model, a.model_state), eqx.is_array)),
@@ -360,6 +312,18 @@ def max_param_diff(a: ed.TrainState, b: ed.TrainState) -> float:
         strict=True,
     )
     return max(float(np.max(np.abs(np.asarray(p) - np.asarray(q)))) for p, q in pairs)
+
+
+def history(strategy: str) -> tuple[list[tuple[int, float]], list[tuple[int, float]]]:
+    """(step, train loss) and (step, held-out loss) from the run's JSONL log."""
+    train, held_out = [], []
+    for line in (Path(ARGS.out) / strategy / "metrics.jsonl").read_text().splitlines():
+        row = json.loads(line)
+        if "loss" in row:
+            train.append((row["step"], row["loss"]))
+        if "eval_loss" in row:
+            held_out.append((row["step"], row["eval_loss"]))
+    return train, held_out
 
 
 def plot(results: dict[str, dict[str, Any]], path: str) -> None:
@@ -371,19 +335,15 @@ def plot(results: dict[str, dict[str, Any]], path: str) -> None:
     except ImportError:
         sys.exit("--plot needs matplotlib: pip install -e '.[examples]'")
     fig, (curves, matrix) = plt.subplots(1, 2, figsize=(11, 4))
-    for name, result in results.items():
-        epochs = range(1, len(result["history"]["train_loss"]) + 1)
-        curves.plot(
-            epochs, result["history"]["train_loss"], "o-", ms=3, label=f"{name} train"
-        )
-        curves.plot(
-            epochs,
-            result["history"]["test_loss"],
-            "o--",
-            ms=3,
-            label=f"{name} held-out",
-        )
-    curves.set_xlabel("epoch")
+    for name in results:
+        train, held_out = history(name)
+        for rows, style, label in (
+            (train, "-", "train"),
+            (held_out, "o--", "held-out"),
+        ):
+            steps, losses = np.array(rows).T
+            curves.plot(steps, losses, style, ms=3, label=f"{name} {label}")
+    curves.set_xlabel("step")
     curves.set_ylabel("cross-entropy loss")
     curves.set_title(" vs ".join(results) + " (the curves coincide)")
     curves.legend(fontsize=8)
@@ -399,20 +359,46 @@ def plot(results: dict[str, dict[str, Any]], path: str) -> None:
     print(f"wrote {path}")
 
 
+def agreement(results: dict[str, dict[str, Any]]) -> bool:
+    """Whether the strategies trained the same model. Float sums in another order
+    round differently, and Adam amplifies those differences step after step: after
+    ~100 steps the parameters of one device and 8 differ by ~1e-3 although every
+    step is the same computation. So agreement is checked where it is meaningful:
+    tightly after the first epoch, and at the end against the noise floor, the
+    difference that merely reordering the rows on one device makes ("reorder")."""
+    names = [n for n in results if n != "reorder"]
+    reference = results[names[0]]
+    early = max(
+        max_param_diff(results[n]["first_epoch"], reference["first_epoch"])
+        for n in names
+    )
+    final = max(max_param_diff(results[n]["state"], reference["state"]) for n in names)
+    tolerance = 2e-2 if ARGS.bf16 else 1e-5
+    agree = early < tolerance
+    text = f"after epoch 1: max abs diff {early:.2e}, tolerance {tolerance:g}"
+    if "reorder" in results and ARGS.epochs > 1:
+        floor = max_param_diff(results["reorder"]["state"], reference["state"])
+        agree = agree and final <= 2 * max(floor, tolerance)
+        text += (
+            f"; after epoch {ARGS.epochs}: {final:.2e}, at most 2x the noise floor "
+            f"{floor:.2e} of reordering rows on one device"
+        )
+    print(
+        f"\nparameters of {'/'.join(names)} agree: {'yes' if agree else 'NO'} ({text})"
+    )
+    return agree
+
+
 def main() -> None:
     data = load_digits(ARGS.seed)
-    out = Path(ARGS.out)
-    out.mkdir(parents=True, exist_ok=True)
     print(
         f"digits: {len(data[0])} train / {len(data[2])} held-out examples, "
         f"{len(jax.devices())} devices, batch {ARGS.batch_size} in "
         f"{ARGS.minibatches} minibatches, {ARGS.epochs} epochs"
         + (", bfloat16 compute" if ARGS.bf16 else "")
     )
-    with open(out / "metrics.jsonl", "a" if ARGS.resume else "w") as log:
-        results = {name: train(name, data, log) for name in ARGS.strategies}
-    print(f"per-step metrics: {out / 'metrics.jsonl'}")
-
+    results = {name: train(name, data) for name in ARGS.strategies}
+    print(f"metrics: {ARGS.out}/<strategy>/metrics.jsonl, {ARGS.out}/tensorboard")
     first = next(iter(results))
     reference = results[first]["state"]
     print()
@@ -430,16 +416,11 @@ def main() -> None:
             f"{result['state_bytes']:>13,}{result['step_ms']:>9.2f}"
             f"{max_param_diff(result['state'], reference):>18.2e}"
         )
+    if "reorder" in results:
+        print("(reorder: one device, each minibatch's rows in another order)")
     print("\nheld-out confusion matrix (rows: true digit, columns: predicted):")
     print(np.asarray(results[first]["test"]["confusion"]))
-    tolerance = 2e-2 if ARGS.bf16 else 1e-3
-    worst = max(max_param_diff(r["state"], reference) for r in results.values())
-    agree = worst < tolerance
-    names = "/".join(results)
-    print(
-        f"\nparameters of {names} agree: {'yes' if agree else 'NO'} "
-        f"(max abs diff {worst:.2e}, tolerance {tolerance:g})"
-    )
+    agree = agreement(results) if len(results) > 1 else True
     if ARGS.plot:
         plot(results, ARGS.plot)
     if not agree:

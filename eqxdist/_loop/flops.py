@@ -8,7 +8,6 @@ import jax
 
 from .._utils import typecheck
 
-
 # Peak dense bfloat16 FLOP/s per device (vendor data sheets, without sparsity),
 # keyed by a lower-case substring of `device.device_kind`. The first match wins,
 # so the specific variants come before the family name.

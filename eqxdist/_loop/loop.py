@@ -157,7 +157,7 @@ class _Run:
         batches = self.eval_batches
         if not isinstance(batches, list | tuple):
             batches = [batches]
-        total = None
+        total: Any = None
         for batch in batches:
             metrics = self.eval_step(state, batch)  # type: ignore[misc]
             total = metrics if total is None else total.merge(metrics)

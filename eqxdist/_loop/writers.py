@@ -219,7 +219,7 @@ class CsvWriter(Writer):
                     reader = csv.DictReader(f)
                     self._columns = list(reader.fieldnames or ["step"])
                     self._rows = list(reader)
-            self._file = open(self.path, "w", newline="")
+            self._file = open(self.path, "w", newline="")  # noqa: SIM115 (closed by close)
             self._rewrite()
 
     def _check(self, values: dict[str, Any], caller: str) -> None:

@@ -81,7 +81,7 @@ def test_loop_equals_a_bare_loop_and_plain_optax(mesh8: Any, tmp_path: Path) -> 
     opt_state = OPTIMIZER.init(eqx.filter(model, eqx.is_array))
     for i in range(STEPS):
         b = {k: jnp.asarray(v) for k, v in batch(i).items()}
-        grads = eqx.filter_grad(lambda m: loss_fn(m, b, None)[0])(model)
+        grads = eqx.filter_grad(lambda m, b: loss_fn(m, b, None)[0])(model, b)
         updates, opt_state = OPTIMIZER.update(
             grads, opt_state, eqx.filter(model, eqx.is_array)
         )
@@ -130,7 +130,9 @@ def test_periodic_evaluation(mesh8: Any, tmp_path: Path) -> None:
         )  # fmt: skip
     assert [s for s, _ in result.evals] == [4, 8, 10]
     model = result.state.model
-    expected = np.mean((np.asarray(jax.vmap(model)(held_out["x"])) - held_out["y"]) ** 2)
+    expected = np.mean(
+        (np.asarray(jax.vmap(model)(held_out["x"])) - held_out["y"]) ** 2
+    )
     assert float(result.evals[-1][1]["loss"]) == pytest.approx(expected, rel=1e-5)
     assert "eval_loss" in (tmp_path / "m.csv").read_text().splitlines()[0]
 
@@ -186,7 +188,9 @@ def test_bad_arguments(mesh8: Any) -> None:
     step = ed.make_train_step(loss_fn, OPTIMIZER, mesh8)
     with pytest.raises(ValueError, match="`log_every` and `eval_every` must be >= 1"):
         ed.train_loop(step, make_state(), batch, 4, log_every=0)
-    with pytest.raises(ValueError, match="`eval_step`, `eval_batches` and `eval_every`"):
+    with pytest.raises(
+        ValueError, match="`eval_step`, `eval_batches` and `eval_every`"
+    ):
         ed.train_loop(step, make_state(), batch, 4, eval_every=2)
     with pytest.raises(ValueError, match="`profile_steps` needs a `profile_dir`"):
         ed.train_loop(step, make_state(), batch, 4, profile_steps=(0, 1))

@@ -8,7 +8,6 @@ import subprocess
 import sys
 from pathlib import Path
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -106,9 +105,11 @@ def test_bad_values_are_clear_errors(tmp_path: Path) -> None:
             writer.write(1, [1.0])  # type: ignore[arg-type]
         with pytest.raises(ValueError, match=r"`step` must be an int >= 0; got -1"):
             writer.write(-1, {"loss": 1.0})
-    with ed.CsvWriter(tmp_path / "m.csv") as table:
-        with pytest.raises(ValueError, match=r"values\['x'\]` has shape \(3,\)"):
-            table.write(1, {"x": jnp.zeros(3)})
+    with (
+        ed.CsvWriter(tmp_path / "m.csv") as table,
+        pytest.raises(ValueError, match=r"values\['x'\]` has shape \(3,\)"),
+    ):
+        table.write(1, {"x": jnp.zeros(3)})
     with pytest.raises(TypeError, match="writers"):
         ed.MultiWriter([object()])  # type: ignore[list-item]
 
@@ -117,7 +118,17 @@ def test_bad_values_are_clear_errors(tmp_path: Path) -> None:
 def test_only_process_zero_writes(tmp_path: Path) -> None:
     script = ROOT / "tests" / "mp_scripts" / "mp_writers.py"
     result = subprocess.run(
-        [sys.executable, "-m", "eqxdist.launch", "-n", "2", "-d", "4", script, tmp_path],
+        [
+            sys.executable,
+            "-m",
+            "eqxdist.launch",
+            "-n",
+            "2",
+            "-d",
+            "4",
+            script,
+            tmp_path,
+        ],
         capture_output=True,
         text=True,
         timeout=240,
