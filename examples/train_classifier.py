@@ -361,30 +361,39 @@ def plot(results: dict[str, dict[str, Any]], path: str) -> None:
 
 def agreement(results: dict[str, dict[str, Any]]) -> bool:
     """Whether the strategies trained the same model. Float sums in another order
-    round differently, and Adam amplifies those differences step after step: after
+    round differently and Adam amplifies the difference step after step, so after
     ~100 steps the parameters of one device and 8 differ by ~1e-3 although every
-    step is the same computation. So agreement is checked where it is meaningful:
-    tightly after the first epoch, and at the end against the noise floor, the
-    difference that merely reordering the rows on one device makes ("reorder")."""
+    step computes the same thing; reordering the rows on one device ("reorder")
+    does the same. So the parameters are compared after the first epoch, where a
+    wrong gradient would show and rounding has not grown, and at the end the
+    held-out metrics are; the noise floor is printed beside."""
     names = [n for n in results if n != "reorder"]
-    reference = results[names[0]]
+    ref = results[names[0]]
+    bf16 = ARGS.bf16
     early = max(
-        max_param_diff(results[n]["first_epoch"], reference["first_epoch"])
-        for n in names
+        max_param_diff(results[n]["first_epoch"], ref["first_epoch"]) for n in names
     )
-    final = max(max_param_diff(results[n]["state"], reference["state"]) for n in names)
-    tolerance = 2e-2 if ARGS.bf16 else 1e-5
-    agree = early < tolerance
-    text = f"after epoch 1: max abs diff {early:.2e}, tolerance {tolerance:g}"
-    if "reorder" in results and ARGS.epochs > 1:
-        floor = max_param_diff(results["reorder"]["state"], reference["state"])
-        agree = agree and final <= 2 * max(floor, tolerance)
-        text += (
-            f"; after epoch {ARGS.epochs}: {final:.2e}, at most 2x the noise floor "
-            f"{floor:.2e} of reordering rows on one device"
+    final = max(max_param_diff(results[n]["state"], ref["state"]) for n in names)
+    tolerance, metric_tolerance = (2e-2, 2e-2) if bf16 else (1e-4, 6e-3)
+    metrics_diff = max(
+        abs(float(results[n]["test"][k]) - float(ref["test"][k]))
+        for n in names
+        for k in ("accuracy", "macro_f1", "loss")
+    )
+    agree = early < tolerance and metrics_diff <= metric_tolerance
+    floors = ("", "")
+    if "reorder" in results:
+        floors = tuple(
+            f" (reordering rows on one device: "
+            f"{max_param_diff(results['reorder'][k], ref[k]):.2e})"
+            for k in ("first_epoch", "state")
         )
     print(
-        f"\nparameters of {'/'.join(names)} agree: {'yes' if agree else 'NO'} ({text})"
+        f"\nparameters of {'/'.join(names)} agree: {'yes' if agree else 'NO'} (after "
+        f"epoch 1: max abs diff {early:.2e}{floors[0]}, tolerance {tolerance:g})\n"
+        f"after epoch {ARGS.epochs}: max abs diff {final:.2e}{floors[1]}: rounding "
+        "noise amplified by Adam; held-out accuracy, macro-F1 and loss differ by at "
+        f"most {metrics_diff:.1e} (tolerance {metric_tolerance:g})"
     )
     return agree
 

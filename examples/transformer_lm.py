@@ -14,10 +14,12 @@ learns to continue the public-domain text in `examples/data/public_domain.txt`
   (by input features), so each device holds 1/8 of them.
 
 The loss function is written for one device and full-size arrays; eqxdist places
-everything and XLA partitions the computation. The script prints the layout, a
-progress bar with the loss and perplexity, held-out perplexity and a sample of
-generated text, then trains the same model under plain data parallelism for a few
-steps on the same batches and checks that both give the same parameters.
+everything and XLA partitions the computation. The loop is `eqxdist.train_loop`:
+the script prints the layout, a progress bar with the loss, perplexity, tokens/s
+(and MFU on a GPU or TPU), writes them to OUT/metrics.jsonl and TensorBoard, then
+prints held-out perplexity and a sample of generated text. Last, it trains the
+same model under plain data parallelism for a few steps on the same batches and
+checks that both give the same parameters.
 
     python examples/transformer_lm.py [--steps 600] [--d-model 64] [--layers 2]
 """
@@ -64,7 +66,12 @@ def parse_args() -> argparse.Namespace:
         default=2**10,
         help="FSDP shards parameters with more elements than this",
     )
-    add("--log-every", type=int, default=25, help="steps between progress updates")
+    add("--log-every", type=int, default=25, help="steps between log points")
+    add(
+        "--out",
+        default="runs/transformer_lm",
+        help="directory for metrics.jsonl and TensorBoard logs (OUT/tensorboard)",
+    )
     add(
         "--compare-steps",
         type=int,
@@ -165,40 +172,6 @@ def held_out_batch(held_out: np.ndarray) -> dict[str, np.ndarray]:
 # -- training ----------------------------------------------------------------------
 
 
-class Progress:
-    """A one-line progress bar on a terminal (redrawn every `--log-every` steps);
-    one line per update otherwise. Speed is measured since the previous update, so
-    compilation only slows the first."""
-
-    def __init__(self, total: int) -> None:
-        self.total = total
-        self.last_time, self.last_done = time.perf_counter(), 0
-        self.tty = sys.stdout.isatty()
-
-    def update(self, done: int, note: str) -> None:
-        now = time.perf_counter()
-        rate = (done - self.last_done) / max(now - self.last_time, 1e-9)
-        self.last_time, self.last_done = now, done
-        eta = (self.total - done) / rate
-        width = 20
-        bar = "#" * (width * done // self.total)
-        line = (
-            f"[{bar:.<{width}}] {done:>{len(str(self.total))}}/{self.total} "
-            f"{rate:5.1f} steps/s  ETA {eta:4.0f}s  {note}"
-        )
-        print("\r" + line if self.tty else line, end="" if self.tty else "\n")
-        sys.stdout.flush()
-
-    def close(self) -> None:
-        if self.tty:
-            print()
-
-
-@eqx.filter_jit
-def merge(a: ed.Metric, b: ed.Metric) -> ed.Metric:
-    return a.merge(b)
-
-
 def host_params(model: Any) -> list[np.ndarray]:
     """The model's arrays, gathered to the host."""
     return [np.asarray(x) for x in jax.tree.leaves(eqx.filter(model, eqx.is_array))]
@@ -275,28 +248,42 @@ def train_fsdp_tp(
     )
     describe_layout(step, state)
 
-    progress = Progress(len(data))
-    snapshot, interval, start = None, None, time.perf_counter()
-    for i, batch in enumerate(data):
-        state, metrics = step(state, batch)
-        interval = metrics if interval is None else merge(interval, metrics)
-        if i + 1 == ARGS.compare_steps:
-            snapshot = host_params(state.model)
-        if (i + 1) % ARGS.log_every == 0 or i + 1 == len(data):
-            values = interval.compute()  # blocks: the interval's steps are done
-            progress.update(
-                i + 1,
-                f"loss {float(values['loss']):.4f}  ppl {perplexity(values):7.3f}",
+    run = {
+        "batches": lambda i: data[i],
+        "num_steps": len(data),
+        "log_every": ARGS.log_every,
+        "tokens_per_step": ARGS.batch_size * ARGS.seq_len,
+        "show": ("loss", "perplexity", "tokens_per_sec", "mfu"),
+        "progress": None,
+    }
+    snapshot, start = None, time.perf_counter()
+    out = Path(ARGS.out)
+    with ed.MultiWriter(
+        [
+            ed.JsonlWriter(out / "metrics.jsonl"),
+            ed.TensorBoardWriter(out / "tensorboard"),
+        ]
+    ) as writer:
+        if 0 < ARGS.compare_steps < len(data):
+            # Stop once to keep the parameters for the data-parallel check.
+            first = ed.train_loop(
+                step, state, **run, writer=writer, stop_at=ARGS.compare_steps
             )
-            interval = None
-    progress.close()
-    seconds = time.perf_counter() - start
+            snapshot, state = host_params(first.state.model), first.state
+        result = ed.train_loop(step, state, **run, writer=writer)
+    if ARGS.compare_steps == len(data):
+        snapshot = host_params(result.state.model)
+    state, seconds = result.state, time.perf_counter() - start
     held = evaluate(state, held_out).compute()
     print(
         f"trained {len(data)} steps in {seconds:.1f}s; held-out loss "
         f"{float(held['loss']):.4f}, perplexity {perplexity(held):.3f} "
         f"({len(held_out['tokens'])} sequences)"
     )
+    if result.logs and "tokens_per_sec" in result.logs[-1][1]:
+        last = result.logs[-1][1]
+        util = f", MFU {100 * last['mfu']:.1f}%" if "mfu" in last else ""
+        print(f"throughput: {last['tokens_per_sec']:,.0f} tokens/s{util}")
     print(f"train state bytes per device: {state_bytes(state):,}")
     if ARGS.sample_chars > 0:
         print("sample: " + repr(generate(state.model, vocab, "Shall I ")))

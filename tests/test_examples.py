@@ -38,7 +38,7 @@ def test_example_answers_help(script: Path) -> None:
 @pytest.mark.slow
 def test_main_job_at_its_defaults(tmp_path: Path) -> None:
     """README command 1 as the README runs it (only the output directory moved)."""
-    out = _run("examples/train_classifier.py", "--out", str(tmp_path), timeout=900)
+    out = _run("examples/train_classifier.py", "--out", str(tmp_path), timeout=1800)
     assert out.returncode == 0, out.stdout + out.stderr
     for strategy in ("single", "dp", "fsdp", "reorder"):
         assert f"\n{strategy} " in out.stdout

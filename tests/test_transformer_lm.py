@@ -2,6 +2,7 @@
 reports a finite loss and perplexity, and agrees with plain data parallelism on the
 same batches. Run in its own process, as a user would run it."""
 
+import json
 import math
 import os
 import re
@@ -27,8 +28,9 @@ def _run(*args: str) -> subprocess.CompletedProcess[str]:
     )
 
 
-def test_trains_and_agrees_with_data_parallel() -> None:
+def test_trains_and_agrees_with_data_parallel(tmp_path: Path) -> None:
     out = _run(
+        *("--out", str(tmp_path)),
         *("--steps", "6", "--compare-steps", "4", "--log-every", "3"),
         *("--batch-size", "16", "--seq-len", "16", "--d-model", "32"),
         *("--sample-chars", "8", "--min-weight-size", "64"),
@@ -39,8 +41,8 @@ def test_trains_and_agrees_with_data_parallel() -> None:
     # by input features, and the free dimension sharded over "data".
     assert re.search(r"attn\.query\.weight\s+P\('model', 'data'\)", text)
     assert re.search(r"mlp\.down\.weight\s+P\('data', 'model'\)", text)
-    losses = [float(x) for x in re.findall(r"loss (\d+\.\d+)  ppl", text)]
-    assert len(losses) == 2 and all(math.isfinite(x) and x > 0 for x in losses)
+    losses = [float(x) for x in re.findall(r"loss (\d+\.\d+)  perplexity", text)]
+    assert len(losses) == 3 and all(math.isfinite(x) and x > 0 for x in losses)
     held_out = re.search(r"held-out loss (\S+), perplexity (\S+)", text)
     assert held_out is not None
     loss, ppl = float(held_out[1]), float(held_out[2])
@@ -50,6 +52,9 @@ def test_trains_and_agrees_with_data_parallel() -> None:
     )
     assert agree is not None, text
     assert float(agree[1]) < 1e-5
+    assert re.search(r"throughput: [\d,]+ tokens/s", text)
+    rows = (tmp_path / "metrics.jsonl").read_text().splitlines()
+    assert [json.loads(r)["step"] for r in rows] == [3, 4, 6]
 
 
 def test_help_describes_every_option() -> None:

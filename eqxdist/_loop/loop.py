@@ -319,10 +319,10 @@ def _run_steps(
     batches: Any,
     start: int,
     end: int,
-    flops: float | str | None,
+    flops: float | int | str | None,
     log_every: int,
     eval_every: int | None,
-    timeout: float | None,
+    timeout: float | int | None,
     profile: tuple[int, int] | None,
     profile_dir: Any,
     exit_on_preemption: bool,
@@ -356,6 +356,7 @@ def _run_steps(
             if s % log_every == 0 or s == end:
                 logger.log(s, state, metrics, out[2] if len(out) > 2 else None)
             if eval_every is not None and (s % eval_every == 0 or s == end):
+                logger.emit()  # evaluation waits for the step anyway
                 evals.append(run.evaluate(s, state))
             if run.checkpoints is not None:
                 preempted = run.checkpoints.reached_preemption(s)
