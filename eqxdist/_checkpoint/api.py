@@ -105,7 +105,13 @@ def save_checkpoint(
     check_not_consumed(state, "save_checkpoint")
     root = Path(directory).absolute()
     files.check_root(root, "save_checkpoint")
-    writer = Writer(root, max_to_keep=None, save_interval_steps=1, async_save=False)
+    writer = Writer(
+        root,
+        max_to_keep=None,
+        save_interval_steps=1,
+        async_save=False,
+        caller="save_checkpoint",
+    )
     try:
         writer.save(step, state, "save_checkpoint")
     finally:

@@ -99,6 +99,7 @@ class CheckpointManager:
             max_to_keep=max_to_keep,
             save_interval_steps=save_interval_steps,
             async_save=async_save,
+            caller=caller,
         )
         self._sigterm = threading.Event()
         self._previous_handler: Any = None

@@ -12,6 +12,7 @@ eqxdist adds, by configuring it rather than by re-implementing any of that:
   directory are never steps, and retention never deletes them).
 """
 
+import importlib
 import itertools
 import os
 import secrets
@@ -202,12 +203,20 @@ class Writer:
         max_to_keep: int | None,
         save_interval_steps: int,
         async_save: bool,
+        caller: str,
     ):
         ocp = orbax()
         policies = ocp.checkpoint_managers
         self.root = root
         if jax.process_index() == 0:
-            root.mkdir(parents=True, exist_ok=True)
+            try:
+                root.mkdir(parents=True, exist_ok=True)
+            except OSError as e:
+                raise ValueError(
+                    f"{caller}: cannot create the checkpoint directory "
+                    f"{str(root)!r}: {e.strerror or e}. Pass a directory that can "
+                    "be created and written."
+                ) from None
             for leftover in files.leftovers(root):
                 files.remove(leftover)
         options = ocp.CheckpointManagerOptions(
@@ -310,10 +319,22 @@ class Writer:
         raise error
 
 
+def _orbax_futures(module: str) -> Any:
+    """A module of Orbax's internal `futures` package (its signalling threads), or
+    `None` in a version that lays it out otherwise."""
+    try:
+        return importlib.import_module(f"orbax.checkpoint._src.futures.{module}")
+    except ImportError:
+        return None
+
+
 def _operation_id() -> str:
     """Orbax's id of the save it started last (its signals are named by it)."""
-    sync = orbax()._src.futures.synchronization  # noqa: SLF001
-    return str(sync.OperationIdGenerator.get_current_operation_id())
+    synchronization = _orbax_futures("synchronization")
+    generator = getattr(synchronization, "OperationIdGenerator", None)
+    if generator is None:
+        return ""
+    return str(generator.get_current_operation_id())
 
 
 def _release_waiting_threads(operation: str) -> None:
@@ -321,9 +342,9 @@ def _release_waiting_threads(operation: str) -> None:
     `coordination_timeout`, 5 minutes) and a part that fails sends none, so its
     waiting threads would hold the process at exit: cancel them and send what they
     wait for."""
-    future = orbax()._src.futures.future  # noqa: SLF001
+    future = _orbax_futures("future")
     thread_class = getattr(future, "_SignalingThread", None)
-    if thread_class is None:  # another Orbax version: nothing to release
+    if future is None or thread_class is None or not operation:
         return
     for thread in threading.enumerate():
         if (
