@@ -48,7 +48,10 @@ class CheckpointManager:
     same order. In a single process, the manager installs a SIGTERM handler
     (restored by `close()`); under `jax.distributed` (`eqxdist.launch`, SLURM,
     ...) JAX's own preemption sync point is used, so `reached_preemption(step)`
-    becomes `True` at the same step on every process.
+    becomes `True` at the same step on every process: the first step saved since
+    the signal, so the loop below stops at a saved step wherever the signal lands.
+    `save(..., metadata={...})` keeps a JSON dict with the step (e.g. the data
+    loader's position); `metadata(step)` reads it back.
 
     **Raises:**
 
