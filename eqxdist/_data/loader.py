@@ -58,7 +58,11 @@ class _Permutations:
         return rows
 
 
-def _check_step(step: int, caller: str) -> None:
+def _check_step(step: Any, caller: str) -> None:
+    if isinstance(step, bool) or not isinstance(step, int | np.integer):
+        raise TypeError(
+            f"{caller}: `step` must be an int; got {type(step).__name__} {step!r}."
+        )
     if step < 0:
         raise ValueError(f"{caller}: `step` must be >= 0; got {step}.")
 
@@ -175,7 +179,8 @@ class BatchLoader:
         _check_step(step, "BatchLoader.indices")
         return self._rows(step, np.arange(self.global_batch_size))
 
-    @typecheck
+    # Not wrapped in `typecheck`: checking the returned pytree would cost more than
+    # reading and placing a batch; `_check_step` checks the argument.
     def batch(self, step: int) -> PyTree[jax.Array]:
         """The global batch of `step`: the source's pytree with every leaf a
         `jax.Array` of `global_batch_size` rows split over `data_axis` (rows in
@@ -184,17 +189,20 @@ class BatchLoader:
 
         **Raises:**
 
-        `ValueError` for a negative `step` or when the source returns other than
-        one row per index; an exception of the source, with a note naming the
-        step."""
+        `TypeError` for a non-int `step`; `ValueError` for a negative one or when
+        the source returns other than one row per index; an exception of the
+        source, with a note naming the step."""
         _check_step(step, "BatchLoader.batch")
-        rows = self._rows(step, self._positions)
+        rows = self._rows(int(step), self._positions)
         try:
             local = self.source[rows]
         except Exception as error:
             error.add_note(f"BatchLoader: raised reading the rows of step {step}.")
             raise
         local = check_read(local, len(rows), step, "BatchLoader")
+        if self.sharding.is_fully_addressable:
+            # Every row is local: one call places the whole tree at once.
+            return jax.make_array_from_process_local_data(self.sharding, local)
         return jax.tree.map(
             lambda x: jax.make_array_from_process_local_data(
                 self.sharding, x, (self.global_batch_size, *x.shape[1:])

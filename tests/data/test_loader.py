@@ -340,4 +340,6 @@ def test_negative_steps_are_rejected(mesh8):
     for method in (loader.batch, loader.indices, loader.iterate):
         with pytest.raises(ValueError, match=r"\.\w+: `step` must be >= 0; got -1"):
             method(-1)
+    with pytest.raises(TypeError, match="step"):
+        loader.batch(1.0)
     assert set(threading.enumerate()) == before  # no reader started
