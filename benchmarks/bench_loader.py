@@ -9,7 +9,7 @@
 2. Host overhead: `loader.batch(step)` from an in-memory source (no sleep), against
    the NumPy gather and `jax.device_put` of the same rows done by hand.
 
-    python benchmarks/bench_loader.py [--steps 40] [--repeats 3]
+    python benchmarks/bench_loader.py [--steps 20] [--repeats 3]
 """
 
 import argparse
@@ -122,7 +122,7 @@ def run(steps: int, repeats: int, width: int) -> dict[str, float]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--steps", type=int, default=40, help="steps per timed loop")
+    parser.add_argument("--steps", type=int, default=20, help="steps per timed loop")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--width", type=int, default=1024, help="MLP width")
     args = parser.parse_args()
