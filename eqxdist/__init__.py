@@ -10,6 +10,7 @@ from ._checkpoint import (
     restore_checkpoint as restore_checkpoint,
     save_checkpoint as save_checkpoint,
 )
+from ._data import BatchLoader as BatchLoader
 from ._data_parallel import (
     DataParallel as DataParallel,
     all_reduce_gradients as all_reduce_gradients,
