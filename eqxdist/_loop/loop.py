@@ -2,7 +2,6 @@
 `writers` and `flops` (each usable alone)."""
 
 import dataclasses
-import inspect
 import os
 import statistics
 import time
@@ -53,8 +52,12 @@ def _batch_stream(batches: Any, start: int) -> Iterator[Any]:
     """Batches from step `start` on: `batches.iterate(start)` (an
     `ed.BatchLoader`, yielding `(step, batch)`), or `batches(step)`."""
     if hasattr(batches, "iterate"):
-        for _, batch in batches.iterate(start):
-            yield batch
+        inner = batches.iterate(start)
+        try:
+            for _, batch in inner:
+                yield batch
+        finally:
+            inner.close()  # stops the loader's reading thread
     else:
         step = start
         while True:
@@ -66,18 +69,13 @@ def restore_latest(
     checkpoints: CheckpointManager, step: TrainStep, state: TrainState
 ) -> tuple[TrainState, dict[str, Any]]:
     """The latest checkpoint of `checkpoints` restored into `step`'s layout (with
-    `state` giving the structure), and its metadata (`{}` when the manager keeps
-    none); `state` itself, placed, and `{}` when there is no checkpoint yet."""
+    `state` giving the structure), and its metadata; `state` itself, placed, and
+    `{}` when there is no checkpoint yet."""
     placed = step.place_state(state)
-    if checkpoints.latest_step() is None:
+    latest = checkpoints.latest_step()
+    if latest is None:
         return placed, {}
-    restored = checkpoints.restore(placed)
-    read = getattr(checkpoints, "metadata", None)
-    return restored, (dict(read()) if callable(read) else {})
-
-
-def _saves_metadata(checkpoints: CheckpointManager) -> bool:
-    return "metadata" in inspect.signature(checkpoints.save).parameters
+    return checkpoints.restore(placed, step=latest), checkpoints.metadata(latest)
 
 
 class _Logger:
@@ -171,11 +169,8 @@ class _Run:
 
     def save(self, s: int, state: Any, *, force: bool) -> None:
         assert self.checkpoints is not None
-        if _saves_metadata(self.checkpoints):
-            meta = {"loader_step": s, **(self.metadata(s) if self.metadata else {})}
-            self.checkpoints.save(s, state, force=force, metadata=meta)  # type: ignore[call-arg]
-        else:
-            self.checkpoints.save(s, state, force=force)
+        meta = {"loader_step": s, **(self.metadata(s) if self.metadata else {})}
+        self.checkpoints.save(s, state, force=force, metadata=meta)
 
 
 def _rows(batch: Any) -> int | None:
@@ -250,7 +245,7 @@ def train_loop(
       metrics merged) every `eval_every` steps and at the end.
     - `checkpoints`: a `CheckpointManager`: saves when its `save_interval_steps`
       says, at the end and on preemption, with `{"loader_step": s, **metadata(s)}`
-      as the checkpoint's metadata where the manager keeps metadata.
+      as the checkpoint's metadata (`manager.metadata(step)` reads it back).
     - `resume`: start from the latest checkpoint of `checkpoints`, if any.
     - `stop_at`: stop at this step although the run goes to `num_steps` (to split
       a run; the progress bar still counts to `num_steps`).
@@ -359,8 +354,10 @@ def _run_steps(
                 logger.emit()  # evaluation waits for the step anyway
                 evals.append(run.evaluate(s, state))
             if run.checkpoints is not None:
+                # `save` saves whatever the interval once preemption is signalled;
+                # `reached_preemption` is True only once that save is done.
+                run.save(s, state, force=s == end)
                 preempted = run.checkpoints.reached_preemption(s)
-                run.save(s, state, force=preempted or s == end)
                 if preempted:
                     break
             if watchdog is not None:
@@ -368,6 +365,7 @@ def _run_steps(
             elif timeout is not None:  # after the first step, which compiles
                 watchdog = Watchdog(timeout)
     finally:
+        stream.close()
         if profiling:
             jax.profiler.stop_trace()
         if watchdog is not None:

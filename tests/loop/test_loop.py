@@ -119,6 +119,31 @@ def test_resume_continues_exactly(mesh8: Any, tmp_path: Path) -> None:
         np.testing.assert_array_equal(a, b)
 
 
+def test_resume_through_a_batch_loader_with_metadata(
+    mesh8: Any, tmp_path: Path
+) -> None:
+    step = ed.make_train_step(loss_fn, OPTIMIZER, mesh8)
+    data = {"x": X, "y": Y}  # 5 batches of 32 rows per epoch, shuffled per epoch
+
+    def run(**kwargs: Any) -> ed.LoopResult:
+        with ed.BatchLoader(data, ROWS, mesh8, seed=3) as loader:
+            return ed.train_loop(
+                step, make_state(), loader, STEPS, progress=False, **kwargs
+            )
+
+    whole = run()
+    epoch = {"metadata": lambda s: {"epoch": s // 5}}
+    with ed.CheckpointManager(tmp_path, save_interval_steps=4) as manager:
+        assert run(checkpoints=manager, stop_at=7, **epoch).step == 7
+        assert manager.metadata(7) == {"loader_step": 7, "epoch": 1}
+        assert manager.metadata(4) == {"loader_step": 4, "epoch": 0}
+    with ed.CheckpointManager(tmp_path, save_interval_steps=4) as manager:
+        assert run(checkpoints=manager, **epoch).start_step == 7
+        resumed = manager.restore(whole.state)
+    for a, b in zip(params(resumed), params(whole.state), strict=True):
+        np.testing.assert_array_equal(a, b)
+
+
 def test_periodic_evaluation(mesh8: Any, tmp_path: Path) -> None:
     step = ed.make_train_step(loss_fn, OPTIMIZER, mesh8)
     evaluate = ed.make_eval_step(eval_fn, mesh8)
