@@ -26,6 +26,7 @@ checks that both give the same parameters.
 
 import argparse
 import math
+import shutil
 import sys
 import time
 from pathlib import Path
@@ -86,6 +87,19 @@ def parse_args() -> argparse.Namespace:
         help="characters of text to generate at the end (0: none)",
     )
     add("--seed", type=int, default=0, help="random seed (model and batch order)")
+    add("--save-every", type=int, default=100, help="steps between checkpoints")
+    add(
+        "--resume",
+        action="store_true",
+        help="continue from the latest checkpoint in OUT/checkpoints (the loader "
+        "continues the exact stream of batches)",
+    )
+    add(
+        "--stop-at",
+        type=int,
+        default=None,
+        help="stop at this step (saved), to try --resume",
+    )
     return parser.parse_args()
 
 
@@ -149,15 +163,35 @@ def load_text() -> tuple[np.ndarray, np.ndarray, str]:
     return tokens[:split], tokens[split:], vocab
 
 
-def batches(train: np.ndarray, steps: int) -> list[dict[str, np.ndarray]]:
-    """`steps` batches of random windows of `seq_len + 1` characters (inputs and
-    next-character targets), drawn up front so that every run sees them in the
-    same order."""
-    rng = np.random.default_rng(ARGS.seed)
-    window = ARGS.seq_len + 1
-    starts = rng.integers(0, len(train) - window, size=(steps, ARGS.batch_size))
-    offsets = np.arange(window)
-    return [{"tokens": train[s[:, None] + offsets]} for s in starts]
+class Windows:
+    """The training windows of `seq_len + 1` tokens (inputs and next-token
+    targets) of a token file on disk, every `stride` tokens: a map-style source
+    for `ed.BatchLoader`, which asks for the rows of each batch (only this
+    process's) and shuffles them every epoch. `np.memmap` reads only those."""
+
+    def __init__(self, path: Path, seq_len: int, stride: int) -> None:
+        self.tokens = np.memmap(path, dtype=np.uint8, mode="r")
+        self.window, self.stride = seq_len + 1, stride
+        self.count = (len(self.tokens) - self.window) // stride + 1
+
+    def __len__(self) -> int:
+        return self.count
+
+    def __getitem__(self, indices: np.ndarray) -> dict[str, np.ndarray]:
+        starts = np.asarray(indices) * self.stride
+        rows = self.tokens[starts[:, None] + np.arange(self.window)]
+        return {"tokens": rows.astype(np.int32)}
+
+
+def token_file(train: np.ndarray) -> Path:
+    """The training tokens written to OUT/train_tokens.u8 (one byte each), as a
+    data set too large for memory would be stored."""
+    path = Path(ARGS.out) / "train_tokens.u8"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    disk = np.memmap(path, dtype=np.uint8, mode="w+", shape=train.shape)
+    disk[:] = train
+    disk.flush()
+    return path
 
 
 def held_out_batch(held_out: np.ndarray) -> dict[str, np.ndarray]:
@@ -223,9 +257,10 @@ def describe_layout(step: ed.TrainStep, state: ed.TrainState) -> None:
 
 
 def train_fsdp_tp(
-    data: list[dict[str, np.ndarray]], vocab: str, held_out: dict[str, np.ndarray]
+    source: Windows, vocab: str, held_out: dict[str, np.ndarray]
 ) -> list[np.ndarray] | None:
-    """The main run; returns the parameters after `--compare-steps` steps."""
+    """The main run; returns the parameters after `--compare-steps` steps (or
+    `None` when resuming past them)."""
     mesh = ed.create_device_mesh(
         {"data": ARGS.data_parallel, "model": ARGS.tensor_parallel}
     )
@@ -247,36 +282,43 @@ def train_fsdp_tp(
         f"{num_params:,} parameters; mesh {dict(mesh.shape)}"
     )
     describe_layout(step, state)
-
-    run = {
-        "batches": lambda i: data[i],
-        "num_steps": len(data),
-        "log_every": ARGS.log_every,
-        "tokens_per_step": ARGS.batch_size * ARGS.seq_len,
-        "show": ("loss", "perplexity", "tokens_per_sec", "mfu"),
-        "progress": None,
-    }
-    snapshot, start = None, time.perf_counter()
     out = Path(ARGS.out)
-    with ed.MultiWriter(
-        [
-            ed.JsonlWriter(out / "metrics.jsonl"),
-            ed.TensorBoardWriter(out / "tensorboard"),
-        ]
-    ) as writer:
-        if 0 < ARGS.compare_steps < len(data):
+    if not ARGS.resume:
+        shutil.rmtree(out / "checkpoints", ignore_errors=True)
+    snapshot, start = None, time.perf_counter()
+    with (
+        ed.BatchLoader(source, ARGS.batch_size, mesh, seed=ARGS.seed) as loader,
+        ed.CheckpointManager(
+            out / "checkpoints", max_to_keep=2, save_interval_steps=ARGS.save_every
+        ) as manager,
+        ed.MultiWriter(
+            [
+                ed.JsonlWriter(out / "metrics.jsonl", append=ARGS.resume),
+                ed.TensorBoardWriter(out / "tensorboard"),
+            ]
+        ) as writer,
+    ):
+        run = {
+            "writer": writer,
+            "checkpoints": manager,
+            "log_every": ARGS.log_every,
+            "tokens_per_step": ARGS.batch_size * ARGS.seq_len,
+            "show": ("loss", "perplexity", "tokens_per_sec", "mfu"),
+        }
+        fresh = manager.latest_step() is None
+        if fresh and ARGS.compare_steps > 0:
             # Stop once to keep the parameters for the data-parallel check.
             first = ed.train_loop(
-                step, state, **run, writer=writer, stop_at=ARGS.compare_steps
+                step, state, loader, ARGS.steps, **run, stop_at=ARGS.compare_steps
             )
-            snapshot, state = host_params(first.state.model), first.state
-        result = ed.train_loop(step, state, **run, writer=writer)
-    if ARGS.compare_steps == len(data):
-        snapshot = host_params(result.state.model)
+            snapshot = host_params(first.state.model)
+        result = ed.train_loop(
+            step, state, loader, ARGS.steps, **run, stop_at=ARGS.stop_at
+        )
     state, seconds = result.state, time.perf_counter() - start
     held = evaluate(state, held_out).compute()
     print(
-        f"trained {len(data)} steps in {seconds:.1f}s; held-out loss "
+        f"trained to step {result.step} in {seconds:.1f}s; held-out loss "
         f"{float(held['loss']):.4f}, perplexity {perplexity(held):.3f} "
         f"({len(held_out['tokens'])} sequences)"
     )
@@ -313,18 +355,18 @@ def generate(model: TransformerLM, vocab: str, prompt: str) -> str:
     return text
 
 
-def compare_with_dp(
-    data: list[dict[str, np.ndarray]], vocab: str, expected: list[np.ndarray]
-) -> bool:
+def compare_with_dp(source: Windows, vocab: str, expected: list[np.ndarray]) -> bool:
     """Plain data parallelism (every device holds the whole state, 8-way batch
-    split) on the same batches, from the same initial state."""
+    split) on the same batches (a loader on this mesh gives the same global
+    batches), from the same initial state."""
     mesh = ed.create_data_parallel_mesh()
     state, optimizer = new_state(len(vocab))
     step = ed.make_train_step(
         loss_fn, optimizer, mesh, strategy="dp", num_minibatches=ARGS.minibatches
     )
-    for batch in data[: ARGS.compare_steps]:
-        state, _ = step(state, batch)
+    loader = ed.BatchLoader(source, ARGS.batch_size, mesh, seed=ARGS.seed)
+    for i in range(ARGS.compare_steps):
+        state, _ = step(state, loader.batch(i))
     got = host_params(state.model)
     diff = max(float(np.max(np.abs(a - b))) for a, b in zip(got, expected, strict=True))
     agree = diff < 1e-5
@@ -344,9 +386,11 @@ def main() -> None:
         f"text: {len(train):,} training / {len(held_out):,} held-out characters, "
         f"vocabulary of {len(vocab)}"
     )
-    data = batches(train, ARGS.steps)
-    snapshot = train_fsdp_tp(data, vocab, held_out_batch(held_out))
-    if snapshot is not None and not compare_with_dp(data, vocab, snapshot):
+    source = Windows(token_file(train), ARGS.seq_len, max(1, ARGS.seq_len // 8))
+    snapshot = train_fsdp_tp(source, vocab, held_out_batch(held_out))
+    if snapshot is None and ARGS.compare_steps > 0:
+        print("resumed past --compare-steps: no data-parallel check in this run")
+    if snapshot is not None and not compare_with_dp(source, vocab, snapshot):
         sys.exit(1)
 
 

@@ -68,3 +68,30 @@ def test_help_describes_every_option() -> None:
     for name, text in entries:
         # Every option has a help text that states its default.
         assert "(default:" in text, name
+
+
+def test_resume_continues_the_exact_stream(tmp_path: Path) -> None:
+    """The loader's position travels in the checkpoint: a run stopped at step 4
+    and resumed ends where an uninterrupted run does."""
+    common = (
+        *("--steps", "6", "--compare-steps", "0", "--log-every", "2"),
+        *("--batch-size", "16", "--seq-len", "16", "--d-model", "32"),
+        *("--sample-chars", "0", "--min-weight-size", "64", "--save-every", "2"),
+    )
+    whole = _run(*common, "--out", str(tmp_path / "whole"))
+    assert whole.returncode == 0, whole.stdout + whole.stderr
+    split = ("--out", str(tmp_path / "split"))
+    first = _run(*common, *split, "--stop-at", "4")
+    assert first.returncode == 0, first.stdout + first.stderr
+    second = _run(*common, *split, "--resume")
+    assert second.returncode == 0, second.stdout + second.stderr
+    assert "resumed at step 4" in second.stdout
+
+    def held_out(text: str) -> str:
+        found = re.search(r"held-out loss (\S+), perplexity (\S+)", text)
+        assert found is not None, text
+        return found[0]
+
+    assert held_out(second.stdout) == held_out(whole.stdout)
+    rows = (tmp_path / "split" / "metrics.jsonl").read_text().splitlines()
+    assert [json.loads(r)["step"] for r in rows] == [2, 4, 6]
