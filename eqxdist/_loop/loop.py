@@ -1,6 +1,7 @@
 """`train_loop`: the loop around a train step, made of the pieces in `pieces`,
 `writers` and `flops` (each usable alone)."""
 
+import collections
 import dataclasses
 import os
 import statistics
@@ -35,7 +36,7 @@ class LoopResult:
     - `start_step`: the step the run started (or resumed) from.
     - `preempted`: whether it stopped because the job is being preempted.
     - `seconds_per_step`: median wall-clock time per step between log points
-      (the first interval, which compiles, left out when there are others).
+      (timed from the end of the first step, which compiles).
     """
 
     state: Any
@@ -132,7 +133,7 @@ class _Logger:
         self.run.progress.update(s, shown)
 
     def seconds_per_step(self) -> float:
-        times = self.intervals[1:] or self.intervals
+        times = self.intervals
         return statistics.median(times) if times else float("nan")
 
 
@@ -213,6 +214,7 @@ def train_loop(
     profile_dir: str | os.PathLike[str] | None = None,
     compilation_cache_dir: str | os.PathLike[str] | None = None,
     exit_on_preemption: bool = True,
+    max_in_flight: int = 2,
 ) -> LoopResult:
     """Run `step` from the state's step (or the latest checkpoint) to `num_steps`,
     logging, evaluating, checkpointing, watching and profiling along the way.
@@ -261,6 +263,10 @@ def train_loop(
       `start <= s < stop` into `profile_dir` (for TensorBoard or Perfetto).
     - `compilation_cache_dir`: a persistent compilation cache
       (`enable_compilation_cache`).
+    - `max_in_flight`: steps dispatched ahead of the last completed one (the
+      loop waits for older steps beyond it). Two keep an accelerator busy; more
+      only queue work, and on CPU many queued multi-device steps starve XLA's
+      collectives of threads.
     - `exit_on_preemption`: on preemption (SIGTERM; see
       `CheckpointManager.reached_preemption`) save, then exit the process with
       status 0; `False` returns with `preempted=True` instead.
@@ -269,10 +275,15 @@ def train_loop(
 
     A `LoopResult`.
     """
-    if log_every < 1 or num_steps < 0 or (eval_every is not None and eval_every < 1):
+    if (
+        min(log_every, max_in_flight) < 1
+        or num_steps < 0
+        or (eval_every is not None and eval_every < 1)
+    ):
         raise ValueError(
-            "train_loop: `log_every` and `eval_every` must be >= 1 and `num_steps` "
-            f">= 0; got {log_every}, {eval_every} and {num_steps}."
+            "train_loop: `log_every`, `eval_every` and `max_in_flight` must be >= 1 "
+            f"and `num_steps` >= 0; got {log_every}, {eval_every}, {max_in_flight} "
+            f"and {num_steps}."
         )
     if (eval_every is None) != (eval_step is None) or (
         eval_step is not None and eval_batches is None
@@ -303,7 +314,7 @@ def train_loop(
     try:
         return _run_steps(run, state, batches, start, end, flops_per_step,
                       log_every, eval_every, watchdog_timeout, profile_steps,
-                      profile_dir, exit_on_preemption)  # fmt: skip
+                      profile_dir, exit_on_preemption, max_in_flight)  # fmt: skip
     finally:
         run.progress.close()
 
@@ -321,6 +332,7 @@ def _run_steps(
     profile: tuple[int, int] | None,
     profile_dir: Any,
     exit_on_preemption: bool,
+    max_in_flight: int,
 ) -> LoopResult:
     logger = _Logger(run)
     evals: list[tuple[int, dict[str, Any]]] = []
@@ -328,6 +340,7 @@ def _run_steps(
     metrics: Any = None
     preempted, profiling, s = False, False, start
     stream = _batch_stream(batches, start)
+    in_flight: collections.deque[Any] = collections.deque()
     try:
         for s in range(start + 1, end + 1):  # `s`: the step number after this step
             batch = next(stream)
@@ -343,15 +356,23 @@ def _run_steps(
                 profiling = True
             out = run.step(state, batch)
             state, metrics = out[0], out[1]
+            in_flight.append(metrics)
+            if len(in_flight) > max_in_flight:
+                jax.block_until_ready(in_flight.popleft())
             if profiling and profile is not None and s == profile[1]:
                 jax.block_until_ready(state)
                 jax.profiler.stop_trace()
                 profiling = False
             run.progress.advance(s)
+            if s == start + 1:  # throughput is timed from here: compiling is done
+                logger.last = (s, time.perf_counter())
             if s % log_every == 0 or s == end:
                 logger.log(s, state, metrics, out[2] if len(out) > 2 else None)
             if eval_every is not None and (s % eval_every == 0 or s == end):
-                logger.emit()  # evaluation waits for the step anyway
+                # Another program's collectives must not interleave with queued
+                # steps' (XLA's CPU collectives can deadlock); it waits anyway.
+                jax.block_until_ready(metrics)
+                logger.emit()
                 evals.append(run.evaluate(s, state))
             if run.checkpoints is not None:
                 # `save` saves whatever the interval once preemption is signalled;

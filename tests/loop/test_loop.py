@@ -211,7 +211,9 @@ def test_plain_progress_lines(mesh8: Any, capsys: Any) -> None:
 
 def test_bad_arguments(mesh8: Any) -> None:
     step = ed.make_train_step(loss_fn, OPTIMIZER, mesh8)
-    with pytest.raises(ValueError, match="`log_every` and `eval_every` must be >= 1"):
+    with pytest.raises(
+        ValueError, match="`log_every`, `eval_every` and `max_in_flight` must be >= 1"
+    ):
         ed.train_loop(step, make_state(), batch, 4, log_every=0)
     with pytest.raises(
         ValueError, match="`eval_step`, `eval_batches` and `eval_every`"
