@@ -6,7 +6,7 @@ import dataclasses
 import os
 import statistics
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Generator
 from typing import Any
 
 import equinox as eqx
@@ -49,7 +49,7 @@ class LoopResult:
     seconds_per_step: float
 
 
-def _batch_stream(batches: Any, start: int) -> Iterator[Any]:
+def _batch_stream(batches: Any, start: int) -> Generator[Any, None, None]:
     """Batches from step `start` on: `batches.iterate(start)` (an
     `ed.BatchLoader`, yielding `(step, batch)`), or `batches(step)`."""
     if hasattr(batches, "iterate"):
