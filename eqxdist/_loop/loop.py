@@ -19,7 +19,15 @@ from .._steps import TrainStep
 from .._train import TrainState
 from .._utils import typecheck
 from .flops import mfu, peak_flops
-from .pieces import Progress, Watchdog, enable_compilation_cache, learning_rate, scalars
+from .pieces import (
+    Progress,
+    Watchdog,
+    compute,
+    enable_compilation_cache,
+    learning_rate,
+    merge,
+    scalars,
+)
 from .writers import Writer
 
 
@@ -159,8 +167,8 @@ class _Run:
         total: Any = None
         for batch in batches:
             metrics = self.eval_step(state, batch)  # type: ignore[misc]
-            total = metrics if total is None else total.merge(metrics)
-        computed = total.compute() if hasattr(total, "compute") else total
+            total = metrics if total is None else merge(total, metrics)
+        computed = compute(total)
         values = scalars(computed)
         if self.writer is not None:
             self.writer.write(s, {f"eval_{k}": v for k, v in values.items()})

@@ -166,24 +166,42 @@ def learning_rate(opt_state: Any) -> Any:
     return None
 
 
-def scalars(metrics: Any, prefix: str = "") -> dict[str, Any]:
-    """The 0-d values of a step's metrics as a flat `{name: 0-d array}` (still on
-    the devices: no wait): `Metric`s are computed, `(sum, count)` pairs divided,
-    mappings flattened with `/`-joined names; values of higher rank (e.g. a
-    confusion matrix) are left out."""
+def compute(metrics: Any) -> Any:
+    """A step's metrics as values (still on the devices: no wait): `Metric`s
+    computed, `(sum, count)` pairs divided, mappings mapped."""
     if isinstance(metrics, Metric):
-        metrics = metrics.compute()
+        return metrics.compute()
     if isinstance(metrics, tuple) and len(metrics) == 2:
-        return {prefix.rstrip("/") or "value": metrics[0] / metrics[1]}
+        return metrics[0] / metrics[1]
     if isinstance(metrics, Mapping):
+        return {name: compute(value) for name, value in metrics.items()}
+    return metrics
+
+
+def merge(a: Any, b: Any) -> Any:
+    """Metrics of two batches together: `Metric`s merged, `(sum, count)` pairs
+    and arrays added, mappings mapped."""
+    if isinstance(a, Metric):
+        return a.merge(b)
+    if isinstance(a, Mapping):
+        return {name: merge(value, b[name]) for name, value in a.items()}
+    if isinstance(a, tuple):
+        return tuple(x + y for x, y in zip(a, b, strict=True))
+    return a + b
+
+
+def scalars(metrics: Any, prefix: str = "") -> dict[str, Any]:
+    """The 0-d values of a step's metrics (see `compute`) as a flat `{name: 0-d
+    array}`, nested names joined with `/`; values of higher rank (e.g. a
+    confusion matrix) are left out."""
+    values = compute(metrics)
+    if isinstance(values, Mapping):
         out = {}
-        for name, value in metrics.items():
+        for name, value in values.items():
             out.update(scalars(value, f"{prefix}{name}/"))
         return out
-    if isinstance(metrics, jax.Array | np.ndarray | float | int) and np.ndim(metrics):
-        return {}
-    if isinstance(metrics, jax.Array | np.ndarray | float | int):
-        return {prefix.rstrip("/") or "value": metrics}
+    if isinstance(values, jax.Array | np.ndarray | float | int) and not np.ndim(values):
+        return {prefix.rstrip("/") or "value": values}
     return {}
 
 
