@@ -264,3 +264,14 @@ def test_watchdog_ends_a_process_whose_step_never_completes() -> None:
     assert "eqxdist watchdog: no step completed" in result.stderr
     # Every thread's stack, the main thread's inside the loop.
     assert "Thread 0x" in result.stderr and "train_loop" in result.stderr
+
+
+def test_progress_bar_shows_rate_and_values(capsys: Any) -> None:
+    progress = ed.Progress(10, name="demo", bar=True)
+    progress.advance(3)
+    progress.update(5, {"loss": 0.5})
+    progress.print("a line above the bar")
+    progress.close()
+    out = capsys.readouterr().out
+    assert "demo" in out and "5/10" in out and "loss 0.5" in out
+    assert "step/s" in out and "a line above the bar" in out
