@@ -21,6 +21,7 @@ from mp_scripts import common
 
 import eqxdist as ed
 from eqxdist import launch
+from eqxdist._launch import ports
 from eqxdist._distributed import detected_cluster
 
 SCRIPTS = Path(__file__).parent.parent / "mp_scripts"
@@ -201,7 +202,7 @@ def wait_for_pids(proc, pid_file, count):
 def test_a_second_run_on_a_used_port_is_refused_and_leaves_the_first_alone(
     tmp_path,
 ):
-    port = launch._free_port()
+    port = ports.free_port()
     first = launched(
         tmp_path, "-n", 2, "--port", port, SCRIPTS / "plain.py", "sleep", tmp_path
     )
