@@ -21,8 +21,8 @@ from mp_scripts import common
 
 import eqxdist as ed
 from eqxdist import launch
-from eqxdist._launch import ports
 from eqxdist._distributed import detected_cluster
+from eqxdist._launch import ports
 
 SCRIPTS = Path(__file__).parent.parent / "mp_scripts"
 # A generous bound: the runs take seconds; a hang (the bug these tests are for)
@@ -173,6 +173,7 @@ def test_launcher_rejects_bad_arguments(tmp_path, capsys):
         (["-n", "2", "--exit-timeout", "0", str(script)], "--exit-timeout must be"),
         (["-n", "2", "-d", "0", str(script)], "--devices-per-process must be >= 1"),
         (["-n", "2", "--grace-period", "-1", str(script)], "--grace-period must be"),
+        (["-n", "2", "--max-restarts", "-1", str(script)], "--max-restarts must be >="),
         (["-n", "2", str(tmp_path / "missing.py")], "missing.py' not found"),
         ([str(script)], "--num-processes"),
     ]
@@ -244,6 +245,137 @@ def test_a_hung_process_is_killed_after_the_exit_timeout_and_named(tmp_path):
         r"process [02], which exited with status 0; killed it.",
         last,
     ), last
+    assert_all_gone(tmp_path / "pids")
+
+
+def signal_when_ready(args, ready, signum):
+    """Launch with `args`, send `signum` to the launcher once `ready(stdout so far)`,
+    wait; the status, output, and seconds from the signal to the launcher's exit."""
+    proc = launched(None, *args)
+    lines = []
+    for line in proc.stdout:
+        lines.append(line)
+        if ready("".join(lines)):
+            break
+    assert proc.poll() is None, "".join(lines) + proc.stderr.read()
+    start = time.monotonic()
+    proc.send_signal(signum)
+    out, err = proc.communicate(timeout=60)
+    return proc.returncode, "".join(lines) + out, err, time.monotonic() - start
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGHUP])
+@pytest.mark.parametrize("script", ["plain.py", "ordinary_train.py"])
+def test_a_signal_ends_a_script_that_does_not_handle_it_at_once(
+    tmp_path, script, signum
+):
+    # plain.py keeps Python's default SIGTERM disposition; ordinary_train.py trains
+    # under jax.distributed, whose handler catches SIGTERM, and never asks the
+    # preemption sync point. Neither may hold the run for the grace period, nor be
+    # restarted.
+    mode = ("sleep",) if script == "plain.py" else ()
+    args = ("-n", 2, "-d", 2, "--grace-period", 60, "--max-restarts", 2)
+    status, out, err, elapsed = signal_when_ready(
+        (*args, SCRIPTS / script, *mode, tmp_path),
+        lambda out: (
+            "[1] process 1 sleeping" in out and "[0] process 0 sleeping" in out
+            if script == "plain.py"
+            else "[0] step 1 done" in out
+        ),
+        signum,
+    )
+    assert status == 128 + signum, f"{out}\n{err}"
+    assert elapsed < 12, f"{elapsed:.1f} s\n{err}"
+    assert "restart" not in err
+    name = signal.Signals(signum).name
+    assert err.strip().splitlines()[-1] == (
+        f"eqxdist.launch: received {name}; passed it on and stopped every process."
+    )
+    if script == "ordinary_train.py":
+        assert "[1] eqxdist.launch: SIGTERM: this process does not handle" in err
+    assert_all_gone(tmp_path / "pids")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("script", "signum"),
+    [("plain.py", signal.SIGHUP), ("preempt_train.py", signal.SIGTERM)],
+)
+def test_a_signal_gives_a_script_that_handles_it_the_grace_period(
+    tmp_path, script, signum
+):
+    # plain.py graceful sets its own SIGTERM handler; preempt_train.py saves and
+    # stops at JAX's preemption sync point. Their clean exit is not a failure:
+    # nothing is restarted.
+    if script == "plain.py":
+        mode, ready = ("graceful", tmp_path), "[1] process 1 sleeping"
+    else:
+        mode, ready = (tmp_path / "ckpt", tmp_path / "out.npz", 1000), "step 2\n"
+    status, out, err, _ = signal_when_ready(
+        ("-n", 2, "-d", 2, "--max-restarts", 2, SCRIPTS / script, *mode),
+        lambda out: ready in out,
+        signum,
+    )
+    assert status == 0, f"{out}\n{err}"
+    assert "restart" not in err
+    name = signal.Signals(signum).name
+    assert err.strip().splitlines()[-1] == (
+        f"eqxdist.launch: received {name}; every process exited with status 0."
+    )
+    if script == "preempt_train.py":
+        stopped = {int(m) for m in re.findall(r"\[\d\] preempted at (\d+)", out)}
+        assert len(stopped) == 1 and out.count("preempted at") == 2, out
+        assert ed.latest_step(tmp_path / "ckpt") == stopped.pop()
+        assert "resumed at" not in out  # one attempt only
+    else:
+        assert_all_gone(tmp_path / "pids")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("failures", "max_restarts"), [(2, 3), (3, 2)])
+def test_max_restarts_restarts_the_whole_job_after_a_failure(
+    tmp_path, failures, max_restarts
+):
+    result = run_launcher(
+        *("-n", 3, "--max-restarts", max_restarts, SCRIPTS / "plain.py"),
+        *("flaky", tmp_path, failures, 5),
+    )
+    restarts = min(failures, max_restarts)
+    recovered = failures <= max_restarts
+    assert result.returncode == (0 if recovered else 5), explain(result)
+    lines = result.stderr.splitlines()
+    assert [line for line in lines if "restart" in line] == [
+        f"eqxdist.launch: restart {i} of {max_restarts} after process 1 exited "
+        "with status 5."
+        for i in range(1, restarts + 1)
+    ]
+    for i in range(3):  # every process ran once per attempt, told its number
+        counts = (tmp_path / f"attempts-{i}").read_text().split()
+        assert counts == [str(a) for a in range(restarts + 1)]
+    ports = set(re.findall(r"\[0\] attempt \d+ at (\S+)", result.stdout))
+    assert len(ports) == restarts + 1  # a fresh coordinator each time
+    if not recovered:
+        assert lines[-1] == (
+            "eqxdist.launch: process 1 failed first (exit status 5); stopped "
+            "processes 0, 2."
+        )
+    assert_all_gone(tmp_path / "pids")
+
+
+@pytest.mark.slow
+def test_max_restarts_recovers_a_jax_job(tmp_path):
+    result = run_launcher(
+        *("-n", 2, "-d", 2, "--max-restarts", 1, SCRIPTS / "ordinary_train.py"),
+        *(tmp_path, 3, 1),
+    )
+    assert result.returncode == 0, explain(result)
+    assert "[1] process 1 exits with status 3" in result.stdout
+    assert (
+        "eqxdist.launch: restart 1 of 1 after process 1 exited with status 3."
+        in result.stderr
+    )
+    assert "[0] trained 3 steps" in result.stdout
     assert_all_gone(tmp_path / "pids")
 
 
