@@ -74,6 +74,7 @@ def assert_all_gone(pid_file: Path) -> None:
 # --------------------------------------------------------------------- the launcher
 
 
+@pytest.mark.slow
 def test_launcher_sets_environment_and_prefixes_output():
     result = run_launcher("-n", 3, "-d", 2, SCRIPTS / "plain.py", "env")
     assert result.returncode == 0, explain(result)
@@ -94,6 +95,7 @@ def test_launcher_sets_environment_and_prefixes_output():
     assert "Gloo" not in result.stdout  # gloo's connection chatter is dropped
 
 
+@pytest.mark.slow
 def test_launcher_runs_the_script_as_python_would():
     script = SCRIPTS / "plain.py"
     # Relative to the working directory, as typed on a command line.
@@ -114,6 +116,7 @@ def test_launcher_runs_the_script_as_python_would():
     assert launched.stdout == "[0] " + direct.stdout
 
 
+@pytest.mark.slow
 def test_launcher_returns_first_failure_and_stops_the_others(tmp_path):
     result = run_launcher("-n", 3, SCRIPTS / "plain.py", "fail", tmp_path, 1, 3)
     assert result.returncode == 3, explain(result)
@@ -122,6 +125,7 @@ def test_launcher_returns_first_failure_and_stops_the_others(tmp_path):
     assert_all_gone(tmp_path / "pids")  # the sleepers and their children
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     ("signum", "status", "mode"),
     [
@@ -200,6 +204,7 @@ def wait_for_pids(proc, pid_file, count):
         time.sleep(0.05)
 
 
+@pytest.mark.slow
 def test_a_second_run_on_a_used_port_is_refused_and_leaves_the_first_alone(
     tmp_path,
 ):
@@ -379,6 +384,7 @@ def test_max_restarts_recovers_a_jax_job(tmp_path):
     assert_all_gone(tmp_path / "pids")
 
 
+@pytest.mark.slow
 def test_a_sigkilled_launcher_leaves_no_process_behind(tmp_path):
     proc = launched(tmp_path, "-n", 2, SCRIPTS / "plain.py", "sleep", tmp_path)
     wait_for_pids(proc, tmp_path / "pids", 4)
@@ -387,6 +393,7 @@ def test_a_sigkilled_launcher_leaves_no_process_behind(tmp_path):
     assert_all_gone(tmp_path / "pids")
 
 
+@pytest.mark.slow
 def test_the_last_line_names_the_first_failing_process(tmp_path):
     result = run_launcher("-n", 3, SCRIPTS / "plain.py", "fail", tmp_path, 2, 7)
     assert result.returncode == 7, explain(result)
@@ -396,6 +403,7 @@ def test_the_last_line_names_the_first_failing_process(tmp_path):
     )
 
 
+@pytest.mark.slow
 def test_launcher_reports_a_single_process_status(tmp_path):
     result = run_launcher("-n", 1, SCRIPTS / "plain.py", "fail", tmp_path, 0, 5)
     assert result.returncode == 5, explain(result)
@@ -508,6 +516,7 @@ def value(basics, name):
     return result
 
 
+@pytest.mark.slow
 def test_mesh_spans_all_processes(basics):
     assert value(basics, "mesh") == {
         "process_count": 2,
@@ -517,6 +526,7 @@ def test_mesh_spans_all_processes(basics):
     }
 
 
+@pytest.mark.slow
 def test_shard_batch_assembles_process_local_rows(basics):
     got = value(basics, "shard_batch")
     assert got["shape"] == [16, 3] and got["spec"] == "P('data',)"
@@ -524,6 +534,7 @@ def test_shard_batch_assembles_process_local_rows(basics):
     assert got["sum"] == DATA.sum() and got["scalar"] == 2.5 and got["tag"] == "t"
 
 
+@pytest.mark.slow
 def test_reductions_across_processes(basics):
     assert value(basics, "global_reductions") == {
         "mean": float(DATA.mean()),
@@ -537,6 +548,7 @@ def test_reductions_across_processes(basics):
     np.testing.assert_array_equal(got["first_column"], DATA[:, 0])
 
 
+@pytest.mark.slow
 def test_metrics_sync_across_processes(basics):
     labels = np.arange(16) % 3
     accuracy = np.mean(DATA.argmax(-1) == labels)
@@ -547,6 +559,7 @@ def test_metrics_sync_across_processes(basics):
     }
 
 
+@pytest.mark.slow
 def test_placing_process_local_state_on_a_global_mesh(basics):
     import equinox as eqx
 
@@ -562,6 +575,7 @@ def test_placing_process_local_state_on_a_global_mesh(basics):
     assert value(basics, "jit_on_placed") == pytest.approx(DATA.sum() * 2)
 
 
+@pytest.mark.slow
 def test_print_metrics_prints_once(basics):
     _, result = basics
     assert result.stdout.count("printed once") == 1
@@ -615,6 +629,7 @@ def assert_same_arrays(got, want, exact=True):
             )
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("strategy", ["dp", "fsdp"])
 def test_training_on_2x4_matches_1x8(training, strategy):
     reference, runs, _, _ = training
@@ -626,6 +641,7 @@ def test_training_on_2x4_matches_1x8(training, strategy):
         assert g["accuracy"] == w["accuracy"]
 
 
+@pytest.mark.slow
 def test_training_prints_metrics_once(training):
     *_, result = training
     for strategy in ("dp", "fsdp"):
@@ -635,6 +651,7 @@ def test_training_prints_metrics_once(training):
         assert len(headings) == 1 and headings[0].startswith("[0] ")
 
 
+@pytest.mark.slow
 def test_resume_on_2_processes_equals_the_uninterrupted_run(training):
     _, runs, _, _ = training
     assert runs["results"]["resumed_step"] == 2
@@ -643,12 +660,14 @@ def test_resume_on_2_processes_equals_the_uninterrupted_run(training):
     assert runs["results"]["fsdp_resumed"] == runs["results"]["fsdp"][2:]
 
 
+@pytest.mark.slow
 def test_checkpoint_from_1_process_restores_on_2(training):
     reference, runs, _, _ = training
     assert "P('data', None)" in runs["results"]["from_one_process_specs"]
     assert_same_arrays(runs["from_one_process"], reference["dp_step2"])
 
 
+@pytest.mark.slow
 def test_checkpoint_from_2_processes_restores_on_1(training, mesh8):
     _, runs, out, _ = training
     # Orbax's per-process data files: process 1 wrote the shards it held.
@@ -673,6 +692,7 @@ def test_checkpoint_from_2_processes_restores_on_1(training, mesh8):
 # --------------------------------------------------------------------- failures
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     ("how", "status", "message"),
     [
