@@ -205,7 +205,7 @@ class Job:
 
     def run(self) -> Outcome:
         """Start, wait, stop; the outcome's summary is printed last."""
-        outcome = Outcome(1, "the launcher failed; stopped every process.")
+        outcome = Outcome(1)  # an error in the launcher itself propagates
         try:
             outcome = self._start() or self._wait_for_exits()
         except KeyboardInterrupt:
