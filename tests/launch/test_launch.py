@@ -369,6 +369,22 @@ def test_max_restarts_restarts_the_whole_job_after_a_failure(
 
 
 @pytest.mark.slow
+def test_max_restarts_restarts_a_hung_job_too(tmp_path):
+    result = run_launcher(
+        *("-n", 2, "--exit-timeout", 1, "--max-restarts", 1, SCRIPTS / "plain.py"),
+        *("hang", tmp_path, 1),
+    )
+    assert result.returncode == 124, explain(result)
+    restarts = [line for line in result.stderr.splitlines() if "restart" in line]
+    assert restarts == [
+        "eqxdist.launch: restart 1 of 1 after process 1 did not exit within 1 s of "
+        "process 0."
+    ]
+    assert result.stdout.count("[0] process 0 done") == 2
+    assert_all_gone(tmp_path / "pids")
+
+
+@pytest.mark.slow
 def test_max_restarts_recovers_a_jax_job(tmp_path):
     result = run_launcher(
         *("-n", 2, "-d", 2, "--max-restarts", 1, SCRIPTS / "ordinary_train.py"),
