@@ -181,11 +181,15 @@ class Metric(eqx.Module):
                 f"{sorted(children)}, got {sorted(state_dict)}."
             )
         loaded = {
-            name: child.reset()
-            if name in missing
-            else child.load_state_dict(state_dict[name])
+            name: child.load_state_dict(state_dict[name])
             for name, child in children.items()
+            if name not in missing
         }
+        synced = any(child.is_synchronized for child in loaded.values())
+        for name in missing:
+            # Empty on every device: its synchronized state is its local one.
+            empty = children[name].reset()
+            loaded[name] = empty.sync(None) if synced else empty
         return self._with_children(loaded)
 
     def _accumulators(self) -> list[MetricAccumulator]:

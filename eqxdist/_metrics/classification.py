@@ -31,12 +31,12 @@ from .aggregation import Mean
 from .base import Metric
 from .inputs import (
     as_array,
-    example_weights,
     check_range,
     class_predictions,
     count_dtype,
     count_true,
     counted_mask,
+    example_weights,
     float_dtype,
     integer_labels,
 )
@@ -319,9 +319,10 @@ class Perplexity(Metric):
     `(..., vocab)`, `labels` integer `(...)`, `mask` boolean, broadcastable to
     `labels`' shape (False: padding, not counted; another dtype is a `TypeError`),
     `weights` optional per-token weights broadcastable to `labels`' shape (the
-    mean NLL becomes `sum(weights * nll) / sum(weights)`, as `Mean`'s). A label outside `[0, vocab)` is a `ValueError` when known at
-    trace time (among the tokens `mask` keeps); at run time that token is not
-    counted (as with an ignore index).
+    mean NLL becomes `sum(weights * nll) / sum(weights)`, as `Mean`'s). A label
+    outside `[0, vocab)` is a `ValueError` when known at trace time (among the
+    tokens `mask` keeps); at run time that token is not counted (as with an
+    ignore index).
 
     `compute()` is a float scalar; NaN while no token has been counted.
 

@@ -15,7 +15,7 @@ def host_integers(x: Any) -> np.ndarray | None:
     """`x` as a NumPy integer array when it is host data (a Python int, a list of
     them, a NumPy array) holding integers that JAX's default integer cannot hold
     (int32 without x64); `None` otherwise (JAX arrays and tracers included)."""
-    if isinstance(x, jax.Array | jax.core.Tracer) or isinstance(x, bool):
+    if isinstance(x, jax.Array | jax.core.Tracer | bool):
         return None
     try:
         arr = np.asarray(x)
