@@ -172,6 +172,8 @@ class MetricAccumulator(eqx.Module):
         """The main word of the synchronized state (`None` before a sync)."""
         return None if self.synchronized_words is None else self.synchronized_words[0]
 
+    # The second words under their state-dict names; `None` where the
+    # representation has no such word.
     local_lo = property(lambda self: self._second(self.words, "lo"))
     local_hi = property(lambda self: self._second(self.words, "hi"))
     synchronized_lo = property(lambda self: self._second(self.synchronized_words, "lo"))
