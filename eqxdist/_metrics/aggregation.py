@@ -134,6 +134,19 @@ def _weighted(
     return values, weights
 
 
+def _add_sum(acc: MetricAccumulator, values: Array) -> MetricAccumulator:
+    """Add `values.sum()` to a compensated float sum. A dtype narrower than
+    float32 sums in float32 and adds the result as two words (rounded, and what
+    rounding lost), so a float16 batch sum is not rounded before it is kept."""
+    dtype = acc.local.dtype
+    wide = jnp.promote_types(dtype, jnp.float32)
+    if wide == dtype:
+        return acc.update(jnp.sum(values))
+    total = jnp.sum(values.astype(wide))
+    hi = total.astype(dtype)
+    return acc.update(hi).update((total - hi.astype(wide)).astype(dtype))
+
+
 class Mean(Metric):
     """Weighted mean, `sum(values * weights) / sum(weights)`, kept as sums; use it
     for losses and any per-example score (a mask of padding as the weights).
@@ -211,15 +224,15 @@ class Mean(Metric):
         if weights is None:
             return self._with_children(
                 {
-                    "total": self.total.update(jnp.sum(values)),
+                    "total": _add_sum(self.total, values),
                     "count": self.count.update(values.size),
                 }
             )
         # Weight 0 excludes a value outright, so padding may hold NaN or inf.
         weighted = jnp.where(weights != 0, values * weights.astype(dtype), 0)
-        total = self.total.update(jnp.sum(weighted))
+        total = _add_sum(self.total, weighted)
         if jnp.issubdtype(weights.dtype, jnp.floating):
-            counted = {"weight": self.weight.update(jnp.sum(weights.astype(dtype)))}
+            counted = {"weight": _add_sum(self.weight, weights.astype(dtype))}
         else:
             # Counted exactly: integer weights of 2**30 add up past 2**31.
             counted = {"count": self.count.update_sum(weights)}
