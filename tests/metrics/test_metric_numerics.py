@@ -9,6 +9,7 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 import eqxdist as ed
+from eqxdist._metrics import numerics as num
 
 N_DEV = 8
 
@@ -329,3 +330,46 @@ def test_state_dicts_of_eqxdist_0_2_load_unchanged():
             np.testing.assert_array_equal(value, saved[key], err_msg=str(key))
     for name, value in now.compute().items():
         np.testing.assert_array_equal(loaded.compute()[name], value, err_msg=name)
+
+
+# ------------------------------------------------------ the representations
+
+
+F32 = jnp.dtype(jnp.float32)
+
+
+def _as_int(words):
+    return sum(int(np.asarray(w, np.int64)) << (16 * i) for i, w in enumerate(words))
+
+
+@pytest.mark.parametrize(
+    "rep, a, b, exact",
+    [
+        (num.Plain(num.ReduceOp.MAX), jnp.float32(1), jnp.float32(3), 3),
+        (num.Plain(num.ReduceOp.SUM), jnp.int32(5), jnp.int32(-7), -2),
+        (num.Compensated(), jnp.float32(2**24), jnp.float32(1), 2**24 + 1),
+        (num.Carried(), jnp.int32(2**31 - 1), jnp.int32(2**31 - 1), 2**32 - 2),
+        (num.Folded(fold=jnp.minimum), jnp.float32(4), jnp.float32(2), 2),
+    ],
+    ids=lambda x: type(x).__name__ if isinstance(x, num.Plain) else "",
+)
+def test_every_representation_answers_the_same_questions(rep, a, b, exact):
+    words = rep.add(rep.start(a), rep.encode(b))
+    assert len(words) == (2 if rep.second else 1)
+    if isinstance(rep, num.Carried):
+        assert _as_int(words) == exact
+        assert float(rep.value_as(words, F32)) == float(np.float32(exact))
+        assert int(rep.value(words)) == 2**31 - 1  # saturated, never wrapped
+    else:
+        assert sum(float(w) for w in words) == exact
+    # A state dict's words load back as they were; a missing second word is 0.
+    loaded = rep.load(words[0], words[1] if rep.second else None)
+    for x, y in zip(loaded, words, strict=True):
+        assert x.dtype == y.dtype and np.asarray(x) == np.asarray(y)
+    if rep.second:
+        alone = rep.load(words[0], None)
+        assert float(rep.value_as(alone, F32)) == float(words[0])
+    if not isinstance(rep, num.Folded):
+        # On one device, the sync parts reduce to themselves.
+        again = rep.from_sync_parts(rep.sync_parts(words, ()))
+        assert float(rep.value_as(again, F32)) == float(rep.value_as(words, F32))
