@@ -62,6 +62,7 @@ def test_host_integers_wider_than_int32():
     assert float(ed.Sum().update(wide).compute()) == float(np.float32(3e9 + 5))
     std = ed.Std().update(np.array([2**40, 2**40 + 2**20], np.int64))
     np.testing.assert_allclose(std.compute(), np.std([2.0**40, 2.0**40 + 2**20]))
+    assert float(ed.Std().update(2**40).update(2**40).compute()) == 0.0  # Python ints
     np.testing.assert_allclose(ed.Max().update(np.array([2**40, 7])).compute(), 2.0**40)
     with pytest.raises(ValueError, match=r"beyond what a carried int32 sum holds"):
         ed.Sum(jnp.int32).update(np.array([2**62, 2**62], np.int64))
