@@ -25,6 +25,11 @@ _S = TypeVar("_S", bound="_ConfusionScore")
 class _ConfusionScore(_ConfusionCounts):
     """`ConfusionMatrix`'s update with a boolean-only `mask`."""
 
+    def __init__(self, num_classes: int):
+        # Declared so that type checkers see this signature rather than the
+        # dataclass fields.
+        super().__init__(num_classes)
+
     def update(
         self: _S,
         logits_or_predictions: ArrayLike,
