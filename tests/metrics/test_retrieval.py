@@ -124,13 +124,19 @@ def test_single_queries():
     assert float(ed.MRR().update(scores, relevance).compute()) == pytest.approx(
         0.5 * (1 / 2) + 0.5 * (1 / 3)
     )
-    assert float(ed.PrecisionAtK(2).update(scores, relevance).compute()) == pytest.approx(0.25)
+    assert float(
+        ed.PrecisionAtK(2).update(scores, relevance).compute()
+    ) == pytest.approx(0.25)
     assert float(ed.RecallAtK(10).update(scores, relevance).compute()) == 1.0
-    assert float(ed.PrecisionAtK(10).update(scores, relevance).compute()) == pytest.approx(0.2)
+    assert float(
+        ed.PrecisionAtK(10).update(scores, relevance).compute()
+    ) == pytest.approx(0.2)
     nothing = np.zeros_like(relevance)
     for metric in (ed.MRR(), ed.RecallAtK(2), ed.NDCGAtK(2), ed.PrecisionAtK(2)):
         assert float(metric.update(scores, nothing).compute()) == 0.0
         assert np.isnan(metric.update(scores, relevance, np.zeros(1, bool)).compute())
     # A NaN score ranks last.
     nan = np.array([[np.nan, 0.1, 0.2]], np.float32)
-    assert float(ed.MRR().update(nan, np.array([[1.0, 0, 0]])).compute()) == pytest.approx(1 / 3)
+    assert float(
+        ed.MRR().update(nan, np.array([[1.0, 0, 0]])).compute()
+    ) == pytest.approx(1 / 3)
