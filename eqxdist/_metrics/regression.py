@@ -162,11 +162,12 @@ class MeanSquaredLogError(_MeanError):
         for name, x in (("preds", preds), ("targets", targets)):
             if not (is_concrete(x) and is_concrete(weights)):
                 continue
-            bad = np.asarray((x <= -1) & (weights != 0))
+            values = np.asarray(x)
+            bad = (values <= -1) & np.asarray(weights != 0)
             if bad.any():
                 index = int(np.argmax(bad))
                 raise ValueError(
-                    f"{caller}: `{name}` holds {float(x[index])!r} (flat index "
+                    f"{caller}: `{name}` holds {values[index]} (flat index "
                     f"{index}), but the log error needs values > -1."
                 )
 
