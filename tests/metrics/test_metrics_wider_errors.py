@@ -78,7 +78,7 @@ CASES = [
     (
         lambda: ed.AveragePrecision().update(Y, Y),
         TypeError,
-        r"AveragePrecision.update: `scores` must be floats in \[0, 1\], got dtype int32",
+        r"AveragePrecision.update: `scores` must be floats in \[0, 1\], got dtype int",
     ),
     (
         lambda: ed.AveragePrecision().update(X, Y, mask=np.array([1.0, 0.5, 0, 1])),
