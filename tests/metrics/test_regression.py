@@ -5,6 +5,7 @@ unweighted and weighted; constant targets and weight-0 NaNs."""
 import jax
 import numpy as np
 import pytest
+from hypothesis import given, settings, strategies as st
 from jax.sharding import PartitionSpec as P
 from sklearn import metrics as skm
 
@@ -149,3 +150,33 @@ def test_moments_stay_accurate_with_a_large_offset():
     np.testing.assert_allclose(
         pearson.compute(), np.corrcoef(p32.ravel(), t32.ravel())[0, 1], atol=1e-4
     )
+
+
+@jax.jit
+def _split_and_merge(p, t, w, assign):
+    """Three states of a split of the same data (by weight 0 elsewhere), merged in
+    several orders, and the state of the whole."""
+    out = {}
+    for name in ("r2", "pearson", "mse"):
+        kind = KINDS[name]
+        a, b, c = (kind().update(p, t, w * (assign == k)) for k in range(3))
+        out[name] = [
+            kind().update(p, t, w).compute(),
+            a.merge(b).merge(c).compute(),
+            a.merge(b.merge(c)).compute(),
+            c.merge(a).merge(b).compute(),
+        ]
+    return out
+
+
+@settings(max_examples=8, deadline=None)
+@given(st.integers(0, 2**32 - 1))
+def test_merges_are_exact_in_any_order(seed):
+    rng = np.random.default_rng(seed)
+    p = (rng.normal(size=24) * rng.uniform(0.1, 100)).astype(np.float32)
+    t = (p * rng.normal() + rng.normal(size=24) + rng.normal() * 50).astype(np.float32)
+    w = rng.random(24).astype(np.float32)
+    assign = rng.integers(0, 3, 24)
+    for name, (whole, *merged) in _split_and_merge(p, t, w, assign).items():
+        for value in merged:
+            np.testing.assert_allclose(value, whole, rtol=1e-4, atol=1e-5, err_msg=name)
