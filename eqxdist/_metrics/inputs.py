@@ -152,8 +152,10 @@ def counted_mask(
     caller: str,
     *,
     has_weights: bool = False,
+    target: str = "`labels`",
 ) -> Array:
-    """The boolean mask of the examples to count (all when `mask` is `None`).
+    """The boolean mask of the examples to count (all when `mask` is `None`),
+    broadcast to `shape` (that of `target`, as error messages name it).
 
     A mask is boolean: a float such as `[0.5, 1, 0]` (sample weights, in other
     libraries) or an int such as -1 has no single reading, so it is a `TypeError`
@@ -161,7 +163,7 @@ def counted_mask(
     if mask is None:
         return jnp.ones(shape, bool)
     mask = as_array(mask, caller, "mask")
-    mask = check_broadcast(mask, shape, caller, "mask", "`labels`")
+    mask = check_broadcast(mask, shape, caller, "mask", target)
     if mask.dtype != jnp.bool_:
         hint = (
             "pass per-example weights as `weights=` instead"
