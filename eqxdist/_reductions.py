@@ -16,8 +16,9 @@ from typing import Any, Literal, TypeAlias
 import equinox as eqx
 import jax
 import jax.numpy as jnp
-from jax._src.lax.parallel import all_gather_invariant
 from jaxtyping import PyTree
+
+from ._jax import all_gather_invariant
 
 from ._utils import (
     AxisName,
