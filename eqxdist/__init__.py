@@ -63,7 +63,6 @@ from ._metrics import (
     Sum as Sum,
     print_metrics as print_metrics,
 )
-from ._partition import fsdp_specs as fsdp_specs
 from ._reductions import (
     DistributedMetrics as DistributedMetrics,
     all_gather as all_gather,
@@ -74,6 +73,7 @@ from ._reductions import (
     reduce_min as reduce_min,
     reduce_sum as reduce_sum,
 )
+from ._rules import fsdp_specs as fsdp_specs
 from ._steps import TrainStep as TrainStep, make_train_step as make_train_step
 from ._train import (
     TrainState as TrainState,

@@ -87,7 +87,8 @@ def detected_cluster() -> str | None:
         if env.opt_in_only_method or not env.is_env_present():
             continue
         if env.get_process_count() > 1:
-            return env.__name__
+            name: str = env.__name__
+            return name
     return None
 
 

@@ -19,7 +19,6 @@ import jax.numpy as jnp
 from jaxtyping import PyTree
 
 from ._jax import all_gather_invariant
-
 from ._utils import (
     AxisName,
     check_array_leaves,

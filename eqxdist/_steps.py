@@ -65,7 +65,7 @@ class TrainStep:
     def model_specs(self, model: Any) -> Any:
         """The `PartitionSpec` of every array leaf of `model` under this step's
         layout (`None` at other leaves)."""
-        return self.layout.model_specs(model)
+        return self.layout.plan(model).specs
 
     def state_specs(self, state: TrainState) -> Any:
         """The `PartitionSpec` of every array leaf of `state` under this step's

@@ -457,9 +457,8 @@ class StepMath(eqx.Module):
         layout = self.layout
         axes = layout.data_axes
         layout.check_rows(batch, self.num_minibatches, traced=True)
-        specs = layout.state_specs(state, self.optimizer)
-        manual = layout.manual_specs(state.model, specs.model)
-        gspecs = layout.gather_specs(state.model, specs.model)
+        plan = layout.plan(state.model)
+        manual = plan.manual
         mask = state.trainable_mask()
         (
             (params, frozen, static),
@@ -472,7 +471,7 @@ class StepMath(eqx.Module):
         cast = self.compute_dtype
 
         def gather(tree: Any) -> Any:
-            return layout.gather(tree, gspecs)
+            return plan.gathered(tree)
 
         def materialise(p: Any) -> Any:
             # Cast before the gather, so that FSDP's all-gathers (and the
