@@ -222,7 +222,8 @@ def make_eval_step(
       `(sum, count)` tuples (sum them with the mask).
     - `mesh`, `strategy`, `data_axis`, `min_weight_size`, `fsdp_axis`,
       `param_rules`, `fsdp_layout`: the layout, as for `make_train_step` (use the
-      same as the training step's, so that its state needs no copy).
+      same as the training step's, so that its state needs no copy). `"zero1"`
+      lays out the model as `"dp"` (an evaluation has no optimizer state).
     - `compute_dtype`: the dtype trained parameters are cast to, as in training.
 
     **Returns:**

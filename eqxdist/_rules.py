@@ -200,7 +200,7 @@ class ParamRules:
 
     def __init__(
         self,
-        rules: ParamRuleSpecs,
+        rules: Sequence[Any],
         mesh: Mesh,
         data_axes: tuple[str, ...],
         caller: str,
