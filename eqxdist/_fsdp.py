@@ -138,12 +138,19 @@ def _gather_fwd(x: jax.Array, dim: int, axis_name: str) -> tuple[jax.Array, None
     return _gather(x, dim, axis_name), None
 
 
+def scatter_mean(g: jax.Array, dim: int, axis_name: str) -> jax.Array:
+    """Inside `shard_map`: the mean over `axis_name` of every device's `g`, each
+    device keeping its block along `dim` (a reduce-scatter)."""
+    size = jax.lax.axis_size(axis_name)
+    scattered = jax.lax.psum_scatter(g, axis_name, scatter_dimension=dim, tiled=True)
+    mean: jax.Array = scattered / size
+    return mean
+
+
 def _gather_bwd(dim: int, axis_name: str, _: None, g: jax.Array) -> tuple[jax.Array]:
     # Each device's cotangent is its own gradient of the full parameter; summing
     # them onto the owning shard and dividing gives the data-parallel mean.
-    size = jax.lax.axis_size(axis_name)
-    scattered = jax.lax.psum_scatter(g, axis_name, scatter_dimension=dim, tiled=True)
-    return (scattered / size,)
+    return (scatter_mean(g, dim, axis_name),)
 
 
 _gather.defvjp(_gather_fwd, _gather_bwd)

@@ -120,7 +120,12 @@ class Layout:
         self.fsdp_axis = sharded_over if strategy in _SHARDED else None
         self.rules = ParamRules(param_rules, mesh, data_axes, caller)
         self.plan = Planner(
-            mesh, data_axes=data_axes, fsdp=self.fsdp, rules=self.rules, caller=caller
+            mesh,
+            data_axes=data_axes,
+            fsdp=self.fsdp,
+            rules=self.rules,
+            caller=caller,
+            zero1=self.opt_fsdp,
         )
         self.batch_spec = P(data_axes[0] if len(data_axes) == 1 else data_axes)
         self.batch_sharding = NamedSharding(mesh, self.batch_spec)

@@ -14,9 +14,16 @@ from typing import Any
 import jax
 from jax.sharding import Mesh, PartitionSpec as P
 
-from ._fsdp import gather_params
-from ._rules import FsdpRule, ParamRules, leaf_plan, restrict, spec_axes
-from ._utils import is_array_like, path_str
+from ._fsdp import gather_params, scatter_mean, sync_gradients
+from ._rules import (
+    FsdpRule,
+    ParamRules,
+    leaf_plan,
+    restrict,
+    sharded_dim,
+    spec_axes,
+)
+from ._utils import is_array, is_array_like, path_str
 
 
 @dataclasses.dataclass(frozen=True)
@@ -30,12 +37,44 @@ class ModelPlan:
       axes stay with XLA).
     - `gather`: the specs with which the step all-gathers the model inside
       `shard_map` (`fsdp_axis` only; `None` without FSDP).
+    - `scatter`: under ZeRO-1, the data-axis specs of the gradients as they leave
+      `shard_map`: reduce-scattered over `fsdp_axis` where the optimizer state
+      is sharded, so each device updates its share; `None` otherwise (gradients
+      leave as `manual` says).
     """
 
     specs: Any
     manual: Any
     gather: Any
     fsdp_axis: str | None
+    scatter: Any = None
+
+    @property
+    def grad_specs(self) -> Any:
+        """The `out_specs` of the gradients of the step's `shard_map`."""
+        return self.manual if self.scatter is None else self.scatter
+
+    def reduce_gradients(self, grads: Any, axes: tuple[str, ...]) -> Any:
+        """Inside the step's `shard_map`: each device's gradients averaged over the
+        data `axes` where they are not yet (`sync_gradients`), and under ZeRO-1
+        reduce-scattered to the optimizer state's shards (one reduce-scatter moves
+        what an all-reduce would, and the update runs on the shards)."""
+        if self.scatter is None or self.fsdp_axis is None:
+            return sync_gradients(grads, self.manual, axes)
+        axis = self.fsdp_axis
+
+        def scatter(spec: P | None, g: Any) -> Any:
+            dim = sharded_dim(spec, axis) if is_array(g) else None
+            return g if dim is None else scatter_mean(g, dim, axis)
+
+        # The specs lead: gradients of frozen leaves are `None` where specs are not.
+        scattered = jax.tree.map(
+            scatter,
+            self.scatter,
+            grads,
+            is_leaf=lambda x: x is None or isinstance(x, P),
+        )
+        return sync_gradients(scattered, self.scatter, axes)
 
     def gathered(self, tree: Any) -> Any:
         """Inside the step's `shard_map`: `tree`'s FSDP shards all-gathered as
@@ -52,9 +91,12 @@ def plan_model(
     fsdp: FsdpRule | None,
     rules: ParamRules,
     caller: str,
+    zero1: FsdpRule | None = None,
 ) -> ModelPlan:
     """The plan of `model` when its leaves are sharded by `fsdp` (`None`: not at all
-    over the data axes) and `rules` over the other axes.
+    over the data axes) and `rules` over the other axes; under ZeRO-1 (`zero1`:
+    the FSDP rule of the optimizer state) the gradients leave `shard_map` sharded
+    as the optimizer state is.
 
     A leaf the step gathers that is sharded over rule axes too enters `shard_map`
     unsharded over the data axes: XLA's partitioner replicates the operand of a
@@ -74,11 +116,23 @@ def plan_model(
             for x, r in zip(leaves, rule_specs, strict=True)
         ]
         manual = [restrict(s, data_axes) for s in specs]
+        scatter = None
+        if zero1 is not None:
+            scatter = jax.tree.unflatten(
+                treedef,
+                [
+                    None
+                    if s is None
+                    else restrict(zero1.spec(tuple(x.shape), s), data_axes)
+                    for x, s in zip(leaves, specs, strict=True)
+                ],
+            )
         return ModelPlan(
             jax.tree.unflatten(treedef, specs),
             jax.tree.unflatten(treedef, manual),
             None,
-            None,
+            None if zero1 is None else zero1.axis_name,
+            scatter,
         )
     specs, own = leaf_plan(model, fsdp, rule_specs, paths, caller)
     boundary = [
@@ -123,10 +177,12 @@ class Planner:
         fsdp: FsdpRule | None,
         rules: ParamRules,
         caller: str,
+        zero1: FsdpRule | None = None,
     ) -> None:
         self.mesh = mesh
         self.data_axes = data_axes
         self.fsdp = fsdp
+        self.zero1 = zero1
         self.rules = rules
         self.caller = caller
         self._plans: dict[Any, ModelPlan] = {}
@@ -140,5 +196,6 @@ class Planner:
                 fsdp=self.fsdp,
                 rules=self.rules,
                 caller=self.caller,
+                zero1=self.zero1,
             )
         return self._plans[key]

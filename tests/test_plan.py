@@ -170,7 +170,12 @@ def test_zero1_state_specs(mesh8):
     assert specs.opt_state[0].mu == fsdp.opt_state[0].mu
     assert _weights(specs.opt_state[0].nu) == [P("data", None)] * 3
     assert specs.opt_state[0].count == P()
-    assert layout.plan(state.model).gather is None
+    plan = layout.plan(state.model)
+    assert plan.gather is None
+    # Gradients leave shard_map reduce-scattered as the optimizer state is sharded.
+    assert _weights(plan.scatter) == [P("data")] * 3
+    assert plan.grad_specs is plan.scatter
+    assert _layout(mesh8).plan(state.model).grad_specs is not None
 
 
 def test_zero1_with_rules(tp_mesh):

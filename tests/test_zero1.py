@@ -192,3 +192,30 @@ def test_zero1_errors(mesh8):
             strategy="zero1",
             fsdp_axis="model",
         )
+
+
+def test_zero1_with_frozen_leaves(mesh8):
+    """Frozen leaves get no optimizer state and no gradient to scatter."""
+    batches = _batches(steps=2)
+    model = MLP(jax.random.key(0))
+    trainable = eqx.tree_at(
+        lambda m: m.layers[1], jax.tree.map(lambda _: True, model), replace=False
+    )
+    step = ed.make_train_step(
+        loss_fn, OPTIMIZER, mesh8, strategy="zero1", min_weight_size=MIN_WEIGHT_SIZE
+    )
+    state = ed.TrainState.create(
+        model, OPTIMIZER, jax.random.key(1), trainable=trainable
+    )
+    for batch in batches:
+        state, _ = step(state, batch)
+    trained, frozen = eqx.partition(model, trainable)
+    opt_state = OPTIMIZER.init(trained)
+    for batch in batches:
+        grads = eqx.filter_grad(
+            lambda t, b=batch: loss_fn(eqx.combine(t, frozen), b, None)[0]
+        )(trained)
+        updates, opt_state = OPTIMIZER.update(grads, opt_state, trained)
+        trained = eqx.apply_updates(trained, updates)
+    assert _max_diff(state.model, eqx.combine(trained, frozen)) < 1e-5
+    assert _max_diff(state.model.layers[1], model.layers[1]) == 0.0
