@@ -83,7 +83,8 @@ class Layout:
         if strategy not in STRATEGIES:
             raise ValueError(
                 f"{caller}: unknown strategy {strategy!r}; use one of "
-                f"{list(STRATEGIES)}."
+                f"{list(STRATEGIES[:2])} (parameters replicated or sharded) or "
+                f"{STRATEGIES[2]!r} (only the optimizer state sharded)."
             )
         data_axes = axis_names(data_axis)
         if not data_axes:
