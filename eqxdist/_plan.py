@@ -57,8 +57,9 @@ class ModelPlan:
     def reduce_gradients(self, grads: Any, axes: tuple[str, ...]) -> Any:
         """Inside the step's `shard_map`: each device's gradients averaged over the
         data `axes` where they are not yet (`sync_gradients`), and under ZeRO-1
-        reduce-scattered to the optimizer state's shards (one reduce-scatter moves
-        what an all-reduce would, and the update runs on the shards)."""
+        reduce-scattered to the optimizer state's shards, so the update runs on
+        the shards (this reduce-scatter and the all-gather of the updated
+        parameters move what data parallelism's all-reduce moves)."""
         if self.scatter is None or self.fsdp_axis is None:
             return sync_gradients(grads, self.manual, axes)
         axis = self.fsdp_axis
