@@ -84,7 +84,6 @@ from ._metrics import (
     Sum as Sum,
     print_metrics as print_metrics,
 )
-from ._partition import fsdp_specs as fsdp_specs
 from ._reductions import (
     all_gather as all_gather,
     collect_from_devices as collect_from_devices,
@@ -94,6 +93,7 @@ from ._reductions import (
     reduce_min as reduce_min,
     reduce_sum as reduce_sum,
 )
+from ._rules import fsdp_specs as fsdp_specs
 from ._steps import TrainStep as TrainStep, make_train_step as make_train_step
 from ._train import (
     TrainState as TrainState,

@@ -8,9 +8,9 @@ from typing import Any
 
 import jax
 import numpy as np
-from jax._src.xla_bridge import backends_are_initialized
 from jax.sharding import AxisType, Mesh
 
+from ._jax import backends_are_initialized
 from ._utils import typecheck
 
 MeshShape = Mapping[str, int] | Sequence[tuple[str, int]]

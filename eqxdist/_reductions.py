@@ -15,9 +15,9 @@ from typing import Any, Literal, TypeAlias
 
 import jax
 import jax.numpy as jnp
-from jax._src.lax.parallel import all_gather_invariant
 from jaxtyping import PyTree
 
+from ._jax import all_gather_invariant
 from ._utils import (
     AxisName,
     check_array_leaves,
