@@ -1,7 +1,7 @@
-"""The object forms of the module functions, for code ported from Artifex or datarax
-(see docs/migration.md): each class binds one default (a device list, a data axis, a
-metric axis) and its methods call the module functions of the same names. New code
-calls the functions directly."""
+"""The object forms of the module functions, for code written against
+object-style APIs (see docs/migration.md): each class binds one default (a device
+list, a data axis, a metric axis) and its methods call the module functions of the
+same names. New code calls the functions directly."""
 
 from collections.abc import Mapping, Sequence
 from typing import Any

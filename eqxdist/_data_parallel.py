@@ -1,5 +1,4 @@
-"""Placing batches and model state on a mesh, and all-reducing gradients
-(Artifex `DataParallel`, datarax `data_parallel`)."""
+"""Placing batches and model state on a mesh, and all-reducing gradients."""
 
 import functools
 import math

@@ -354,7 +354,7 @@ class FSDP(SelfGathering):
         - `min_weight_size`: leaves with at most this many elements are replicated.
         - `remat`: re-gather the parameters in the backward pass instead of keeping
           them from the forward pass (less memory, one more all-gather).
-        - `layout`: `"largest"` (the tutorial's rule) or `"leading"` (contiguous
+        - `layout`: `"largest"` (`fsdp_specs`' rule) or `"leading"` (contiguous
           shards, faster collectives); see `fsdp_specs`.
 
         **Raises:**

@@ -1,4 +1,5 @@
-"""Building device meshes (Artifex `DeviceMeshManager`, datarax `device_mesh`)."""
+"""Building device meshes: named axes over the devices of every process, and
+simulated CPU devices for running multi-device code on one machine."""
 
 import math
 import os

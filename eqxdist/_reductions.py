@@ -1,4 +1,4 @@
-"""Reducing pytrees of metrics across devices (Artifex/datarax `DistributedMetrics`).
+"""Reducing pytrees of metrics across devices.
 
 Two modes, chosen by `axis_name`:
 

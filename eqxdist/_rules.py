@@ -23,7 +23,7 @@ from jaxtyping import PyTree
 from ._utils import check_min_weight_size, is_array_like, typecheck
 
 LAYOUTS = ("largest", "leading")
-"""The FSDP layouts: `"largest"` (the tutorial's rule: the largest divisible
+"""The FSDP layouts: `"largest"` (the largest divisible
 dimension, ties to the later one) and `"leading"` (the first divisible dimension, so
 every shard is one contiguous block of the row-major array)."""
 
@@ -140,7 +140,7 @@ def fsdp_specs(
 ) -> PyTree[Any]:
     """The `PartitionSpec` FSDP gives each array leaf of `tree`.
 
-    The rule (the UvA scaling tutorial's): a leaf with `size <= min_weight_size` is
+    The rule: a leaf with `size <= min_weight_size` is
     replicated (`P()`); otherwise its largest dimension that `axis_size` divides is
     sharded over `axis_name` (on a tie, the later dimension); if no dimension divides,
     it is replicated. Small leaves stay whole because splitting them saves little
@@ -161,7 +161,7 @@ def fsdp_specs(
     - `axis_size`: the number of devices along `axis_name`.
     - `axis_name`: the mesh axis parameters are sharded over.
     - `min_weight_size`: leaves with at most this many elements are replicated.
-    - `layout`: `"largest"` (the tutorial's rule, the default) or `"leading"`.
+    - `layout`: `"largest"` (the default) or `"leading"`.
 
     **Returns:**
 
@@ -180,7 +180,7 @@ def fsdp_specs(
                       min_weight_size=16)
         # {"w": P("data", None), "b": P()}
         ed.fsdp_specs({"w": jnp.zeros((256, 512))}, 8, layout="leading")
-        # {"w": P("data", None)}  (the tutorial's rule: P(None, "data"))
+        # {"w": P("data", None)}  (`"largest"`: P(None, "data"))
         ```
     """
     if axis_size < 1:

@@ -1,8 +1,8 @@
-"""Stateful distributed metrics (d9d `Metric`, torchmetrics, CLU): the `Metric` base,
-and `MetricCollection`. The aggregations (`Sum`, `Mean`, `Max`, `Min`, `Std`,
-`LastValue`) live in `_aggregation.py`, classification metrics in
-`_classification.py` and `_confusion.py`, and the state they are all made of
-(`MetricAccumulator`) in `_accumulator.py`.
+"""Stateful distributed metrics: the `Metric` base every metric implements
+(update, merge, sync, compute) and `MetricCollection`, which syncs many metrics with
+one all-reduce per (op, dtype). The metrics themselves live beside it
+(`aggregation.py`, `classification.py`, `confusion.py`, `regression.py`, ...), and
+the state they are all made of (`MetricAccumulator`) in `accumulator.py`.
 
 A metric is an immutable `eqx.Module` made of `MetricAccumulator`s. Each accumulator
 holds a *linearly additive* state (a sum, a count, a running maximum or minimum),
