@@ -1,8 +1,11 @@
 """Synchronizing metric collections over 8 devices: three strategies side by side.
 
-Two collections: `basic`, 16 scalar metrics (4 Mean, 4 Accuracy, 4 Sum, 2 Max,
-2 Min), and `evaluation`, what a real classifier evaluation holds (accuracy, top-5
-accuracy, macro-F1, a 10x10 confusion matrix, a 200-bin AUROC, the mean loss).
+Three collections: `basic`, 16 scalar metrics (4 Mean, 4 Accuracy, 4 Sum, 2 Max,
+2 Min); `evaluation`, what a real classifier evaluation holds (accuracy, top-5
+accuracy, macro-F1, a 10x10 confusion matrix, a 200-bin AUROC, the mean loss);
+and `regression_ranking`, a regression and ranking evaluation (MSE, RMSE, MAE,
+R2, Pearson correlation, a 200-bin average precision, precision, recall and
+NDCG at 5, MRR, the mean loss), whose R2 and correlation are folded states.
 
 - `grouped (eqxdist)`: `MetricCollection.sync`, one collective per (ReduceOp, dtype).
 - `per-state (torchmetrics/d9d)`: one all-reduce per accumulator (`acc.sync()` each).
@@ -82,6 +85,44 @@ def _evaluation(classes: int) -> ed.MetricCollection:
     )
 
 
+def _regression_ranking() -> ed.MetricCollection:
+    return ed.MetricCollection(
+        {
+            "mse": ed.MeanSquaredError(),
+            "rmse": ed.MeanSquaredError(squared=False),
+            "mae": ed.MeanAbsoluteError(),
+            "r2": ed.R2Score(),
+            "pearson": ed.PearsonCorrCoef(),
+            "ap": ed.AveragePrecision(),
+            "p@5": ed.PrecisionAtK(5),
+            "r@5": ed.RecallAtK(5),
+            "ndcg@5": ed.NDCGAtK(5),
+            "mrr": ed.MRR(),
+            "loss": ed.Mean(),
+        }
+    )
+
+
+def _update_regression_ranking(
+    metrics: ed.MetricCollection, x: jax.Array, y: jax.Array
+) -> Any:
+    # Regression of x[:, 1] from x[:, 0]; ranking of the classes of each row
+    # (one query per row, the label the relevant item, graded by its score).
+    preds, targets = x[:, 0], 0.5 * x[:, 0] + x[:, 1]
+    relevance = jax.nn.one_hot(y, x.shape[-1]) * (1 + (x[:, :1] > 0))
+    retrieval = (x, relevance)
+    return metrics.update(
+        mse=(preds, targets),
+        rmse=(preds, targets),
+        mae=(preds, targets),
+        r2=(preds, targets),
+        pearson=(preds, targets),
+        ap=(jax.nn.sigmoid(x[:, 0]), (y == 0).astype(jnp.int32)),
+        **{name: retrieval for name in ("p@5", "r@5", "ndcg@5", "mrr")},
+        loss=((preds - targets) ** 2,),
+    )
+
+
 def _update_evaluation(metrics: ed.MetricCollection, x: jax.Array, y: jax.Array) -> Any:
     probabilities = jax.nn.softmax(x)
     loss = -jnp.take_along_axis(jax.nn.log_softmax(x), y[:, None], -1)[:, 0]
@@ -104,6 +145,14 @@ def _update_basic(metrics: ed.MetricCollection, x: jax.Array, y: jax.Array) -> A
         else:
             updates[name] = (x[:, i % x.shape[-1]] * (i + 1),)
     return metrics.update(**updates)
+
+
+# name: (classes in the inputs, the collection, its update)
+_COLLECTIONS: dict[str, tuple[int, Callable[[], Any], Callable[..., Any]]] = {
+    "basic": (4, _basic, _update_basic),
+    "evaluation": (10, lambda: _evaluation(10), _update_evaluation),
+    "regression_ranking": (10, _regression_ranking, _update_regression_ranking),
+}
 
 
 def _per_state(metrics: Any) -> Any:
@@ -183,12 +232,11 @@ def _run_collection(
 ) -> list[dict[str, Any]]:
     mesh = ed.create_data_parallel_mesh()
     n = mesh.size
-    classes = 4 if kind == "basic" else 10
+    classes, build, update = _COLLECTIONS[kind]
     key_x, key_y = jax.random.split(jax.random.key(0))
     x = jax.random.normal(key_x, (batch_per_device * n, classes))
     y = jax.random.randint(key_y, (batch_per_device * n,), 0, classes)
-    metrics = _basic() if kind == "basic" else _evaluation(classes)
-    update = _update_basic if kind == "basic" else _update_evaluation
+    metrics = build()
     states = len(jax.tree.leaves(metrics, is_leaf=_is_accumulator))
     label = f"{len(metrics)} {kind}"
 
@@ -235,7 +283,7 @@ def run(
     batch_per_device: int = 32,
     rounds: int = 5,
     calls: int = 40,
-    collections: Sequence[str] = ("basic", "evaluation"),
+    collections: Sequence[str] = ("basic", "evaluation", "regression_ranking"),
 ) -> list[dict[str, Any]]:
     """Compile and time every strategy on all devices; one row per (collection,
     strategy).
@@ -252,13 +300,13 @@ def run(
 
 def format_table(rows: Sequence[dict[str, Any]]) -> str:
     header = (
-        f"{'metrics':14} {'strategy':30} {'lowered':>7} {'compiled':>8} "
+        f"{'metrics':21} {'strategy':30} {'lowered':>7} {'compiled':>8} "
         f"{'result B':>9} {'sent B':>7} {'time us':>8} {'x grouped':>9}"
     )
     lines = [header, "-" * len(header)]
     for r in rows:
         lines.append(
-            f"{r['metrics']:14} {r['strategy']:30} {r['lowered']:>7} "
+            f"{r['metrics']:21} {r['strategy']:30} {r['lowered']:>7} "
             f"{r['compiled']:>8} {r['result_bytes']:>9} {r['sent_bytes']:>7} "
             f"{r['time_us']:>8.0f} {r['time_vs_grouped']:>9.2f}"
         )
@@ -273,8 +321,8 @@ def main(argv: Sequence[str] | None = None) -> list[dict[str, Any]]:
     parser.add_argument(
         "--collections",
         nargs="+",
-        default=["basic", "evaluation"],
-        choices=["basic", "evaluation"],
+        default=list(_COLLECTIONS),
+        choices=list(_COLLECTIONS),
     )
     parser.add_argument(
         "--no-combiner",

@@ -10,9 +10,13 @@ from ._checkpoint import (
     restore_checkpoint as restore_checkpoint,
     save_checkpoint as save_checkpoint,
 )
+from ._compat import (
+    DataParallel as DataParallel,
+    DeviceMeshManager as DeviceMeshManager,
+    DistributedMetrics as DistributedMetrics,
+)
 from ._data import BatchLoader as BatchLoader
 from ._data_parallel import (
-    DataParallel as DataParallel,
     all_reduce_gradients as all_reduce_gradients,
     create_data_parallel_sharding as create_data_parallel_sharding,
     replicate_params as replicate_params,
@@ -49,7 +53,6 @@ from ._loop import (
     train_loop as train_loop,
 )
 from ._mesh import (
-    DeviceMeshManager as DeviceMeshManager,
     create_data_parallel_mesh as create_data_parallel_mesh,
     create_device_mesh as create_device_mesh,
     create_hybrid_mesh as create_hybrid_mesh,
@@ -59,29 +62,44 @@ from ._mesh import (
 )
 from ._metrics import (
     AUROC as AUROC,
+    MRR as MRR,
+    PSNR as PSNR,
+    SSIM as SSIM,
     Accuracy as Accuracy,
+    AveragePrecision as AveragePrecision,
+    CalibrationError as CalibrationError,
+    CohenKappa as CohenKappa,
     ConfusionMatrix as ConfusionMatrix,
     F1Score as F1Score,
     FBetaScore as FBetaScore,
     FoldAccumulator as FoldAccumulator,
+    JaccardIndex as JaccardIndex,
     LastValue as LastValue,
+    MatthewsCorrCoef as MatthewsCorrCoef,
     Max as Max,
     Mean as Mean,
+    MeanAbsoluteError as MeanAbsoluteError,
+    MeanSquaredError as MeanSquaredError,
+    MeanSquaredLogError as MeanSquaredLogError,
     Metric as Metric,
     MetricAccumulator as MetricAccumulator,
     MetricCollection as MetricCollection,
     Min as Min,
+    NDCGAtK as NDCGAtK,
+    PearsonCorrCoef as PearsonCorrCoef,
     Perplexity as Perplexity,
     Precision as Precision,
+    PrecisionAtK as PrecisionAtK,
+    R2Score as R2Score,
     Recall as Recall,
+    RecallAtK as RecallAtK,
     ReduceOp as ReduceOp,
+    Specificity as Specificity,
     Std as Std,
     Sum as Sum,
     print_metrics as print_metrics,
 )
-from ._partition import fsdp_specs as fsdp_specs
 from ._reductions import (
-    DistributedMetrics as DistributedMetrics,
     all_gather as all_gather,
     collect_from_devices as collect_from_devices,
     reduce_custom as reduce_custom,
@@ -90,6 +108,7 @@ from ._reductions import (
     reduce_min as reduce_min,
     reduce_sum as reduce_sum,
 )
+from ._rules import fsdp_specs as fsdp_specs
 from ._steps import TrainStep as TrainStep, make_train_step as make_train_step
 from ._train import (
     TrainState as TrainState,

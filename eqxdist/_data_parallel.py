@@ -1,5 +1,4 @@
-"""Placing batches and model state on a mesh, and all-reducing gradients
-(Artifex `DataParallel`, datarax `data_parallel`)."""
+"""Placing batches and model state on a mesh, and all-reducing gradients."""
 
 import functools
 import math
@@ -12,7 +11,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from jaxtyping import PyTree
 
-from ._partition import fsdp_specs
+from ._rules import fsdp_specs
 from ._utils import (
     AxisName,
     axis_names,
@@ -252,69 +251,3 @@ def all_reduce_gradients(
     check_array_leaves(gradients, "all_reduce_gradients", "gradients", keys="reduced")
     reduce = _GRADIENT_REDUCTIONS[reduce_type]
     return map_arrays(lambda g: reduce(g, names), gradients)
-
-
-class DataParallel(eqx.Module):
-    """The data-parallel helpers bound to one data axis (Artifex's `DataParallel`).
-
-    `DataParallel(data_axis="data")`; each method takes the arguments of the
-    module-level function of the same name, with the axis defaulting to `data_axis`.
-
-    !!! Example
-
-        ```python
-        dp = ed.DataParallel()
-        batch = dp.shard_batch(batch, dp.create_data_parallel_sharding(mesh))
-        ```
-    """
-
-    data_axis: str = eqx.field(default="data", static=True)
-
-    def __check_init__(self) -> None:
-        if not isinstance(self.data_axis, str) or not self.data_axis:
-            raise TypeError(
-                f"DataParallel: `data_axis` must be a mesh axis name (a non-empty "
-                f"str); got {self.data_axis!r}."
-            )
-
-    def create_data_parallel_sharding(
-        self, mesh: Mesh, data_axis: str | None = None
-    ) -> NamedSharding:
-        """`create_data_parallel_sharding` over `data_axis` (default this object's)."""
-        return create_data_parallel_sharding(mesh, data_axis or self.data_axis)
-
-    def shard_batch(self, batch: Any, sharding: NamedSharding) -> Any:
-        """`shard_batch`."""
-        return shard_batch(batch, sharding)
-
-    def shard_model_state(
-        self,
-        state: Any,
-        mesh: Mesh,
-        param_sharding: str = "replicate",
-        *,
-        axis_name: str | None = None,
-        min_weight_size: int = 2**18,
-    ) -> Any:
-        """`shard_model_state`; `"shard"` shards over this object's `data_axis` unless
-        `axis_name` is given."""
-        return shard_model_state(
-            state,
-            mesh,
-            param_sharding,
-            axis_name=axis_name or self.data_axis,
-            min_weight_size=min_weight_size,
-        )
-
-    def replicate_params(self, params: Any, mesh: Mesh) -> Any:
-        """`replicate_params`."""
-        return replicate_params(params, mesh)
-
-    def all_reduce_gradients(
-        self,
-        gradients: Any,
-        reduce_type: str = "mean",
-        axis_name: AxisName | None = None,
-    ) -> Any:
-        """`all_reduce_gradients` over `axis_name` (default this object's axis)."""
-        return all_reduce_gradients(gradients, reduce_type, axis_name or self.data_axis)

@@ -7,9 +7,9 @@ import sys
 from types import TracebackType
 
 import jax
-from jax._src import distributed as jax_distributed
 from jax.experimental import multihost_utils
 
+from ._jax import cluster_types, distributed_client
 from ._utils import typecheck
 
 # The environment `eqxdist.launch` gives each process (and that users may set by hand
@@ -80,16 +80,15 @@ def detected_cluster() -> str | None:
     This is the same search `jax.distributed.initialize()` does without arguments;
     an environment reporting a single process counts as none, so a plain
     `python train.py` inside a one-task allocation stays a plain process."""
-    # JAX keeps its detectors in a private registry; reading it means eqxdist
-    # recognises exactly the clusters `jax.distributed.initialize()` would.
-    from jax._src.clusters import ClusterEnv
-
-    for env in ClusterEnv._cluster_types:
+    # Reading JAX's own registry of detectors means eqxdist recognises exactly
+    # the clusters `jax.distributed.initialize()` would.
+    for env in cluster_types():
         # Opt-in detectors (mpi4py) only run when asked for by name.
         if env.opt_in_only_method or not env.is_env_present():
             continue
         if env.get_process_count() > 1:
-            return env.__name__
+            name: str = env.__name__
+            return name
     return None
 
 
@@ -135,7 +134,7 @@ def _drain_before_exit() -> None:
     # launchers do not) whose peers are stuck in a collective waiting for it, and a
     # collective would then wait for them without end. The coordinator's barrier
     # gives up instead.
-    client = jax_distributed.global_state.client
+    client = distributed_client()
     if client is not None:
         try:
             client.wait_at_barrier("eqxdist_exit", _EXIT_WAIT_SECONDS * 1000)

@@ -53,9 +53,8 @@ class EvalMath(eqx.Module):
     def __call__(self, inputs: EvalInput, batch: Any) -> tuple[EvalInput, Any]:
         layout = self.layout
         batch, mask = batch
-        specs = layout.model_specs(inputs.model)
-        manual = layout.manual_specs(inputs.model, specs)
-        gspecs = layout.gather_specs(inputs.model, specs)
+        plan = layout.plan(inputs.model)
+        manual = plan.manual
         (
             (trained, frozen, static),
             (ms_arrays, ms_static),
@@ -65,7 +64,7 @@ class EvalMath(eqx.Module):
         with_state = inputs.model_state is not None
 
         def gather(tree: Any) -> Any:
-            return layout.gather(tree, gspecs)
+            return plan.gathered(tree)
 
         def per_device(t: Any, f: Any, ms: Any, local: Any, local_mask: Any) -> Any:
             model = eqx.combine(gather(cast_floating(t, self.compute_dtype)), gather(f))
@@ -131,7 +130,7 @@ class EvalStep:
         )
 
     def _specs(self, inputs: EvalInput) -> Any:
-        model = self.layout.model_specs(inputs.model)
+        model = self.layout.plan(inputs.model).specs
         model_state = jax.tree.map(
             lambda x: P() if is_array(x) else None, inputs.model_state
         )
@@ -223,7 +222,8 @@ def make_eval_step(
       `(sum, count)` tuples (sum them with the mask).
     - `mesh`, `strategy`, `data_axis`, `min_weight_size`, `fsdp_axis`,
       `param_rules`, `fsdp_layout`: the layout, as for `make_train_step` (use the
-      same as the training step's, so that its state needs no copy).
+      same as the training step's, so that its state needs no copy). `"zero1"`
+      lays out the model as `"dp"` (an evaluation has no optimizer state).
     - `compute_dtype`: the dtype trained parameters are cast to, as in training.
 
     **Returns:**

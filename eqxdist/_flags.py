@@ -5,8 +5,8 @@ import os
 import pkgutil
 
 import jax
-from jax._src.xla_bridge import backends_are_initialized
 
+from ._jax import backends_are_initialized
 from ._utils import typecheck
 
 # Async collectives are XLA:GPU's default; these let the scheduler use them.

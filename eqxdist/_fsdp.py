@@ -17,15 +17,15 @@ from jax.sharding import Mesh, PartitionSpec as P
 from jaxtyping import PyTree
 
 from ._data_parallel import place
-from ._partition import (
+from ._rules import (
+    FsdpRule,
     SelfGathering,
     check_layout,
     fsdp_specs,
-    gather_specs as gather_specs,
-    has_fsdp_modules as has_fsdp_modules,
-    leaf_plan as leaf_plan,
-    leaf_spec as leaf_spec,
-    tree_specs as tree_specs,
+    leaf_plan,
+    merge_specs,
+    sharded_dim,
+    spec_axes,
 )
 from ._utils import (
     check_axis_bound,
@@ -35,27 +35,6 @@ from ._utils import (
     path_str,
     typecheck,
 )
-
-
-def spec_axes(spec: P | None) -> set[str]:
-    """Every mesh axis a `PartitionSpec` names."""
-    names: set[str] = set()
-    for entry in spec or ():
-        if isinstance(entry, str):
-            names.add(entry)
-        elif isinstance(entry, tuple):
-            names.update(entry)
-    return names
-
-
-def sharded_dim(spec: P | None, axis_name: str) -> int | None:
-    """The dimension `spec` shards over `axis_name` alone, or `None`."""
-    if spec is None:
-        return None
-    for dim, entry in enumerate(spec):
-        if entry == axis_name or entry == (axis_name,):
-            return dim
-    return None
 
 
 def _is_spec_leaf(x: Any) -> bool:
@@ -159,12 +138,19 @@ def _gather_fwd(x: jax.Array, dim: int, axis_name: str) -> tuple[jax.Array, None
     return _gather(x, dim, axis_name), None
 
 
+def scatter_mean(g: jax.Array, dim: int, axis_name: str) -> jax.Array:
+    """Inside `shard_map`: the mean over `axis_name` of every device's `g`, each
+    device keeping its block along `dim` (a reduce-scatter)."""
+    size = jax.lax.axis_size(axis_name)
+    scattered = jax.lax.psum_scatter(g, axis_name, scatter_dimension=dim, tiled=True)
+    mean: jax.Array = scattered / size
+    return mean
+
+
 def _gather_bwd(dim: int, axis_name: str, _: None, g: jax.Array) -> tuple[jax.Array]:
     # Each device's cotangent is its own gradient of the full parameter; summing
     # them onto the owning shard and dividing gives the data-parallel mean.
-    size = jax.lax.axis_size(axis_name)
-    scattered = jax.lax.psum_scatter(g, axis_name, scatter_dimension=dim, tiled=True)
-    return (scattered / size,)
+    return (scatter_mean(g, dim, axis_name),)
 
 
 _gather.defvjp(_gather_fwd, _gather_bwd)
@@ -368,7 +354,7 @@ class FSDP(SelfGathering):
         - `min_weight_size`: leaves with at most this many elements are replicated.
         - `remat`: re-gather the parameters in the backward pass instead of keeping
           them from the forward pass (less memory, one more all-gather).
-        - `layout`: `"largest"` (the tutorial's rule) or `"leading"` (contiguous
+        - `layout`: `"largest"` (`fsdp_specs`' rule) or `"leading"` (contiguous
           shards, faster collectives); see `fsdp_specs`.
 
         **Raises:**
@@ -391,7 +377,7 @@ class FSDP(SelfGathering):
                 "make_train_step(..., strategy='fsdp') do it)."
             )
         specs, own = leaf_plan(
-            module, mesh.shape[axis_name], axis_name, min_weight_size, layout=layout
+            module, FsdpRule(axis_name, mesh.shape[axis_name], min_weight_size, layout)
         )
         leaves = jax.tree.leaves(module)
         self.leaf_specs = tuple(specs)
@@ -406,15 +392,23 @@ class FSDP(SelfGathering):
         self.remat = remat
 
     def own_specs(
-        self, axis_size: int, axis_name: str, min_weight_size: int, layout: str
+        self,
+        fsdp: FsdpRule,
+        rules: Sequence[P | None],
+        paths: Sequence[str],
+        caller: str,
     ) -> list[P | None]:
-        """This module's own specs: it keeps the layout it was built with."""
-        if axis_name != self.axis_name:
+        """This module's own specs (it keeps the layout it was built with), with
+        the axes of its leaves' parameter rules added."""
+        if fsdp.axis_name != self.axis_name:
             raise ValueError(
                 f"A nested FSDP module shards over axis {self.axis_name!r}, but "
-                f"its parent uses {axis_name!r}; use one data axis."
+                f"its parent uses {fsdp.axis_name!r}; use one data axis."
             )
-        return list(self.leaf_specs)
+        return [
+            merge_specs(rule, own, path, caller)
+            for rule, own, path in zip(rules, self.leaf_specs, paths, strict=True)
+        ]
 
     def partition_specs(self) -> PyTree[Any]:
         """The `PartitionSpec` of every array leaf of this module (`None` for other

@@ -19,7 +19,7 @@ from ._fsdp import (
     check_mesh,
     gather_leaf,
 )
-from ._partition import SelfGathering, has_fsdp_modules, leaf_spec
+from ._rules import FsdpRule, SelfGathering, has_fsdp_modules
 from ._utils import is_array, is_array_like
 
 
@@ -249,24 +249,36 @@ class Stacked(SelfGathering):
         )
 
     def own_specs(
-        self, axis_size: int, axis_name: str, min_weight_size: int, layout: str
+        self,
+        fsdp: FsdpRule,
+        rules: Sequence[P | None],
+        paths: Sequence[str],
+        caller: str,
     ) -> list[P | None]:
-        """The FSDP rule applied to each leaf's per-layer shape; the layer axis is
-        left unsharded (a leading `None`)."""
-        if axis_name != self.axis_name:
+        """The FSDP rule applied to each leaf's per-layer shape, on a dimension its
+        parameter rule leaves free; the layer axis is never sharded (a leading
+        `None`)."""
+        if fsdp.axis_name != self.axis_name:
             raise ValueError(
                 f"A Stacked module gathers over axis {self.axis_name!r}, but its "
-                f"parent shards over {axis_name!r}; use one data axis."
+                f"parent shards over {fsdp.axis_name!r}; use one data axis."
             )
         specs: list[P | None] = []
-        for x in jax.tree.leaves(self.layers):
+        leaves = jax.tree.leaves(self.layers)
+        for x, rule, path in zip(leaves, rules, paths, strict=True):
             if not is_array_like(x):
                 specs.append(None)
-                continue
-            inner = leaf_spec(
-                tuple(x.shape[1:]), axis_size, axis_name, min_weight_size, prefer=layout
-            )
-            specs.append(P(None, *inner) if len(inner) else P())
+            elif rule is None:
+                inner = fsdp.spec(tuple(x.shape[1:]))
+                specs.append(P(None, *inner) if len(inner) else P())
+            elif len(rule) and rule[0] is not None:
+                raise ValueError(
+                    f"{caller}: param_rules shard dimension 0 of {path}, the layer "
+                    "axis of a Stacked module, which is never sharded; start the "
+                    "spec with None."
+                )
+            else:
+                specs.append(P(None, *fsdp.spec(tuple(x.shape[1:]), P(*rule[1:]))))
         return specs
 
     def _plan(self, leaves: list[Any], shapes: list[tuple[int, ...]]) -> list[Any]:

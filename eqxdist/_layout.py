@@ -1,33 +1,31 @@
 """Where a training or evaluation step keeps every array: the layout of a strategy
-(`"dp"` / `"fsdp"`) over the data axes of a mesh, with tensor-parallel rules over
-the other axes.
+(`"dp"` / `"fsdp"` / `"zero1"`) over the data axes of a mesh, with tensor-parallel
+rules over the other axes.
 
-One object answers every placement question of a step: the `PartitionSpec` of each
-model, optimizer-state and model-state leaf, the part of those specs that
-`jax.shard_map` handles by hand (the data axes) and the part left to XLA (rule axes),
-what the FSDP gather collects, and how a batch is split. It computes nothing of the
-step itself."""
+`Layout` checks the options once and answers the questions that are its own: how a
+batch is split, where the optimizer state and the rest of a `TrainState` live, and
+which compiler options a step needs. Where a model's leaves live is the model plan
+(`_plan.Planner`, reached as `layout.plan(model)`), computed from the
+names-to-axes rules of `_rules`. It computes nothing of the step itself."""
 
 import math
-import re
-from collections.abc import Sequence
 from typing import Any
 
-import equinox as eqx
 import jax
 import numpy as np
 import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from ._data_parallel import local_shard_count
-from ._fsdp import CPU_FSDP_OPTIONS, gather_params, sharded_dim, spec_axes
-from ._layers import Stacked
-from ._partition import (
-    SelfGathering,
+from ._fsdp import CPU_FSDP_OPTIONS
+from ._plan import Planner, structure_key
+from ._rules import (
+    FsdpRule,
+    ParamRules,
+    ParamRuleSpecs,
     check_layout,
+    entry_size,
     has_fsdp_modules,
-    leaf_plan,
-    leaf_spec,
 )
 from ._utils import (
     AxisName,
@@ -38,41 +36,24 @@ from ._utils import (
     flatten_up_to,
     is_array,
     is_array_like,
-    path_str,
     state_like,
 )
 
-STRATEGIES = ("dp", "fsdp")
+STRATEGIES = ("dp", "fsdp", "zero1")
 
-ParamRules = Sequence[tuple[str, P]]
-
-
-def _restrict(spec: P | None, keep: tuple[str, ...]) -> P | None:
-    """`spec` with only the axes in `keep` (the others become `None`)."""
-    if spec is None:
-        return None
-    out: list[Any] = []
-    for entry in spec:
-        names = (entry,) if isinstance(entry, str) else tuple(entry or ())
-        kept = tuple(n for n in names if n in keep)
-        out.append(kept[0] if len(kept) == 1 else (kept or None))
-    while out and out[-1] is None:
-        out.pop()
-    return P(*out)
+# Strategies that shard something over `fsdp_axis`: the parameters (and their
+# optimizer state) under FSDP, only the optimizer state under ZeRO-1.
+_SHARDED = ("fsdp", "zero1")
 
 
-def _entry_size(mesh: Mesh, entry: Any) -> int:
-    names = (entry,) if isinstance(entry, str) else tuple(entry or ())
-    return math.prod(mesh.shape[n] for n in names)
+def _replicated(tree: Any) -> Any:
+    return jax.tree.map(lambda x: P() if is_array_like(x) else None, tree)
 
 
-def _in_stacked(model: Any) -> list[bool]:
-    """Per leaf of `jax.tree.leaves(model)`: whether a `Stacked` module holds it."""
-    out: list[bool] = []
-    for part in jax.tree.leaves(model, is_leaf=lambda x: isinstance(x, SelfGathering)):
-        n = len(jax.tree.leaves(part)) if isinstance(part, SelfGathering) else 1
-        out.extend([isinstance(part, Stacked)] * n)
-    return out
+def _state_names(opt_state: Any) -> str:
+    """The optimizer state's node types, to name the optimizer in an error."""
+    nodes = opt_state if isinstance(opt_state, tuple | list) else (opt_state,)
+    return ", ".join(type(x).__name__ for x in nodes) or type(opt_state).__name__
 
 
 class Layout:
@@ -82,7 +63,8 @@ class Layout:
 
     - `mesh`, `strategy`, `data_axis`, `fsdp_axis`, `min_weight_size`,
       `param_rules`, `fsdp_layout`: as `make_train_step` takes them (validated
-      here, once).
+      here, once). `make_eval_step` passes `"zero1"` too: without an optimizer
+      state it lays out the model as `"dp"` does.
     - `caller`: named in error messages.
     """
 
@@ -94,14 +76,15 @@ class Layout:
         data_axis: AxisName,
         fsdp_axis: str | None,
         min_weight_size: int,
-        param_rules: ParamRules,
+        param_rules: ParamRuleSpecs,
         fsdp_layout: str = "leading",
         caller: str,
     ) -> None:
         if strategy not in STRATEGIES:
             raise ValueError(
                 f"{caller}: unknown strategy {strategy!r}; use one of "
-                f"{list(STRATEGIES)}."
+                f"{list(STRATEGIES[:2])} (parameters replicated or sharded) or "
+                f"{STRATEGIES[2]!r} (only the optimizer state sharded)."
             )
         data_axes = axis_names(data_axis)
         if not data_axes:
@@ -112,10 +95,10 @@ class Layout:
             check_axis_in_mesh(mesh, axis, caller, "data_axis")
         check_min_weight_size(min_weight_size, caller)
         check_layout(fsdp_layout, caller, "fsdp_layout")
-        if fsdp_axis is not None and strategy != "fsdp":
+        if fsdp_axis is not None and strategy not in _SHARDED:
             raise ValueError(
                 f"{caller}: `fsdp_axis`={fsdp_axis!r} is given but strategy is "
-                f"{strategy!r}; it only applies to strategy='fsdp'."
+                f"{strategy!r}; it only applies to strategy='fsdp' or 'zero1'."
             )
         if fsdp_axis is not None and fsdp_axis not in data_axes:
             raise ValueError(
@@ -127,255 +110,28 @@ class Layout:
         self.strategy = strategy
         self.caller = caller
         self.data_axes = data_axes
-        self.fsdp_axis = (fsdp_axis or data_axes[-1]) if strategy == "fsdp" else None
-        self.min_weight_size = min_weight_size
-        self.fsdp_layout = fsdp_layout
-        self.rules = self._check_rules(param_rules)
+        sharded_over = fsdp_axis or data_axes[-1]
+        rule = FsdpRule(
+            sharded_over, mesh.shape[sharded_over], min_weight_size, fsdp_layout
+        )
+        # The FSDP rule of the parameters (FSDP) and of the optimizer state (FSDP
+        # through its parameters, ZeRO-1 on its own).
+        self.fsdp = rule if strategy == "fsdp" else None
+        self.opt_fsdp = rule if strategy == "zero1" else None
+        self.fsdp_axis = sharded_over if strategy in _SHARDED else None
+        self.rules = ParamRules(param_rules, mesh, data_axes, caller)
+        self.plan = Planner(
+            mesh,
+            data_axes=data_axes,
+            fsdp=self.fsdp,
+            rules=self.rules,
+            caller=caller,
+            zero1=self.opt_fsdp,
+        )
         self.batch_spec = P(data_axes[0] if len(data_axes) == 1 else data_axes)
         self.batch_sharding = NamedSharding(mesh, self.batch_spec)
         self.num_shards = math.prod(mesh.shape[a] for a in data_axes)
-        self._specs_cache: dict[Any, Any] = {}
-
-    # -- rules ---------------------------------------------------------------------
-
-    def _check_rules(self, rules: ParamRules) -> tuple[tuple[re.Pattern[str], P], ...]:
-        checked = []
-        for i, rule in enumerate(rules):
-            if not (isinstance(rule, tuple | list) and len(rule) == 2):
-                raise TypeError(
-                    f"{self.caller}: param_rules[{i}] is {rule!r}; expected a pair "
-                    "(pattern, PartitionSpec)."
-                )
-            pattern, spec = rule
-            if not isinstance(pattern, str) or not isinstance(spec, P):
-                raise TypeError(
-                    f"{self.caller}: param_rules[{i}] is ({pattern!r}, {spec!r}); "
-                    "expected (a regular expression string, a PartitionSpec)."
-                )
-            try:
-                compiled = re.compile(pattern)
-            except re.error as e:
-                raise ValueError(
-                    f"{self.caller}: param_rules pattern {pattern!r} is not a valid "
-                    f"regular expression: {e}."
-                ) from None
-            for axis in spec_axes(spec):
-                if axis not in self.mesh.axis_names:
-                    raise ValueError(
-                        f"{self.caller}: param_rules pattern {pattern!r}: spec {spec} "
-                        f"names axis {axis!r}, which is not an axis of the mesh "
-                        f"{tuple(self.mesh.axis_names)}."
-                    )
-                if axis in self.data_axes:
-                    raise ValueError(
-                        f"{self.caller}: param_rules pattern {pattern!r}: spec {spec} "
-                        f"names the data axis {axis!r}; rules shard parameters over "
-                        "the other (model) axes, the strategy handles data axes."
-                    )
-            checked.append((compiled, spec))
-        return tuple(checked)
-
-    def _rule_specs(self, paths: list[str], leaves: list[Any]) -> list[P | None]:
-        """The rule spec of each leaf (`None`: no rule matched or not an array),
-        every mistake a `ValueError` naming the pattern, leaf and dimension."""
-        out: list[P | None] = [None] * len(leaves)
-        used = [False] * len(self.rules)
-        for j, (path, leaf) in enumerate(zip(paths, leaves, strict=True)):
-            if not is_array_like(leaf):
-                continue
-            for r, (pattern, spec) in enumerate(self.rules):
-                if not pattern.search(path):
-                    continue
-                used[r] = True
-                shape = tuple(leaf.shape)
-                if len(spec) > len(shape):
-                    raise ValueError(
-                        f"{self.caller}: param_rules pattern {pattern.pattern!r} "
-                        f"gives spec {spec} to {path} of shape {shape}; the spec has "
-                        f"more entries than the leaf has dimensions."
-                    )
-                for dim, entry in enumerate(spec):
-                    size = _entry_size(self.mesh, entry)
-                    if entry is not None and shape[dim] % size:
-                        raise ValueError(
-                            f"{self.caller}: param_rules pattern "
-                            f"{pattern.pattern!r}: dimension {dim} of {path} (shape "
-                            f"{shape}) has size {shape[dim]}, not divisible by the "
-                            f"{size} devices of {entry!r}."
-                        )
-                out[j] = spec
-                break
-        for r, was_used in enumerate(used):
-            if not was_used:
-                raise ValueError(
-                    f"{self.caller}: param_rules pattern "
-                    f"{self.rules[r][0].pattern!r} matches no array of the model "
-                    "(paths are written as jax.tree_util.keystr writes them, e.g. "
-                    f"{paths[0] if paths else '.layers[0].weight'!r})."
-                )
-        return out
-
-    def _fsdp_spec(self, shape: tuple[int, ...], rule: P | None) -> P:
-        """The FSDP rule (`leaf_spec`) on the dimensions `rule` leaves unsharded;
-        `min_weight_size` compares the leaf's full size."""
-        assert self.fsdp_axis is not None
-        rule = rule or P()
-        if math.prod(shape) <= self.min_weight_size:
-            return rule
-        taken = {d for d, e in enumerate(rule) if e is not None}
-        free_shape = tuple(1 if d in taken else n for d, n in enumerate(shape))
-        size = self.mesh.shape[self.fsdp_axis]
-        spec = leaf_spec(free_shape, size, self.fsdp_axis, 0, prefer=self.fsdp_layout)
-        dim = sharded_dim(spec, self.fsdp_axis)
-        if dim is None or dim in taken:
-            return rule
-        entries = list(rule) + [None] * (len(shape) - len(rule))
-        entries[dim] = self.fsdp_axis
-        return P(*entries)
-
-    # -- specs ---------------------------------------------------------------------
-
-    def model_specs(self, model: Any) -> Any:
-        """The `PartitionSpec` of every array leaf of `model` (`None` at other
-        leaves): rule axes, plus `fsdp_axis` under FSDP. `FSDP`/`Stacked`
-        submodules keep their own FSDP layout, to which rules add their axes."""
-        return self._cached("model", model, lambda: self._model_specs(model))
-
-    def _model_specs(self, model: Any) -> Any:
-        with_path = jax.tree_util.tree_flatten_with_path(model)[0]
-        leaves = [x for _, x in with_path]
-        paths = [path_str(p) for p, _ in with_path]
-        rules = self._rule_specs(paths, leaves)
-        if self.fsdp_axis is None:
-            specs: list[Any] = [
-                (r or P()) if is_array_like(x) else None
-                for x, r in zip(leaves, rules, strict=True)
-            ]
-        else:
-            own_specs, own = leaf_plan(
-                model,
-                self.mesh.shape[self.fsdp_axis],
-                self.fsdp_axis,
-                self.min_weight_size,
-                layout=self.fsdp_layout,
-            )
-            stacked = _in_stacked(model)
-            specs = []
-            for path, x, r, s, o, in_stack in zip(
-                paths, leaves, rules, own_specs, own, stacked, strict=True
-            ):
-                if not is_array_like(x):
-                    specs.append(None)
-                elif o:
-                    specs.append(self._fsdp_spec(tuple(x.shape), r))
-                elif in_stack and r is not None:
-                    specs.append(self._stacked_spec(path, tuple(x.shape), r))
-                else:
-                    specs.append(self._merge(path, r, s))
-        return jax.tree.unflatten(jax.tree.structure(model), specs)
-
-    def _stacked_spec(self, path: str, shape: tuple[int, ...], rule: P) -> P:
-        """A ruled leaf of a `Stacked` module: the FSDP rule on the per-layer shape,
-        on a dimension the rule leaves free (`Stacked` finds the gathered dimension
-        by shape); the layer axis is never sharded."""
-        if len(rule) and rule[0] is not None:
-            raise ValueError(
-                f"{self.caller}: param_rules shard dimension 0 of {path}, the layer "
-                "axis of a Stacked module, which is never sharded; start the spec "
-                "with None."
-            )
-        inner = self._fsdp_spec(shape[1:], P(*rule[1:]))
-        return P(None, *inner)
-
-    def _merge(self, path: str, rule: P | None, own: P | None) -> P | None:
-        """A rule's axes added to the FSDP spec a `FSDP`/`Stacked` module gives
-        its own leaf, or a `ValueError` when both claim one dimension."""
-        if rule is None or own is None:
-            return own if rule is None else rule
-        n = max(len(rule), len(own))
-        a = list(rule) + [None] * (n - len(rule))
-        b = list(own) + [None] * (n - len(own))
-        for dim, (x, y) in enumerate(zip(a, b, strict=True)):
-            if x is not None and y is not None:
-                raise ValueError(
-                    f"{self.caller}: param_rules shard dimension {dim} of {path} "
-                    f"over {x!r}, which its FSDP/Stacked module already shards over "
-                    f"{y!r}; write the rule for another dimension (a Stacked leaf's "
-                    "dimension 0 is the layer axis)."
-                )
-        return P(*[x if x is not None else y for x, y in zip(a, b, strict=True)])
-
-    def has_rule_axes(self, spec: P | None) -> bool:
-        """Whether `spec` shards over a mesh axis that is not a data axis (a
-        `param_rules` axis)."""
-        return bool(spec_axes(spec) - set(self.data_axes))
-
-    def _gathered_at_boundary(self, model: Any, specs: Any) -> list[bool]:
-        """Per leaf of `model`: sharded over `fsdp_axis` and over rule axes, and
-        gathered by the step (not by an `FSDP`/`Stacked` module)."""
-        spec_leaves = flatten_up_to(model, specs)
-        if self.fsdp_axis is None:
-            return [False] * len(spec_leaves)
-        _, own = leaf_plan(
-            model,
-            self.mesh.shape[self.fsdp_axis],
-            self.fsdp_axis,
-            self.min_weight_size,
-            layout=self.fsdp_layout,
-        )
-        return [
-            o and s is not None and self.has_rule_axes(s)
-            for s, o in zip(spec_leaves, own, strict=True)
-        ]
-
-    def manual_specs(self, model: Any, specs: Any) -> Any:
-        """`specs` (of `model`) restricted to the data axes: what `shard_map`
-        (manual over the data axes only) takes; the rule axes stay with XLA.
-
-        A leaf the step gathers that is sharded over rule axes too enters
-        unsharded over the data axes: XLA's partitioner replicates the operand of a
-        collective over the manual (data) axes across the automatic (rule) axes, so
-        an FSDP all-gather inside `shard_map` would gather such a leaf over the
-        rule axes as well, undoing tensor parallelism (every device would hold and
-        multiply whole weights). Gathered at the `shard_map` boundary instead, XLA
-        gathers it over the data axes only, keeping the rule axes sharded; its
-        gradient is then averaged with an all-reduce over the data axes, and the
-        update keeps its FSDP shard."""
-        boundary = self._gathered_at_boundary(model, specs)
-        spec_leaves = flatten_up_to(model, specs)
-        out = [
-            P() if b else _restrict(s, self.data_axes)
-            for s, b in zip(spec_leaves, boundary, strict=True)
-        ]
-        return jax.tree.unflatten(jax.tree.structure(model), out)
-
-    def gather_specs(self, model: Any, specs: Any) -> Any:
-        """The specs with which the step gathers `model` at the top: `fsdp_axis`
-        only, and nothing inside `FSDP`/`Stacked` submodules (they gather
-        themselves) nor of leaves gathered at the `shard_map` boundary (see
-        `manual_specs`)."""
-        if self.fsdp_axis is None:
-            return None
-        size = self.mesh.shape[self.fsdp_axis]
-        _, own = leaf_plan(
-            model, size, self.fsdp_axis, self.min_weight_size, layout=self.fsdp_layout
-        )
-        boundary = self._gathered_at_boundary(model, specs)
-        spec_leaves = flatten_up_to(model, specs)
-        top = [
-            _restrict(s, (self.fsdp_axis,))
-            if o and s is not None and not b
-            else (P() if s is not None else None)
-            for s, o, b in zip(spec_leaves, own, boundary, strict=True)
-        ]
-        return jax.tree.unflatten(jax.tree.structure(model), top)
-
-    def gather(self, tree: Any, gspecs: Any) -> Any:
-        """Inside the step's `shard_map`: `tree`'s FSDP shards all-gathered as
-        `gspecs` (from `gather_specs`) say; as it is without FSDP."""
-        if gspecs is None or self.fsdp_axis is None:
-            return tree
-        return gather_params(tree, gspecs, self.fsdp_axis)
+        self._state_specs: dict[Any, Any] = {}
 
     def batch_specs(self, batch_arrays: Any) -> Any:
         """The `shard_map` specs of a batch's arrays: rows split over the data axes,
@@ -385,43 +141,37 @@ class Layout:
         )
 
     def opt_state_specs(
-        self,
-        optimizer: optax.GradientTransformation,
-        opt_state: Any,
-        params: Any,
-        param_specs: Any,
+        self, optimizer: optax.GradientTransformation, opt_state: Any, param_specs: Any
     ) -> Any:
-        """The optimizer state laid out like the parameters it belongs to
-        (`optax.tree_map_params`); other leaves replicated."""
+        """The optimizer state laid out by `param_specs` (the spec of each trainable
+        parameter, `None` at frozen leaves): each state leaf like the parameter it
+        belongs to (`optax.tree_map_params`), other leaves replicated.
 
-        def replicated(x: Any) -> P | None:
-            return P() if is_array_like(x) else None
-
+        An optimizer whose state Optax cannot map to the parameters is a
+        `ValueError`, never a guess: two parameters of one shape may have
+        different specs, and a guessed spec would silently lay out the wrong one."""
         if all(s == P() for s in jax.tree.leaves(param_specs)):
-            return jax.tree.map(replicated, opt_state)
+            return _replicated(opt_state)
         try:
             specs = optax.tree_map_params(
                 optimizer,
                 lambda _, spec: spec,
                 opt_state,
                 param_specs,
-                transform_non_params=replicated,
+                transform_non_params=lambda x: P() if is_array_like(x) else None,
             )
-        except (TypeError, ValueError, AttributeError, KeyError):
-            # An optimizer whose `init` cannot run on Optax's placeholder: give
-            # parameter-shaped leaves the layout of the parameter of that shape.
-            by_shape = {
-                tuple(p.shape): s
-                for p, s in zip(
-                    jax.tree.leaves(params), jax.tree.leaves(param_specs), strict=True
-                )
-            }
-            return jax.tree.map(
-                lambda x: (
-                    by_shape.get(tuple(x.shape), P()) if is_array_like(x) else None
-                ),
-                opt_state,
-            )
+        except Exception as e:  # whatever the optimizer's `init` raises on it
+            rules = " with param_rules" if self.rules else ""
+            raise ValueError(
+                f"{self.caller}: cannot lay out the optimizer state "
+                f"({_state_names(opt_state)}) under strategy={self.strategy!r}"
+                f"{rules}: optax.tree_map_params, which finds the parameter each "
+                "optimizer-state leaf belongs to, fails on this optimizer "
+                f"({type(e).__name__}: {e}). Use strategy='dp' without param_rules "
+                "(the optimizer state is then replicated), or an optimizer whose "
+                "state optax.tree_map_params can map (e.g. optax.adamw, optax.sgd, "
+                "or an optax.chain of such)."
+            ) from e
         return jax.tree.map(self._fits, opt_state, specs)
 
     def _fits(self, x: Any, spec: Any) -> Any:
@@ -432,52 +182,48 @@ class Layout:
         if not isinstance(spec, P) or len(spec) > len(x.shape):
             return P()
         for dim, entry in enumerate(spec):
-            if entry is not None and x.shape[dim] % _entry_size(self.mesh, entry):
+            if entry is not None and x.shape[dim] % entry_size(self.mesh, entry):
                 return P()
         return spec
 
     def state_specs(self, state: Any, optimizer: optax.GradientTransformation) -> Any:
         """The specs of a whole `TrainState` (model, optimizer state, replicated
-        model state, step and key), cached per structure and shapes."""
-        return self._cached("state", state, lambda: self._state_specs(state, optimizer))
+        model state, step and key), cached per structure, shapes and dtypes."""
+        key = structure_key(state)
+        if key not in self._state_specs:
+            self._state_specs[key] = self._compute_state_specs(state, optimizer)
+        return self._state_specs[key]
 
-    def _cached(self, kind: str, tree: Any, compute: Any) -> Any:
-        """`compute()`, once per kind, structure and shapes of `tree`: the slow path
-        of a step and its trace ask for the same specs."""
-        leaves, treedef = jax.tree.flatten(tree)
-        key = (
-            kind,
-            treedef,
-            tuple((tuple(x.shape), str(x.dtype)) for x in leaves if is_array_like(x)),
-        )
-        if key not in self._specs_cache:
-            self._specs_cache[key] = compute()
-        return self._specs_cache[key]
-
-    def _state_specs(self, state: Any, optimizer: optax.GradientTransformation) -> Any:
-        model_specs = self.model_specs(state.model)
-        mask = state.trainable_mask()
+    def _compute_state_specs(
+        self, state: Any, optimizer: optax.GradientTransformation
+    ) -> Any:
+        model_specs = self.plan(state.model).specs
         param_specs = jax.tree.map(
             lambda s, t: s if t else None,
             model_specs,
-            mask,
+            state.trainable_mask(),
             is_leaf=lambda x: x is None or isinstance(x, P),
         )
-        params = eqx.filter(state.model, mask)
-        opt_specs = self.opt_state_specs(
-            optimizer, state.opt_state, params, param_specs
-        )
-
-        def replicated(tree: Any) -> Any:
-            return jax.tree.map(lambda x: P() if is_array_like(x) else None, tree)
-
+        if self.opt_fsdp is not None:
+            # ZeRO-1: the parameters stay as their rules say; their optimizer state
+            # is sharded over `fsdp_axis` as FSDP would shard the parameters.
+            treedef = jax.tree.structure(state.model)
+            leaves = jax.tree.leaves(state.model)
+            spec_leaves = flatten_up_to(state.model, param_specs)
+            param_specs = jax.tree.unflatten(
+                treedef,
+                [
+                    None if s is None else self.opt_fsdp.spec(tuple(x.shape), s)
+                    for x, s in zip(leaves, spec_leaves, strict=True)
+                ],
+            )
         return state_like(
             state,
             model_specs,
-            opt_state=opt_specs,
+            opt_state=self.opt_state_specs(optimizer, state.opt_state, param_specs),
             step=P(),
-            key=replicated(state.key),
-            model_state=replicated(state.model_state),
+            key=_replicated(state.key),
+            model_state=_replicated(state.model_state),
         )
 
     def compiler_options(self, model: Any, compute_dtype: Any) -> dict[str, Any] | None:

@@ -65,7 +65,7 @@ class TrainStep:
     def model_specs(self, model: Any) -> Any:
         """The `PartitionSpec` of every array leaf of `model` under this step's
         layout (`None` at other leaves)."""
-        return self.layout.model_specs(model)
+        return self.layout.plan(model).specs
 
     def state_specs(self, state: TrainState) -> Any:
         """The `PartitionSpec` of every array leaf of `state` under this step's
@@ -174,6 +174,10 @@ def make_train_step(
       equals data parallel's. `FSDP` submodules keep their own layout and gather
       themselves, one block at a time. Data axes other than `fsdp_axis` hold
       replicas (HSDP).
+    - `strategy="zero1"` (ZeRO-1): parameters as under `"dp"`, but the optimizer
+      state of parameters larger than `min_weight_size` is sharded over
+      `fsdp_axis` by the FSDP rule, so each device holds and updates its share
+      of it; the updated parameters are all-gathered back to every device.
 
     `loss_fn(model, minibatch, key) -> (loss, metrics)` is written as for a single
     device, for a minibatch of this device's rows. When `state.model_state` is not
@@ -204,20 +208,20 @@ def make_train_step(
       with). It runs on the sharded global arrays, so even whole-tree
       transformations (e.g. global-norm clipping) see every parameter.
     - `mesh`: the device mesh.
-    - `strategy`: `"dp"` or `"fsdp"`.
+    - `strategy`: `"dp"`, `"fsdp"` or `"zero1"`.
     - `data_axis`: the mesh axis, or tuple of axes, the batch is split over (rows
       in mesh order); gradients and metrics are reduced over all of them.
     - `num_minibatches`: gradient accumulation steps per call.
-    - `min_weight_size`: for `"fsdp"`, leaves this small or smaller (full size)
-      are not sharded over `fsdp_axis`.
+    - `min_weight_size`: for `"fsdp"` (`"zero1"`), leaves (optimizer-state
+      leaves) this small or smaller (full size) are not sharded over `fsdp_axis`.
     - `donate`: reuse the buffers of the state the step returned last.
     - `compute_dtype`: e.g. `jnp.bfloat16`: trainable floating-point parameters
       are cast to it before `loss_fn` sees them (under FSDP before the all-gather,
       so gathers and gradient reduce-scatters move the smaller dtype); gradients
       come back in the parameters' dtype, and parameters and optimizer state keep
       theirs (float32 master weights). `None`: no cast.
-    - `fsdp_axis`: under `"fsdp"`, the data axis parameters are sharded over;
-      `None`: the last of the data axes.
+    - `fsdp_axis`: under `"fsdp"`, the data axis parameters are sharded over
+      (under `"zero1"`, the optimizer state); `None`: the last of the data axes.
     - `param_rules`: tensor parallelism: `(pattern, PartitionSpec)` pairs; a
       parameter whose path inside the model (`jax.tree_util.keystr`, e.g.
       `".layers[0].weight"`) `re.search`-matches `pattern` (first match wins) is

@@ -15,7 +15,6 @@ import optax
 from jax.sharding import PartitionSpec as P
 from jaxtyping import Array, Int, PRNGKeyArray, PyTree
 
-from ._fsdp import sync_gradients
 from ._layout import Layout
 from ._metrics.tree import check_metrics, merge_metrics, reduce_metrics
 from ._utils import (
@@ -457,9 +456,8 @@ class StepMath(eqx.Module):
         layout = self.layout
         axes = layout.data_axes
         layout.check_rows(batch, self.num_minibatches, traced=True)
-        specs = layout.state_specs(state, self.optimizer)
-        manual = layout.manual_specs(state.model, specs.model)
-        gspecs = layout.gather_specs(state.model, specs.model)
+        plan = layout.plan(state.model)
+        manual = plan.manual
         mask = state.trainable_mask()
         (
             (params, frozen, static),
@@ -472,7 +470,7 @@ class StepMath(eqx.Module):
         cast = self.compute_dtype
 
         def gather(tree: Any) -> Any:
-            return layout.gather(tree, gspecs)
+            return plan.gathered(tree)
 
         def materialise(p: Any) -> Any:
             # Cast before the gather, so that FSDP's all-gathers (and the
@@ -516,7 +514,7 @@ class StepMath(eqx.Module):
                 )
             new_ms = eqx.filter(new_ms, is_array) if with_state else None
             return (
-                sync_gradients(grads, manual, axes),
+                plan.reduce_gradients(grads, axes),
                 reduce_metrics(metrics, axes),
                 sync_model_state(new_ms, axes),
             )
@@ -529,7 +527,7 @@ class StepMath(eqx.Module):
             per_device,
             mesh=layout.mesh,
             in_specs=(manual, manual, P(), P(), batch_specs),
-            out_specs=(manual, P(), P()),
+            out_specs=(plan.grad_specs, P(), P()),
             axis_names=frozenset(axes),
             check_vma=False,
         )(

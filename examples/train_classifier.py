@@ -17,6 +17,7 @@ draws the loss curves and the confusion matrix.
 
 import argparse
 import json
+import shutil
 import sys
 from pathlib import Path
 from typing import Any
@@ -257,6 +258,9 @@ def train(strategy: str, data: tuple[np.ndarray, ...]) -> dict[str, Any]:
     )
     steps_per_epoch = len(data[0]) // ARGS.batch_size
     out = Path(ARGS.out) / strategy
+    if not ARGS.resume:  # a fresh run: the previous one's checkpoints and logs go
+        shutil.rmtree(out, ignore_errors=True)
+        shutil.rmtree(Path(ARGS.out) / "tensorboard" / strategy, ignore_errors=True)
     stop = None if ARGS.stop_after is None else ARGS.stop_after * steps_per_epoch
     with (
         ed.CheckpointManager(out, save_interval_steps=steps_per_epoch) as manager,

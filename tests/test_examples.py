@@ -28,6 +28,7 @@ def _run(*args: str, timeout: int = 240) -> subprocess.CompletedProcess[str]:
     )
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("script", EXAMPLES, ids=lambda p: p.name)
 def test_example_answers_help(script: Path) -> None:
     out = _run(str(script), "--help")
@@ -64,6 +65,7 @@ def _summary(stdout: str, strategy: str) -> str:
     return " ".join(line.split()[:5])
 
 
+@pytest.mark.slow
 def test_main_job_resumes_exactly(tmp_path: Path) -> None:
     args = ["examples/train_classifier.py", "--epochs", "2", "--strategies", "dp"]
     whole = _run(*args, "--out", str(tmp_path / "whole"))
@@ -76,6 +78,7 @@ def test_main_job_resumes_exactly(tmp_path: Path) -> None:
     assert _summary(second.stdout, "dp") == _summary(whole.stdout, "dp")
 
 
+@pytest.mark.slow
 def test_quickstart_runs() -> None:
     out = _run("examples/quickstart.py")
     assert out.returncode == 0, out.stderr

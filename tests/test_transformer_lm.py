@@ -10,6 +10,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parent.parent
 SCRIPT = ROOT / "examples" / "transformer_lm.py"
 
@@ -28,6 +30,7 @@ def _run(*args: str) -> subprocess.CompletedProcess[str]:
     )
 
 
+@pytest.mark.slow
 def test_trains_and_agrees_with_data_parallel(tmp_path: Path) -> None:
     out = _run(
         *("--out", str(tmp_path)),
@@ -57,6 +60,7 @@ def test_trains_and_agrees_with_data_parallel(tmp_path: Path) -> None:
     assert [json.loads(r)["step"] for r in rows] == [3, 4, 6]
 
 
+@pytest.mark.slow
 def test_help_describes_every_option() -> None:
     out = _run("--help")
     assert out.returncode == 0, out.stderr
@@ -70,6 +74,7 @@ def test_help_describes_every_option() -> None:
         assert "(default:" in text, name
 
 
+@pytest.mark.slow
 def test_resume_continues_the_exact_stream(tmp_path: Path) -> None:
     """The loader's position travels in the checkpoint: a run stopped at step 4
     and resumed ends where an uninterrupted run does."""

@@ -13,7 +13,6 @@ eqxdist adds, by configuring it rather than by re-implementing any of that:
 """
 
 import importlib
-import itertools
 import os
 import secrets
 import threading
@@ -23,15 +22,12 @@ from typing import Any, NoReturn
 
 import jax
 import numpy as np
-from jax._src import distributed as jax_distributed
+from jax.experimental import multihost_utils
 
 from .._utils import check_array_leaves, is_array, is_key_array, path_str
 from . import files
 
-# Every process saves in the same order, so a per-process counter names each save
-# the same on all of them (for agreeing on its temporary directory).
-_save_ids = itertools.count()
-_TOKEN_TIMEOUT_MS = 10 * 60 * 1000
+_TOKEN_BYTES = 512
 
 
 def orbax() -> Any:
@@ -50,17 +46,15 @@ def _agreed_token() -> str:
     """A name for this save's temporary directory, the same on every process:
     process 0's host and pid (so a later manager can tell a dead save's leftover)
     and a random part (so two saves never share it)."""
-    run = next(_save_ids)
     token = f"{files.host_name()}-{os.getpid()}-{secrets.token_hex(6)}"
-    client = jax_distributed.global_state.client
-    if jax.process_count() == 1 or client is None:
+    if jax.process_count() == 1:
         return token
-    key = f"eqxdist_checkpoint_save_{run}"
-    if jax.process_index() == 0:
-        client.key_value_set(key, token)
-        return token
-    agreed: str = client.blocking_key_value_get(key, _TOKEN_TIMEOUT_MS)
-    return agreed
+    # Every process saves, in the same order, so all of them reach this collective.
+    raw = np.zeros(_TOKEN_BYTES, np.uint8)
+    encoded = token.encode()[:_TOKEN_BYTES]
+    raw[: len(encoded)] = np.frombuffer(encoded, np.uint8)
+    agreed = np.asarray(multihost_utils.broadcast_one_to_all(raw))
+    return bytes(agreed).rstrip(b"\0").decode()
 
 
 class _Current:

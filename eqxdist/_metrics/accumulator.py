@@ -1,24 +1,16 @@
-"""The state of a stateful metric: `MetricAccumulator`, its numerics and its sync.
+"""The state of a stateful metric: `MetricAccumulator`, and its sync.
 
 A `MetricAccumulator` holds one piece of metric state with a *local* version (this
 device's, or this minibatch's) and a *synchronized* one (every device's, after
-`sync`). Everything a metric needs to stay exact lives here:
-
-- *Compensated float sums* keep the rounding error of every addition next to the
-  sum (Knuth's TwoSum), so float32 sums carry about twice float32's precision.
-- *Carried integer sums* (counts) keep a second integer word of carries, so a count
-  never wraps past 2**31 (exact to 2**47 with int32 words).
-- *Folded states* (`FoldAccumulator`) combine with an associative function that is
-  not a sum, e.g. Chan's merge of (weight, mean, M2) for a standard deviation.
+`sync`). How the numbers are held (plain, compensated float, carried integer or
+folded) is one representation object from `numerics.py`; the accumulator does the
+bookkeeping around it: checks, local vs synchronized, state dicts.
 
 `sync_accumulators` reduces any number of accumulators with one collective per
 (`ReduceOp`, dtype); every accumulator contributes "sync parts" to those groups.
-
-The checks of metric inputs live in `_metric_inputs.py`.
 """
 
 import dataclasses
-import enum
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, TypeVar
 
@@ -29,36 +21,27 @@ import numpy as np
 from jaxtyping import Array, ArrayLike, DTypeLike
 
 from .._utils import AxisName, check_axis_bound
-from .inputs import as_array, cast_into, check_broadcast
+from .inputs import as_array, cast_into, check_broadcast, host_integers
+from .numerics import (
+    CARRY_BITS as CARRY_BITS,
+    Carried,
+    Compensated,
+    Folded,
+    Plain,
+    ReduceOp as ReduceOp,
+    Representation,
+    Words,
+    add_pairs as add_pairs,
+    can_carry,
+    carried_total,
+    two_sum as two_sum,
+)
 
-
-class ReduceOp(enum.StrEnum):
-    """How an accumulator folds new values in and combines devices' states.
-
-    `SUM = "sum"` (add), `MAX = "max"` (elementwise maximum), `MIN = "min"`
-    (elementwise minimum). Wherever a `ReduceOp` is expected its string also works.
-    """
-
-    SUM = "sum"
-    MAX = "max"
-    MIN = "min"
-
-
-_COMBINE: dict[ReduceOp, Callable[[Array, Array], Array]] = {
-    ReduceOp.SUM: jnp.add,
-    ReduceOp.MAX: jnp.maximum,
-    ReduceOp.MIN: jnp.minimum,
-}
 _COLLECTIVE: dict[ReduceOp, Callable[[Array, tuple[str, ...]], Array]] = {
     ReduceOp.SUM: jax.lax.psum,
     ReduceOp.MAX: jax.lax.pmax,
     ReduceOp.MIN: jax.lax.pmin,
 }
-
-CARRY_BITS = 16
-"""A carried integer sum keeps its low word in `[0, 2**CARRY_BITS)` and counts
-carries in its high word. 16 bits: the low words of up to 32767 devices add up
-in one int32 all-reduce without overflow, and int32 high words reach 2**47."""
 
 
 def replace_fields(module: Any, **changes: Any) -> Any:
@@ -73,73 +56,12 @@ def replace_fields(module: Any, **changes: Any) -> Any:
     return new
 
 
-# ------------------------------------------------------------------ numerics
-
-
-def two_sum(a: Array, b: Array) -> tuple[Array, Array]:
-    """`a + b` rounded, and its rounding error, exactly (Knuth's TwoSum: the two add
-    up to `a + b` with no rounding at all). A non-finite sum has error 0, where the
-    formula would give NaN."""
-    total = a + b
-    b_part = total - a
-    error = (a - (total - b_part)) + (b - b_part)
-    return total, jnp.where(jnp.isfinite(total), error, jnp.zeros_like(error))
-
-
-def add_pairs(
-    hi: Array, lo: Array, other_hi: Array, other_lo: Array
-) -> tuple[Array, Array]:
-    """The sum of two double-word numbers `hi + lo`, renormalised so that `lo` is
-    within half a unit in the last place of `hi` (then `hi` is the sum rounded)."""
-    total, error = two_sum(hi, other_hi)
-    return two_sum(total, error + (lo + other_lo))
-
-
-def _split_for_psum(hi: Array) -> tuple[Array, Array]:
-    """`hi` as `top + bottom` exactly, `top` a multiple of `q = 2**ceil(p / 2)` (`p`
-    the dtype's significand bits) and `|bottom| < q`.
-
-    A collective sum of `hi`s rounds as soon as the total outgrows the precision of
-    the parts (8 devices holding 16777218.0 and 16777216.0 do not add up exactly in
-    float32). Summed separately, multiples of `q` stay exact up to `2**p * q` and
-    integers below `q` stay exact for up to `2**p / q` devices: in float32, integer
-    totals below 2**36 on up to 4096 devices are summed exactly.
-    """
-    precision = jnp.finfo(hi.dtype).nmant + 1
-    q = jnp.asarray(2.0 ** -(-precision // 2), hi.dtype)
-    finite = jnp.isfinite(hi)
-    top = jnp.where(finite, jnp.trunc(hi / q) * q, hi)
-    return top, jnp.where(finite, hi - top, jnp.zeros_like(hi))
-
-
-def _can_carry(dtype: jnp.dtype) -> bool:
-    return jnp.issubdtype(dtype, jnp.signedinteger) and jnp.iinfo(dtype).bits >= 32
-
-
-def _carry(lo: Array, hi: Array) -> tuple[Array, Array]:
-    """Renormalise a carried integer `hi * 2**CARRY_BITS + lo` so that `lo` is in
-    `[0, 2**CARRY_BITS)` (an arithmetic shift and a mask: right for negative `lo`
-    too)."""
-    carry = jnp.right_shift(lo, CARRY_BITS)
-    return jnp.bitwise_and(lo, (1 << CARRY_BITS) - 1), hi + carry
-
-
-def _add_carried(
-    lo: Array, hi: Array, other_lo: Array, other_hi: Array
-) -> tuple[Array, Array]:
-    # Both `lo`s are below 2**CARRY_BITS, so their sum cannot overflow.
-    return _carry(lo + other_lo, hi + other_hi)
-
-
-# --------------------------------------------------------------- accumulator
-
-
 _A = TypeVar("_A", bound="MetricAccumulator")
 
 
 class MetricAccumulator(eqx.Module):
     """One linearly additive piece of metric state, with a *local* and a
-    *synchronized* version (d9d's `MetricAccumulator`).
+    *synchronized* version.
 
     `update` folds values into `local` (add, or elementwise max/min); `sync`, inside
     `jax.shard_map`, computes the reduction of every device's `local` and stores it
@@ -163,11 +85,11 @@ class MetricAccumulator(eqx.Module):
     - *Integer*: an int32 count wraps to negative numbers past 2**31 - 1 (a few
       billion tokens). A carried sum keeps `local` in `[0, 2**16)` and counts the
       carries in a second int32 word `local_hi`: the total is
-      `local_hi * 2**16 + local`, exact to 2**47 through `update`, `merge` and
-      `sync`. Both words join the (sum, int32) all-reduce of every other count: no
-      extra collective, and the low words of up to 32767 devices cannot overflow.
-      `value` is the total in the state's dtype, saturated at its largest value
-      (never wrapped); `value_as(jnp.float32)` gives it as a float however large.
+      `local_hi * 2**16 + local`, exact to 2**47 through `update`, `update_sum`,
+      `merge` and `sync`. Both words join the (sum, int32) all-reduce of every
+      other count: no extra collective. `value` is the total in the state's dtype,
+      saturated at its largest value (never wrapped); `value_as(jnp.float32)` gives
+      it as a float however large.
 
     **Arguments:**
 
@@ -181,7 +103,8 @@ class MetricAccumulator(eqx.Module):
 
     `ValueError` for an unknown `reduce_op`, or `compensated=True` with a reduce op
     other than `"sum"`; `TypeError` for a missing (`None`), boolean or non-numeric
-    `initial_value`, or `compensated=True` with an unsigned integer or one narrower
+    `initial_value`, `compensated=True` with a Python int (say `0.0` for a float
+    sum or `jnp.int32(0)` for a count), or with an unsigned integer or one narrower
     than 32 bits.
 
     !!! Example
@@ -200,17 +123,9 @@ class MetricAccumulator(eqx.Module):
     """
 
     initial: Array
-    local: Array
-    synchronized: Array | None
-    # Rounding errors of a compensated float sum (`None` otherwise); the state is
-    # `local + local_lo`, or `synchronized + synchronized_lo`.
-    local_lo: Array | None
-    synchronized_lo: Array | None
-    # Carries of a carried integer sum (`None` otherwise); the state is
-    # `local_hi * 2**CARRY_BITS + local`.
-    local_hi: Array | None
-    synchronized_hi: Array | None
-    reduce_op: ReduceOp = eqx.field(static=True)
+    words: Words
+    synchronized_words: Words | None
+    representation: Representation = eqx.field(static=True)
 
     def __init__(
         self,
@@ -219,80 +134,65 @@ class MetricAccumulator(eqx.Module):
         *,
         compensated: bool = False,
     ):
-        self.reduce_op = _reduce_op(reduce_op)
-        initial = as_array(initial_value, "MetricAccumulator", "initial_value")
-        if initial.dtype == jnp.bool_:
-            raise TypeError(
-                "MetricAccumulator: `initial_value` must have a numeric dtype, got "
-                "bool; use an integer state to count."
-            )
-        # A Python scalar gives a weakly typed array, whose dtype would drift to that
-        # of the first update (e.g. bfloat16); the state keeps the dtype it has now.
-        initial = initial.astype(initial.dtype)
-        if compensated and self.reduce_op is not ReduceOp.SUM:
-            raise ValueError(
-                "MetricAccumulator: `compensated=True` is for sums, got reduce_op "
-                f"{self.reduce_op.value!r}."
-            )
-        floating = jnp.issubdtype(initial.dtype, jnp.floating)
-        if compensated and not floating and not _can_carry(initial.dtype):
-            raise TypeError(
-                "MetricAccumulator: a carried integer sum (`compensated=True`) needs "
-                f"signed 32- or 64-bit words, got dtype {initial.dtype}; use "
-                "jnp.int32."
-            )
+        op = _reduce_op(reduce_op)
+        initial = _initial_state(initial_value)
+        representation: Representation = Plain(op)
+        if compensated:
+            representation = _compensated(initial, op, initial_value)
         self.initial = initial
-        self.synchronized = None
-        self.synchronized_lo = None
-        self.synchronized_hi = None
-        self.local_lo = jnp.zeros_like(initial) if compensated and floating else None
-        if compensated and not floating:
-            self.local, self.local_hi = _carry(initial, jnp.zeros_like(initial))
-        else:
-            self.local, self.local_hi = initial, None
+        self.representation = representation
+        self.words = representation.start(initial)
+        self.synchronized_words = None
+
+    # ------------------------------------------------------------- views
+
+    @property
+    def reduce_op(self) -> ReduceOp:
+        """The `ReduceOp` of this state."""
+        return self.representation.op
 
     @property
     def compensated(self) -> bool:
         """Whether this is a compensated float sum or a carried integer sum (a
         Python `bool`)."""
-        return self.local_lo is not None or self.local_hi is not None
+        return isinstance(self.representation, Compensated | Carried)
 
     @property
     def is_synchronized(self) -> bool:
         """Whether `sync` has run since the last `update` (a Python `bool`)."""
-        return self.synchronized is not None
+        return self.synchronized_words is not None
+
+    @property
+    def local(self) -> Array:
+        """The main word of the local state."""
+        return self.words[0]
+
+    @property
+    def synchronized(self) -> Array | None:
+        """The main word of the synchronized state (`None` before a sync)."""
+        return None if self.synchronized_words is None else self.synchronized_words[0]
+
+    # The second words under their state-dict names; `None` where the
+    # representation has no such word.
+    local_lo = property(lambda self: self._second(self.words, "lo"))
+    local_hi = property(lambda self: self._second(self.words, "hi"))
+    synchronized_lo = property(lambda self: self._second(self.synchronized_words, "lo"))
+    synchronized_hi = property(lambda self: self._second(self.synchronized_words, "hi"))
 
     @property
     def value(self) -> Array:
         """The synchronized state if `is_synchronized`, else the local one, in the
         state's dtype (a compensated float sum rounded; a carried integer sum
         saturated at the dtype's range)."""
-        main, second = self._words(self.synchronized is not None)
-        if second is None:
-            return main
-        if self.local_lo is not None:
-            return main + second
-        # A carried integer sum, saturated where it leaves the dtype's range.
-        info = jnp.iinfo(main.dtype)
-        limit = 1 << (info.bits - 1 - CARRY_BITS)
-        exact = (second << CARRY_BITS) + main
-        highest, lowest = (jnp.asarray(v, main.dtype) for v in (info.max, info.min))
-        return jnp.where(
-            second >= limit, highest, jnp.where(second < -limit, lowest, exact)
-        )
+        return self.representation.value(self._current())
 
     def value_as(self, dtype: DTypeLike) -> Array:
         """`value` converted to `dtype` from the full state: a carried integer sum
         beyond its dtype's range is converted exactly as far as `dtype` allows (e.g.
         a count of 3 * 2**31 to float32), a compensated float sum is rounded once."""
-        main, second = self._words(self.synchronized is not None)
-        dtype = jnp.dtype(dtype)
-        if second is None:
-            return main.astype(dtype)
-        if self.local_hi is not None:
-            scale = jnp.asarray(2**CARRY_BITS, dtype)
-            return second.astype(dtype) * scale + main.astype(dtype)
-        return main.astype(dtype) + second.astype(dtype)
+        return self.representation.value_as(self._current(), jnp.dtype(dtype))
+
+    # ------------------------------------------------------------ updates
 
     def update(self: _A, value: ArrayLike) -> _A:
         """Fold `value` into the local state (add for `"sum"`, elementwise max/min
@@ -304,18 +204,40 @@ class MetricAccumulator(eqx.Module):
         `TypeError` if it is `None`, non-numeric, or its dtype cannot be cast into
         the state's without changing kind (floats into an integer state).
         """
-        value = self._checked(value, "MetricAccumulator.update")
-        if self.local_lo is not None:
-            zero = jnp.zeros_like(value)
-            return self._unsynchronized(
-                *add_pairs(self.local, self.local_lo, value, zero)
+        value = self._checked(value, f"{type(self).__name__}.update")
+        rep = self.representation
+        return self._unsynchronized(rep.add(self.words, rep.encode(value)))
+
+    def update_sum(self: _A, values: ArrayLike) -> _A:
+        """Add the sum of every entry of `values` to a scalar `"sum"` state.
+
+        Unlike `update(values.sum())`, a carried integer sum adds the entries
+        exactly however many there are (`jnp.sum` of int32 wraps past 2**31), host
+        integers wider than int32 (NumPy int64, Python ints) included, to 2**47.
+
+        **Raises:**
+
+        `TypeError` for non-numeric `values`, floats into an integer state, or a
+        non-scalar or non-sum state; `ValueError` for a total beyond 2**47.
+        """
+        caller = f"{type(self).__name__}.update_sum"
+        if self.local.shape != () or self.reduce_op is not ReduceOp.SUM:
+            raise TypeError(
+                f"{caller}: only for scalar sums, this state has shape "
+                f"{self.local.shape} and reduce_op {self.reduce_op.value!r}."
             )
-        if self.local_hi is not None:
-            lo, hi = _carry(value, jnp.zeros_like(value))
+        rep, dtype = self.representation, self.local.dtype
+        host = host_integers(values)
+        if isinstance(rep, Carried) and host is not None:
+            # Exact in Python ints, whatever NumPy's width.
+            words = rep.encode_int(int(host.astype(object).sum()), dtype, caller)
+            return self._unsynchronized(rep.add(self.words, words))
+        values = cast_into(as_array(values, caller, "values"), dtype, caller, "values")
+        if isinstance(rep, Carried):
             return self._unsynchronized(
-                *_add_carried(self.local, self.local_hi, lo, hi)
+                rep.add(self.words, carried_total(values, dtype))
             )
-        return self._unsynchronized(_COMBINE[self.reduce_op](self.local, value))
+        return self._unsynchronized(rep.add(self.words, rep.encode(jnp.sum(values))))
 
     def merge(self: _A, other: "MetricAccumulator") -> _A:
         """Combine the local states of two accumulators (e.g. two minibatches') with
@@ -332,12 +254,12 @@ class MetricAccumulator(eqx.Module):
                 f"{type(self).__name__}, got {type(other).__name__}."
             )
         mine, theirs = (acc._signature() for acc in (self, other))
-        if mine != theirs:
+        if mine != theirs or self.representation != other.representation:
             raise ValueError(
                 f"{type(self).__name__}.merge: cannot merge a (reduce_op, shape, "
                 f"dtype, compensated) = {theirs} accumulator into a {mine} one."
             )
-        return self._merged_local(other)
+        return self._unsynchronized(self.representation.add(self.words, other.words))
 
     def sync(self: _A, axis_name: AxisName | None = "data") -> _A:
         """Reduce the local states of every device along `axis_name`, inside
@@ -373,25 +295,22 @@ class MetricAccumulator(eqx.Module):
         missing = tuple(sorted(_varying_axes(self.local) - _varying_axes(initial)))
         if missing:
             initial = jax.lax.pcast(initial, missing, to="varying")
-        if self.local_lo is not None:
-            return self._unsynchronized(initial, jnp.zeros_like(initial))
-        if self.local_hi is not None:
-            return self._unsynchronized(*_carry(initial, jnp.zeros_like(initial)))
-        return self._unsynchronized(initial)
+        return self._unsynchronized(self.representation.start(initial))
+
+    # -------------------------------------------------------- state dicts
 
     def state_dict(self) -> dict[str, Array]:
         """`{"local": ...}`, plus `"synchronized"` when synchronized, plus their
         second words (`"local_lo"`/`"synchronized_lo"` for a compensated float sum,
         `"local_hi"`/`"synchronized_hi"` for a carried integer sum): everything
         `load_state_dict` needs to rebuild this accumulator exactly."""
-        state = {
-            "local": self.local,
-            "synchronized": self.synchronized,
-            "local_lo": self.local_lo,
-            "synchronized_lo": self.synchronized_lo,
-            "local_hi": self.local_hi,
-            "synchronized_hi": self.synchronized_hi,
-        }
+        second = self.representation.second
+        state = {"local": self.local, "synchronized": self.synchronized}
+        if second:
+            state[f"local_{second}"] = self.words[1]
+            state[f"synchronized_{second}"] = self._second(
+                self.synchronized_words, second
+            )
         return {key: arr for key, arr in state.items() if arr is not None}
 
     def load_state_dict(self: _A, state_dict: Mapping[str, ArrayLike]) -> _A:
@@ -408,56 +327,45 @@ class MetricAccumulator(eqx.Module):
         dtype differs from this accumulator's state.
         """
         caller = f"{type(self).__name__}.load_state_dict"
-        if not isinstance(state_dict, Mapping):
-            raise TypeError(
-                f"{caller}: `state_dict` must be a mapping such as "
-                f"{{'local': array}}, got {type(state_dict).__name__}."
-            )
-        second = self._second_name()
-        allowed = {"local", "synchronized"}
-        if second:
-            allowed |= {f"local_{second}", f"synchronized_{second}"}
-        if "local" not in state_dict or set(state_dict) - allowed:
-            optional = ", ".join(repr(key) for key in sorted(allowed - {"local"}))
-            raise ValueError(
-                f"{caller}: expected the key 'local' and optionally {optional}, got "
-                f"{sorted(state_dict)}."
-            )
-        if f"synchronized_{second}" in state_dict and "synchronized" not in state_dict:
-            raise ValueError(
-                f"{caller}: 'synchronized_{second}' is the second word of "
-                f"'synchronized', which is missing; got {sorted(state_dict)}."
-            )
-        arrays = {}
-        for key, raw in state_dict.items():
-            arr = as_array(raw, caller, f"state_dict[{key!r}]")
-            if arr.shape != self.local.shape or arr.dtype != self.local.dtype:
-                raise ValueError(
-                    f"{caller}: {key!r} has shape {arr.shape} and dtype {arr.dtype}, "
-                    f"expected shape {self.local.shape} and dtype {self.local.dtype}."
-                )
-            arrays[key] = arr.astype(arr.dtype)  # not weakly typed
-        words = {}
-        for which in ("local", "synchronized"):
-            if which not in arrays:
-                continue
-            main = arrays[which]
-            other = arrays.get(f"{which}_{second}", jnp.zeros_like(main))
-            if self.local_hi is not None:
-                main, extra = _carry(main, jnp.zeros_like(main))
-                other = other + extra
-            words[which] = (main, other) if second else (main,)
-        loaded = self._unsynchronized(*words["local"])
+        arrays = _checked_state_dict(
+            state_dict, self.representation.second, self.local, caller
+        )
+        second, rep = self.representation.second, self.representation
+        words = {
+            which: rep.load(arrays[which], arrays.get(f"{which}_{second}"))
+            for which in ("local", "synchronized")
+            if which in arrays
+        }
+        loaded = self._unsynchronized(words["local"])
         if "synchronized" in words:
-            loaded = loaded._synchronized(*words["synchronized"])
+            loaded = replace_fields(loaded, synchronized_words=words["synchronized"])
         return loaded
 
-    # ------------------------------------------------------------ internals
+    # ---------------------------------------------------------- internals
+
+    def _second(self, words: Words | None, name: str) -> Array | None:
+        if words is None or self.representation.second != name:
+            return None
+        return words[1]
+
+    def _current(self) -> Words:
+        return (
+            self.words if self.synchronized_words is None else self.synchronized_words
+        )
 
     def _checked(self, value: Any, caller: str) -> Array:
-        value = as_array(value, caller, "value")
-        value = check_broadcast(value, self.local.shape, caller, "value", "the state")
-        return cast_into(value, self.local.dtype, caller, "value")
+        local = self.local
+        # What metrics pass is already checked and cast: validate it only once.
+        if (
+            isinstance(value, jax.Array)
+            and value.shape == local.shape
+            and value.dtype == local.dtype
+        ):
+            return value
+        floating = jnp.issubdtype(local.dtype, jnp.floating)
+        value = as_array(value, caller, "value", wide_to_float=floating)
+        value = check_broadcast(value, local.shape, caller, "value", "the state")
+        return cast_into(value, local.dtype, caller, "value")
 
     def _signature(self) -> tuple[Any, ...]:
         return (
@@ -467,82 +375,28 @@ class MetricAccumulator(eqx.Module):
             self.compensated,
         )
 
-    def _second_name(self) -> str:
-        if self.local_lo is not None:
-            return "lo"
-        return "hi" if self.local_hi is not None else ""
-
-    def _words(self, synchronized: bool) -> tuple[Array, Array | None]:
-        if synchronized:
-            assert self.synchronized is not None
-            return self.synchronized, (
-                self.synchronized_lo
-                if self.local_lo is not None
-                else self.synchronized_hi
-            )
-        return self.local, self.local_lo if self.local_lo is not None else self.local_hi
-
-    def _merged_local(self: _A, other: "MetricAccumulator") -> _A:
-        if self.local_lo is not None and other.local_lo is not None:
-            return self._unsynchronized(
-                *add_pairs(self.local, self.local_lo, other.local, other.local_lo)
-            )
-        if self.local_hi is not None and other.local_hi is not None:
-            return self._unsynchronized(
-                *_add_carried(self.local, self.local_hi, other.local, other.local_hi)
-            )
-        return self._unsynchronized(_COMBINE[self.reduce_op](self.local, other.local))
-
-    def _unsynchronized(self: _A, local: Array, second: Array | None = None) -> _A:
-        out: _A = replace_fields(
-            self,
-            local=local,
-            local_lo=second if self.local_lo is not None else None,
-            local_hi=second if self.local_hi is not None else None,
-            synchronized=None,
-            synchronized_lo=None,
-            synchronized_hi=None,
-        )
-        return out
-
-    def _synchronized(self: _A, synchronized: Array, second: Array | None = None) -> _A:
-        out: _A = replace_fields(
-            self,
-            synchronized=synchronized,
-            synchronized_lo=second if self.local_lo is not None else None,
-            synchronized_hi=second if self.local_hi is not None else None,
-        )
+    def _unsynchronized(self: _A, words: Words) -> _A:
+        out: _A = replace_fields(self, words=tuple(words), synchronized_words=None)
         return out
 
     def _synchronized_as_local(self: _A) -> _A:
         """The synchronized state as the (unsynchronized) local one."""
-        main, second = self._words(self.synchronized is not None)
-        return self._unsynchronized(main, second)
+        return self._unsynchronized(self._current())
 
     def _synchronized_from_local(self: _A) -> _A:
         """Global mode: the local state is already every device's."""
-        return self._synchronized(*self._words(False))
+        out: _A = replace_fields(self, synchronized_words=self.words)
+        return out
 
     def _sync_parts(self, names: tuple[str, ...]) -> list[Array]:
         """The arrays whose reductions (with `reduce_op`) over the devices make the
         synchronized state (see `_from_sync_parts`)."""
-        if self.local_lo is not None:
-            return [*_split_for_psum(self.local), self.local_lo]
-        if self.local_hi is not None:
-            return [self.local, self.local_hi]
-        return [self.local]
+        return self.representation.sync_parts(self.words, names)
 
     def _from_sync_parts(self: _A, parts: Sequence[Array]) -> _A:
-        if self.local_lo is not None:
-            top, bottom, lo = parts
-            return self._synchronized(*add_pairs(top, jnp.zeros_like(lo), bottom, lo))
-        if self.local_hi is not None:
-            return self._synchronized(*_carry(*parts))
-        (reduced,) = parts
-        return self._synchronized(reduced)
-
-
-_FA = TypeVar("_FA", bound="FoldAccumulator")
+        words = tuple(self.representation.from_sync_parts(parts))
+        out: _A = replace_fields(self, synchronized_words=words)
+        return out
 
 
 class FoldAccumulator(MetricAccumulator):
@@ -564,38 +418,93 @@ class FoldAccumulator(MetricAccumulator):
     - `fold`: a module-level function of two states of `initial_value`'s shape.
     """
 
-    fold: Callable[[Array, Array], Array] = eqx.field(static=True)
-
     def __init__(self, initial_value: ArrayLike, fold: Callable[[Array, Array], Array]):
-        super().__init__(initial_value, "sum")
-        self.fold = fold
+        initial = _initial_state(initial_value)
+        self.initial = initial
+        self.representation = Folded(fold=fold)
+        self.words = (initial,)
+        self.synchronized_words = None
 
-    def update(self: _FA, value: ArrayLike) -> _FA:
-        """`fold(local, value)`, unsynchronized."""
-        value = self._checked(value, f"{type(self).__name__}.update")
-        return self._unsynchronized(self.fold(self.local, value))
+    @property
+    def fold(self) -> Callable[[Array, Array], Array]:
+        """The associative function that combines two states."""
+        assert isinstance(self.representation, Folded)
+        return self.representation.fold
 
-    def _signature(self) -> tuple[Any, ...]:
-        return (*super()._signature(), self.fold)
 
-    def _merged_local(self: _FA, other: MetricAccumulator) -> _FA:
-        return self._unsynchronized(self.fold(self.local, other.local))
+# ------------------------------------------------------------ construction
 
-    def _sync_parts(self, names: tuple[str, ...]) -> list[Array]:
-        size = 1
-        for name in names:
-            size *= jax.lax.axis_size(name)
-        rows = jnp.zeros((size, *self.local.shape), self.local.dtype)
-        return [rows.at[jax.lax.axis_index(names)].set(self.local)]
 
-    def _from_sync_parts(self: _FA, parts: Sequence[Array]) -> _FA:
-        (rows,) = parts
+def _initial_state(initial_value: Any) -> Array:
+    initial = as_array(initial_value, "MetricAccumulator", "initial_value")
+    if initial.dtype == jnp.bool_:
+        raise TypeError(
+            "MetricAccumulator: `initial_value` must have a numeric dtype, got "
+            "bool; use an integer state to count."
+        )
+    # A Python scalar gives a weakly typed array, whose dtype would drift to that
+    # of the first update (e.g. bfloat16); the state keeps the dtype it has now.
+    return initial.astype(initial.dtype)
 
-        def body(carry: Array, row: Array) -> tuple[Array, None]:
-            return self.fold(carry, row), None
 
-        folded, _ = jax.lax.scan(body, rows[0], rows[1:])
-        return self._synchronized(folded)
+def _compensated(initial: Array, op: ReduceOp, initial_value: Any) -> Representation:
+    if op is not ReduceOp.SUM:
+        raise ValueError(
+            "MetricAccumulator: `compensated=True` is for sums, got reduce_op "
+            f"{op.value!r}."
+        )
+    if jnp.issubdtype(initial.dtype, jnp.floating):
+        return Compensated()
+    if isinstance(initial_value, int):
+        # `0` may mean a float sum as much as a count: make the caller say which.
+        raise TypeError(
+            f"MetricAccumulator: `compensated=True` with the Python int "
+            f"{initial_value!r} as `initial_value` is ambiguous; pass a float (e.g. "
+            "0.0) for a compensated float sum, or an int32 array (e.g. "
+            "jnp.int32(0)) for a carried integer count."
+        )
+    if not can_carry(initial.dtype):
+        raise TypeError(
+            "MetricAccumulator: a carried integer sum (`compensated=True`) needs "
+            f"signed 32- or 64-bit words, got dtype {initial.dtype}; use jnp.int32."
+        )
+    return Carried()
+
+
+def _checked_state_dict(
+    state_dict: Any, second: str, like: Array, caller: str
+) -> dict[str, Array]:
+    """The arrays of a state dict, checked against the keys a state with second
+    word `second` has and against `like`'s shape and dtype."""
+    if not isinstance(state_dict, Mapping):
+        raise TypeError(
+            f"{caller}: `state_dict` must be a mapping such as "
+            f"{{'local': array}}, got {type(state_dict).__name__}."
+        )
+    allowed = {"local", "synchronized"}
+    if second:
+        allowed |= {f"local_{second}", f"synchronized_{second}"}
+    if "local" not in state_dict or set(state_dict) - allowed:
+        optional = ", ".join(repr(key) for key in sorted(allowed - {"local"}))
+        raise ValueError(
+            f"{caller}: expected the key 'local' and optionally {optional}, got "
+            f"{sorted(state_dict)}."
+        )
+    if f"synchronized_{second}" in state_dict and "synchronized" not in state_dict:
+        raise ValueError(
+            f"{caller}: 'synchronized_{second}' is the second word of "
+            f"'synchronized', which is missing; got {sorted(state_dict)}."
+        )
+    arrays = {}
+    for key, raw in state_dict.items():
+        arr = as_array(raw, caller, f"state_dict[{key!r}]")
+        if arr.shape != like.shape or arr.dtype != like.dtype:
+            raise ValueError(
+                f"{caller}: {key!r} has shape {arr.shape} and dtype {arr.dtype}, "
+                f"expected shape {like.shape} and dtype {like.dtype}."
+            )
+        arrays[key] = arr.astype(arr.dtype)  # not weakly typed
+    return arrays
 
 
 # ----------------------------------------------------------------------- sync

@@ -94,9 +94,13 @@ class Sum(Metric):
         self.total = MetricAccumulator(jnp.zeros((), dtype), compensated=wide)
 
     def update(self, values: ArrayLike) -> "Sum":
-        """Add `values.sum()` (any shape, empty included)."""
-        values = as_array(values, "Sum.update", "values")
-        values = cast_into(values, self.total.local.dtype, "Sum.update", "values")
+        """Add `values.sum()` (any shape, empty included); integers exactly, host
+        integers wider than int32 included (to 2**47)."""
+        dtype = self.total.local.dtype
+        if not jnp.issubdtype(dtype, jnp.floating):
+            return self._with_children({"total": self.total.update_sum(values)})
+        values = as_array(values, "Sum.update", "values", wide_to_float=True)
+        values = cast_into(values, dtype, "Sum.update", "values")
         if self.nan_strategy == "ignore":
             values = jnp.where(jnp.isnan(values), jnp.zeros_like(values), values)
         return self._with_children({"total": self.total.update(jnp.sum(values))})
@@ -115,9 +119,10 @@ def _weighted(
 ) -> tuple[Array, Array | None]:
     """`values` cast to `dtype` and `weights` broadcast to their shape (`None` for
     unweighted), with NaN values given weight 0 under `nan_strategy="ignore"`."""
-    values = cast_into(as_array(values, caller, "values"), dtype, caller, "values")
+    values = as_array(values, caller, "values", wide_to_float=True)
+    values = cast_into(values, dtype, caller, "values")
     if weights is not None:
-        weights = as_array(weights, caller, "weights")
+        weights = as_array(weights, caller, "weights", wide_to_float=True)
         weights = check_broadcast(weights, values.shape, caller, "weights", "`values`")
     if nan_strategy == "ignore":
         keep = ~jnp.isnan(values)
@@ -127,6 +132,19 @@ def _weighted(
             else jnp.where(keep, weights, 0).astype(weights.dtype)
         )
     return values, weights
+
+
+def _add_sum(acc: MetricAccumulator, values: Array) -> MetricAccumulator:
+    """Add `values.sum()` to a compensated float sum. A dtype narrower than
+    float32 sums in float32 and adds the result as two words (rounded, and what
+    rounding lost), so a float16 batch sum is not rounded before it is kept."""
+    dtype = acc.local.dtype
+    wide = jnp.promote_types(dtype, jnp.float32)
+    if wide == dtype:
+        return acc.update(jnp.sum(values))
+    total = jnp.sum(values.astype(wide))
+    hi = total.astype(dtype)
+    return acc.update(hi).update((total - hi.astype(wide)).astype(dtype))
 
 
 class Mean(Metric):
@@ -142,6 +160,9 @@ class Mean(Metric):
     less than 2**24). The weighted sum of the values is a compensated sum too, so
     that a mean of many small values does not drift. Syncs in the (sum, float) and
     (sum, int) all-reduces.
+
+    Every float dtype works, float16 and bfloat16 included: `compute()` divides in
+    at least float32 and rounds once to `dtype`.
 
     **Arguments:**
 
@@ -203,26 +224,29 @@ class Mean(Metric):
         if weights is None:
             return self._with_children(
                 {
-                    "total": self.total.update(jnp.sum(values)),
+                    "total": _add_sum(self.total, values),
                     "count": self.count.update(values.size),
                 }
             )
         # Weight 0 excludes a value outright, so padding may hold NaN or inf.
         weighted = jnp.where(weights != 0, values * weights.astype(dtype), 0)
-        total = self.total.update(jnp.sum(weighted))
+        total = _add_sum(self.total, weighted)
         if jnp.issubdtype(weights.dtype, jnp.floating):
-            counted = {"weight": self.weight.update(jnp.sum(weights.astype(dtype)))}
+            counted = {"weight": _add_sum(self.weight, weights.astype(dtype))}
         else:
-            counted = {
-                "count": self.count.update(jnp.sum(weights, dtype=count_dtype()))
-            }
+            # Counted exactly: integer weights of 2**30 add up past 2**31.
+            counted = {"count": self.count.update_sum(weights)}
         return self._with_children({"total": total, **counted})
 
     def compute(self) -> Array:
         """The weighted mean; NaN while the total weight is 0."""
-        total = self.total.value
-        weight = self.weight.value + self.count.value_as(total.dtype)
-        return jnp.where(weight == 0, jnp.nan, total / weight)
+        # In at least float32, rounded once: a float16 state's count alone may be
+        # past float16's range (65504).
+        dtype = self.total.local.dtype
+        wide = jnp.promote_types(dtype, jnp.float32)
+        total = self.total.value_as(wide)
+        weight = self.weight.value_as(wide) + self.count.value_as(wide)
+        return jnp.where(weight == 0, jnp.nan, total / weight).astype(dtype)
 
 
 _E = TypeVar("_E", bound="_Extremum")
@@ -245,9 +269,10 @@ class _Extremum(Metric):
     def update(self: _E, values: ArrayLike) -> _E:
         """Fold in the extreme of `values` (any shape, empty included)."""
         caller = f"{type(self).__name__}.update"
-        values = cast_into(
-            as_array(values, caller, "values"), self.best.local.dtype, caller, "values"
-        )
+        dtype = self.best.local.dtype
+        floating = jnp.issubdtype(dtype, jnp.floating)
+        values = as_array(values, caller, "values", wide_to_float=floating)
+        values = cast_into(values, dtype, caller, "values")
         if self.nan_strategy == "ignore":
             values = jnp.where(jnp.isnan(values), self.best.initial, values)
         reduce = jnp.max if self.best.reduce_op is ReduceOp.MAX else jnp.min

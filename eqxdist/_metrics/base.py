@@ -1,8 +1,8 @@
-"""Stateful distributed metrics (d9d `Metric`, torchmetrics, CLU): the `Metric` base,
-and `MetricCollection`. The aggregations (`Sum`, `Mean`, `Max`, `Min`, `Std`,
-`LastValue`) live in `_aggregation.py`, classification metrics in
-`_classification.py` and `_confusion.py`, and the state they are all made of
-(`MetricAccumulator`) in `_accumulator.py`.
+"""Stateful distributed metrics: the `Metric` base every metric implements
+(update, merge, sync, compute) and `MetricCollection`, which syncs many metrics with
+one all-reduce per (op, dtype). The metrics themselves live beside it
+(`aggregation.py`, `classification.py`, `confusion.py`, `regression.py`, ...), and
+the state they are all made of (`MetricAccumulator`) in `accumulator.py`.
 
 A metric is an immutable `eqx.Module` made of `MetricAccumulator`s. Each accumulator
 holds a *linearly additive* state (a sum, a count, a running maximum or minimum),
@@ -25,7 +25,7 @@ Three ways to use them, all with the same objects:
 import abc
 import dataclasses
 from collections.abc import Iterator, Mapping, Sequence
-from typing import Any, TypeVar
+from typing import Any, ClassVar, TypeVar
 
 import equinox as eqx
 import jax
@@ -73,6 +73,10 @@ class Metric(eqx.Module):
                 return self.peak.value
         ```
     """
+
+    _added_states: ClassVar[frozenset[str]] = frozenset()
+    """Names of states added after a release: a state dict without them (saved by
+    that release) loads them at their initial value."""
 
     @abc.abstractmethod
     def update(self: _M, *args: Any, **kwargs: Any) -> _M:
@@ -169,7 +173,9 @@ class Metric(eqx.Module):
                 f"mapping with the keys {sorted(children)}, got "
                 f"{type(state_dict).__name__}."
             )
-        if set(state_dict) != set(children):
+        # States a later version added load as empty from older state dicts.
+        missing = set(children) - set(state_dict)
+        if set(state_dict) - set(children) or missing - self._added_states:
             raise ValueError(
                 f"{type(self).__name__}.load_state_dict: expected the keys "
                 f"{sorted(children)}, got {sorted(state_dict)}."
@@ -177,7 +183,13 @@ class Metric(eqx.Module):
         loaded = {
             name: child.load_state_dict(state_dict[name])
             for name, child in children.items()
+            if name not in missing
         }
+        synced = any(child.is_synchronized for child in loaded.values())
+        for name in missing:
+            # Empty on every device: its synchronized state is its local one.
+            empty = children[name].reset()
+            loaded[name] = empty.sync(None) if synced else empty
         return self._with_children(loaded)
 
     def _accumulators(self) -> list[MetricAccumulator]:

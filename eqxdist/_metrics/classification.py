@@ -19,6 +19,8 @@ metric does with them is stated in its docstring (never an error, never a count
 in a wrong cell).
 """
 
+from typing import ClassVar
+
 import equinox as eqx
 import jax
 import jax.numpy as jnp
@@ -34,6 +36,7 @@ from .inputs import (
     count_dtype,
     count_true,
     counted_mask,
+    example_weights,
     float_dtype,
     integer_labels,
 )
@@ -52,8 +55,13 @@ class Accuracy(Metric):
       compared directly; or float scores with one more trailing axis (classes),
       which go through `argmax` over that axis (with `top_k > 1`: correct when the
       label's score is among the `top_k` highest; ties count in the label's favour).
-    - `mask`: optional, broadcastable to `labels`' shape, boolean or 0/1; examples
-      where it is 0/False (padding) are not counted.
+    - `mask`: optional, boolean, broadcastable to `labels`' shape; examples where
+      it is False (padding) are not counted. Another dtype is a `TypeError`.
+    - `weights`: optional per-example weights, broadcastable to `labels`' shape:
+      the result is `sum(weights * correct) / sum(weights)` over the counted
+      examples (scikit-learn's `accuracy_score(sample_weight=)`). Integer or
+      boolean weights are counted exactly (carried integers); float weights are
+      added in a compensated float sum.
 
     A label outside `[0, num_classes)` (float scores) is a `ValueError` when known
     at trace time; at run time it is counted as a wrong prediction.
@@ -79,7 +87,10 @@ class Accuracy(Metric):
 
     correct: MetricAccumulator
     total: MetricAccumulator
+    # Float-weighted (correct, total); added in v0.3, absent from older state dicts.
+    weighted: MetricAccumulator
     top_k: int = eqx.field(static=True)
+    _added_states: ClassVar[frozenset[str]] = frozenset({"weighted"})
 
     def __init__(self, top_k: int = 1) -> None:
         if not isinstance(top_k, int) or isinstance(top_k, bool):
@@ -89,12 +100,14 @@ class Accuracy(Metric):
         self.top_k = top_k
         self.correct = MetricAccumulator(jnp.zeros((), count_dtype()), compensated=True)
         self.total = MetricAccumulator(jnp.zeros((), count_dtype()), compensated=True)
+        self.weighted = MetricAccumulator(jnp.zeros(2, float_dtype()), compensated=True)
 
     def update(
         self,
         logits_or_predictions: ArrayLike,
         labels: ArrayLike,
         mask: ArrayLike | None = None,
+        weights: ArrayLike | None = None,
     ) -> "Accuracy":
         """Count a batch of predictions.
 
@@ -107,7 +120,8 @@ class Accuracy(Metric):
         """
         caller = "Accuracy.update"
         labels = integer_labels(labels, caller)
-        counted = counted_mask(mask, labels.shape, caller)
+        counted = counted_mask(mask, labels.shape, caller, has_weights=True)
+        w = example_weights(weights, labels.shape, caller)
         preds = as_array(logits_or_predictions, caller, "logits_or_predictions")
         floating = jnp.issubdtype(preds.dtype, jnp.floating)
         if self.top_k > 1 and not floating:
@@ -133,19 +147,34 @@ class Accuracy(Metric):
             num_classes = preds.shape[-1]
             fix = "exclude such examples with `mask`."
             check_range(labels, counted, 0, num_classes - 1, caller, "labels", fix)
+        if w is None:
+            return self._with_children(
+                {
+                    "correct": self.correct.update(count_true(hits, counted)),
+                    "total": self.total.update(count_true(counted)),
+                }
+            )
+        w = jnp.where(counted, w, jnp.zeros_like(w))
+        right = jnp.where(hits, w, jnp.zeros_like(w))
+        if jnp.issubdtype(w.dtype, jnp.floating):
+            batch = jnp.stack([jnp.sum(right), jnp.sum(w)]).astype(float_dtype())
+            return self._with_children({"weighted": self.weighted.update(batch)})
         return self._with_children(
             {
-                "correct": self.correct.update(count_true(hits, counted)),
-                "total": self.total.update(count_true(counted)),
+                "correct": self.correct.update_sum(right),
+                "total": self.total.update_sum(w),
             }
         )
 
     def compute(self) -> Array:
-        """Correct / counted (float); NaN while nothing has been counted."""
+        """Correct / counted (float), weighted; NaN while nothing has been
+        counted."""
+        weighted = self.weighted.value_as(float_dtype())
         correct, total = (
-            acc.value_as(float_dtype()) for acc in (self.correct, self.total)
+            acc.value_as(float_dtype()) + extra
+            for acc, extra in zip((self.correct, self.total), weighted, strict=True)
         )
-        return jnp.where(total == 0, jnp.nan, correct / jnp.maximum(total, 1))
+        return jnp.where(total == 0, jnp.nan, correct / jnp.where(total == 0, 1, total))
 
 
 class AUROC(Metric):
@@ -159,9 +188,12 @@ class AUROC(Metric):
     counts, synced in the (sum, int) all-reduce. Memory does not grow with the
     number of examples.
 
-    `update(scores, labels, mask=None)`: `scores` float in [0, 1] (probabilities of
-    class 1, e.g. `jax.nn.sigmoid(logit)`), `labels` in {0, 1} (int or bool), of
-    the same shape; `mask` broadcastable to it.
+    `update(scores, labels, mask=None, weights=None)`: `scores` float in [0, 1]
+    (probabilities of class 1, e.g. `jax.nn.sigmoid(logit)`), `labels` in {0, 1}
+    (int or bool), of the same shape; `mask` boolean, broadcastable to it (another
+    dtype is a `TypeError`); `weights` optional per-example weights, broadcastable
+    to it (scikit-learn's `roc_auc_score(sample_weight=)`), added in a second,
+    float pair of histograms (a compensated float sum).
 
     Out-of-range input: scores outside [0, 1] (or NaN) and labels other than 0 and
     1 are a `ValueError` when known at trace time (entries `mask` drops are not
@@ -189,7 +221,10 @@ class AUROC(Metric):
     """
 
     histograms: MetricAccumulator
+    # Weighted histograms; added in v0.3, absent from older state dicts.
+    weighted: MetricAccumulator
     num_thresholds: int = eqx.field(static=True)
+    _added_states: ClassVar[frozenset[str]] = frozenset({"weighted"})
 
     def __init__(self, num_thresholds: int = 200):
         if not isinstance(num_thresholds, int) or isinstance(num_thresholds, bool):
@@ -203,9 +238,16 @@ class AUROC(Metric):
         self.num_thresholds = num_thresholds
         zeros = jnp.zeros((2, num_thresholds), count_dtype())
         self.histograms = MetricAccumulator(zeros, compensated=True)
+        self.weighted = MetricAccumulator(
+            jnp.zeros((2, num_thresholds), float_dtype()), compensated=True
+        )
 
     def update(
-        self, scores: ArrayLike, labels: ArrayLike, mask: ArrayLike | None = None
+        self,
+        scores: ArrayLike,
+        labels: ArrayLike,
+        mask: ArrayLike | None = None,
+        weights: ArrayLike | None = None,
     ) -> "AUROC":
         """Count a batch of scores.
 
@@ -215,7 +257,7 @@ class AUROC(Metric):
         for shapes that differ, or values out of range known at trace time.
         """
         caller = "AUROC.update"
-        scores = as_array(scores, caller, "scores")
+        scores = as_array(scores, caller, "scores", wide_to_float=True)
         if not jnp.issubdtype(scores.dtype, jnp.floating):
             raise TypeError(
                 f"{caller}: `scores` must be floats in [0, 1], got dtype "
@@ -227,7 +269,8 @@ class AUROC(Metric):
                 f"{caller}: `scores` of shape {scores.shape} and `labels` of shape "
                 f"{labels.shape} must have the same shape (one score per label)."
             )
-        counted = counted_mask(mask, labels.shape, caller)
+        counted = counted_mask(mask, labels.shape, caller, has_weights=True)
+        w = example_weights(weights, labels.shape, caller)
         fix = "pass probabilities (e.g. jax.nn.sigmoid of logits)."
         check_range(scores, counted, 0, 1, caller, "scores", fix)
         check_range(labels, counted, 0, 1, caller, "labels", "labels must be 0 or 1.")
@@ -236,15 +279,22 @@ class AUROC(Metric):
         bins = jnp.clip(jnp.floor(jnp.nan_to_num(scores) * t), 0, t - 1).astype(
             jnp.int32
         )
-        cell = jnp.where(valid, labels.astype(jnp.int32) * t + bins, 0)
-        batch = jnp.zeros(2 * t, count_dtype()).at[cell.ravel()].add(valid.ravel())
+        cell = jnp.where(valid, labels.astype(jnp.int32) * t + bins, 0).ravel()
+        if w is None:
+            batch = jnp.zeros(2 * t, count_dtype()).at[cell].add(valid.ravel())
+            return self._with_children(
+                {"histograms": self.histograms.update(batch.reshape(2, t))}
+            )
+        w = jnp.where(valid, w.astype(float_dtype()), 0).ravel()
+        batch = jnp.zeros(2 * t, float_dtype()).at[cell].add(w)
         return self._with_children(
-            {"histograms": self.histograms.update(batch.reshape(2, t))}
+            {"weighted": self.weighted.update(batch.reshape(2, t))}
         )
 
     def compute(self) -> Array:
         """The area under the ROC curve (float); NaN without both classes."""
-        neg, pos = self.histograms.value_as(float_dtype())
+        counts = self.histograms.value_as(float_dtype())
+        neg, pos = counts + self.weighted.value_as(float_dtype())
         n_neg, n_pos = neg.sum(), pos.sum()
         # The probability that a positive scores above a negative: every positive
         # in a higher bin counts, those in the same bin count half (a tie). This
@@ -265,11 +315,14 @@ class Perplexity(Metric):
     the (sum, float) and (sum, int) all-reduces; merge it across steps and devices
     like any other metric.
 
-    `update(logits, labels, mask=None)`: `logits` float `(..., vocab)`, `labels`
-    integer `(...)`, `mask` broadcastable to `labels`' shape (0/False: padding,
-    not counted). A label outside `[0, vocab)` is a `ValueError` when known at
-    trace time (among the tokens `mask` keeps); at run time that token is not
-    counted (as with an ignore index).
+    `update(logits, labels, mask=None, weights=None)`: `logits` float
+    `(..., vocab)`, `labels` integer `(...)`, `mask` boolean, broadcastable to
+    `labels`' shape (False: padding, not counted; another dtype is a `TypeError`),
+    `weights` optional per-token weights broadcastable to `labels`' shape (the
+    mean NLL becomes `sum(weights * nll) / sum(weights)`, as `Mean`'s). A label
+    outside `[0, vocab)` is a `ValueError` when known at trace time (among the
+    tokens `mask` keeps); at run time that token is not counted (as with an
+    ignore index).
 
     `compute()` is a float scalar; NaN while no token has been counted.
 
@@ -287,7 +340,11 @@ class Perplexity(Metric):
         self.nll = Mean()
 
     def update(
-        self, logits: ArrayLike, labels: ArrayLike, mask: ArrayLike | None = None
+        self,
+        logits: ArrayLike,
+        labels: ArrayLike,
+        mask: ArrayLike | None = None,
+        weights: ArrayLike | None = None,
     ) -> "Perplexity":
         """Count a batch of tokens.
 
@@ -308,7 +365,8 @@ class Perplexity(Metric):
                 f"{caller}: `logits` of shape {logits.shape} must have the shape of "
                 f"`labels` {labels.shape} plus a trailing vocabulary axis."
             )
-        counted = counted_mask(mask, labels.shape, caller)
+        counted = counted_mask(mask, labels.shape, caller, has_weights=True)
+        w = example_weights(weights, labels.shape, caller)
         vocab = logits.shape[-1]
         check_range(
             labels,
@@ -325,6 +383,8 @@ class Perplexity(Metric):
         picked = jnp.take_along_axis(logits, index, axis=-1)[..., 0]
         nll = jax.nn.logsumexp(logits, axis=-1) - picked
         nll = nll.astype(self.nll.total.local.dtype)
+        if w is not None:
+            valid = jnp.where(valid, w, jnp.zeros_like(w))
         return self._with_children({"nll": self.nll.update(nll, valid)})
 
     def compute(self) -> Array:

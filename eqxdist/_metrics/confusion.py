@@ -9,7 +9,7 @@ what `compute()` returns, and each can give every other view of its counts
 and `zero_division=0`.
 """
 
-from typing import Any, TypeVar
+from typing import Any, ClassVar, TypeVar
 
 import equinox as eqx
 import jax.numpy as jnp
@@ -103,8 +103,9 @@ class _ConfusionCounts(Metric):
     ) -> _C:
         """Count a batch: `labels` integer classes of any shape;
         `logits_or_predictions` integer predictions of `labels`' shape, or float
-        scores with a trailing axis of `num_classes` (argmax); `mask` broadcastable
-        to `labels`' shape, 0/False for examples not to count.
+        scores with a trailing axis of `num_classes` (argmax); `mask` boolean,
+        broadcastable to `labels`' shape, False for examples not to count (another
+        dtype is a `TypeError`).
 
         A label or integer prediction outside `[0, num_classes)` is a `ValueError`
         when known at trace time (among the entries `mask` keeps); at run time the
@@ -271,7 +272,23 @@ class F1Score(FBetaScore):
         super().__init__(num_classes, 1.0, average)
 
 
-class Precision(_ConfusionCounts):
+class _AveragedScore(_ConfusionCounts):
+    """A score of the counts named by `_kind`, per class or averaged: what
+    `Precision` and `Recall` share."""
+
+    average: str | None = eqx.field(static=True)
+    _kind: ClassVar[str]
+
+    def __init__(self, num_classes: int, average: str | None = "macro"):
+        super().__init__(num_classes)
+        self.average = _check_average(average, self.num_classes, type(self).__name__)
+
+    def compute(self) -> Array:
+        """The score (float scalar, or one per class for `average=None`)."""
+        return self._view(self._kind, 1.0, self.average)
+
+
+class Precision(_AveragedScore):
     """Precision, `tp / (tp + fp)`: of the examples predicted as a class, the
     fraction that are; scikit-learn's `precision_score(..., labels=
     range(num_classes), zero_division=0)`.
@@ -292,18 +309,10 @@ class Precision(_ConfusionCounts):
         ```
     """
 
-    average: str | None = eqx.field(static=True)
-
-    def __init__(self, num_classes: int, average: str | None = "macro"):
-        super().__init__(num_classes)
-        self.average = _check_average(average, self.num_classes, type(self).__name__)
-
-    def compute(self) -> Array:
-        """The precision (float scalar, or one per class for `average=None`)."""
-        return self.precision(self.average)
+    _kind = "precision"
 
 
-class Recall(_ConfusionCounts):
+class Recall(_AveragedScore):
     """Recall, `tp / (tp + fn)`: of the examples of a class, the fraction predicted
     as it; scikit-learn's `recall_score(..., labels=range(num_classes),
     zero_division=0)`. Macro recall is balanced accuracy over all classes.
@@ -324,12 +333,4 @@ class Recall(_ConfusionCounts):
         ```
     """
 
-    average: str | None = eqx.field(static=True)
-
-    def __init__(self, num_classes: int, average: str | None = "macro"):
-        super().__init__(num_classes)
-        self.average = _check_average(average, self.num_classes, type(self).__name__)
-
-    def compute(self) -> Array:
-        """The recall (float scalar, or one per class for `average=None`)."""
-        return self.recall(self.average)
+    _kind = "recall"

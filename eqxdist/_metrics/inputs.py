@@ -11,12 +11,54 @@ import numpy as np
 from jaxtyping import Array, ArrayLike
 
 
-def as_array(x: Any, caller: str, argument: str) -> Array:
+def host_integers(x: Any) -> np.ndarray | None:
+    """`x` as a NumPy integer array when it is host data (a Python int, a list of
+    them, a NumPy array) holding integers that JAX's default integer cannot hold
+    (int32 without x64); `None` otherwise (JAX arrays and tracers included)."""
+    if isinstance(x, jax.Array | jax.core.Tracer | bool):
+        return None
+    try:
+        arr = np.asarray(x)
+    except (TypeError, ValueError, OverflowError):
+        return None
+    if arr.dtype == object:
+        try:
+            arr = np.asarray(x, np.int64)
+        except (TypeError, ValueError, OverflowError):
+            return None
+    if not jnp.issubdtype(arr.dtype, jnp.integer) or arr.size == 0:
+        return None
+    info = jnp.iinfo(count_dtype())
+    if arr.min() >= info.min and arr.max() <= info.max:
+        return None
+    return arr
+
+
+def as_array(
+    x: Any, caller: str, argument: str, *, wide_to_float: bool = False
+) -> Array:
     """`x` as a JAX array of numbers or booleans, or a `TypeError` naming
-    `argument`."""
+    `argument`.
+
+    Host integers beyond JAX's default integer (int32 without x64: a NumPy int64
+    of 3e9 would silently wrap, a Python int raise an `OverflowError`) become
+    JAX's default float with `wide_to_float=True` (for a float state), and are a
+    `ValueError` otherwise.
+    """
     if x is None:
         raise TypeError(
             f"{caller}: `{argument}` must be an array of numbers or booleans, got None."
+        )
+    wide = host_integers(x)
+    if wide is not None:
+        if wide_to_float:
+            return jnp.asarray(wide.astype(np.float64), float_dtype())
+        worst = wide.max() if wide.max() > jnp.iinfo(count_dtype()).max else wide.min()
+        raise ValueError(
+            f"{caller}: `{argument}` holds the integer {int(worst)}, outside "
+            f"{count_dtype()}'s range, which is how JAX holds integers without "
+            "`jax_enable_x64`; pass values that fit (class labels do), or enable "
+            "x64."
         )
     try:
         arr = jnp.asarray(x)
@@ -104,12 +146,47 @@ def is_concrete(x: Any) -> bool:
 # ------------------------------------------------------------ class labels
 
 
-def counted_mask(mask: ArrayLike | None, shape: tuple[int, ...], caller: str) -> Array:
-    """The boolean mask of the examples to count (all when `mask` is `None`)."""
+def counted_mask(
+    mask: ArrayLike | None,
+    shape: tuple[int, ...],
+    caller: str,
+    *,
+    has_weights: bool = False,
+    target: str = "`labels`",
+) -> Array:
+    """The boolean mask of the examples to count (all when `mask` is `None`),
+    broadcast to `shape` (that of `target`, as error messages name it).
+
+    A mask is boolean: a float such as `[0.5, 1, 0]` (sample weights, in other
+    libraries) or an int such as -1 has no single reading, so it is a `TypeError`
+    that points to `weights=` when the metric has it (`has_weights`)."""
     if mask is None:
         return jnp.ones(shape, bool)
     mask = as_array(mask, caller, "mask")
-    return check_broadcast(mask, shape, caller, "mask", "`labels`") != 0
+    mask = check_broadcast(mask, shape, caller, "mask", target)
+    if mask.dtype != jnp.bool_:
+        hint = (
+            "pass per-example weights as `weights=` instead"
+            if has_weights
+            else "this metric takes no weights"
+        )
+        raise TypeError(
+            f"{caller}: `mask` must be boolean (True: count the example), got dtype "
+            f"{mask.dtype}; write e.g. `mask=labels >= 0` or `mask.astype(bool)` "
+            f"for a 0/1 mask, and {hint}."
+        )
+    return mask
+
+
+def example_weights(
+    weights: ArrayLike | None, shape: tuple[int, ...], caller: str
+) -> Array | None:
+    """`weights` (per example) broadcast to `shape`, in their own dtype (integer
+    weights can be counted exactly); `None` stays `None` (unweighted)."""
+    if weights is None:
+        return None
+    weights = as_array(weights, caller, "weights", wide_to_float=True)
+    return check_broadcast(weights, shape, caller, "weights", "`labels`")
 
 
 def integer_labels(labels: ArrayLike, caller: str) -> Array:

@@ -99,7 +99,7 @@ def print_metrics(
     metrics: Mapping[str, Any] | Metric, title: str | None = None
 ) -> None:
     """Print one line per metric, `name: value` with six decimals, under an
-    optional title centred in `=` signs (the UvA tutorial's format). Prints on
+    optional title centred in `=` signs. Prints on
     process 0 only, so a multi-process run prints each line once.
 
     **Arguments:**

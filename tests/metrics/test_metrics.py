@@ -102,13 +102,15 @@ def test_accuracy_predictions_logits_and_mask():
     preds = np.array([0, 1, 1, 1])
     assert float(ed.Accuracy().update(preds, labels).compute()) == 0.75
     logits = np.eye(3, dtype=np.float32)[preds] + 0.1
-    mask = np.array([1, 1, 0, 0])
+    mask = np.array([True, True, False, False])
     acc = ed.Accuracy().update(logits, labels, mask=mask)
     assert float(acc.compute()) == 1.0
     acc = acc.update(preds[None], labels[None], mask=np.array([[False] * 4]))
     assert int(acc.total.value) == 2 and int(acc.correct.value) == 2
     assert np.isnan(ed.Accuracy().compute())
-    assert np.isnan(ed.Accuracy().update(preds, labels, mask=np.zeros(4)).compute())
+    assert np.isnan(
+        ed.Accuracy().update(preds, labels, mask=np.zeros(4, bool)).compute()
+    )
 
 
 # ------------------------------------------------------ distributed == global data

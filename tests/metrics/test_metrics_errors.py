@@ -315,7 +315,7 @@ CASES = [
         r"Precision.merge: `other` must be a Precision.*got ConfusionMatrix",
     ),
     (
-        lambda: ed.MetricAccumulator(0, compensated=True).merge(
+        lambda: ed.MetricAccumulator(jnp.int32(0), compensated=True).merge(
             ed.MetricAccumulator(0)
         ),
         ValueError,
@@ -334,11 +334,11 @@ def test_bad_input_raises_a_clear_error(call, error, message):
 
 def test_masked_out_of_range_values_are_not_checked_or_counted():
     cm = ed.ConfusionMatrix(3).update(
-        np.array([0, 5, 1]), np.array([0, -100, 1]), mask=np.array([1, 0, 1])
+        np.array([0, 5, 1]), np.array([0, -100, 1]), mask=np.array([True, False, True])
     )
     np.testing.assert_array_equal(cm.compute(), np.diag([1, 1, 0]))
     auc = ed.AUROC().update(
-        np.array([0.2, 7.0, 0.9], F), np.array([0, 5, 1]), np.array([1, 0, 1])
+        np.array([0.2, 7.0, 0.9], F), np.array([0, 5, 1]), np.array([True, False, True])
     )
     assert float(auc.compute()) == 1.0
 

@@ -1,0 +1,59 @@
+"""The one home of the JAX internals eqxdist relies on.
+
+Each internal is looked up when first used, never at import, so a JAX release that
+moves one breaks only the feature that needs it (with an error naming the JAX
+version), not `import eqxdist`. Everything else in the package uses public APIs.
+"""
+
+import functools
+import importlib
+from typing import Any
+
+import jax
+
+
+class MissingInternalError(RuntimeError):
+    """A JAX internal eqxdist needs is not where this JAX version keeps it."""
+
+
+@functools.cache
+def _internal(module: str, name: str) -> Any:
+    try:
+        return getattr(importlib.import_module(module), name)
+    except (ImportError, AttributeError) as e:
+        raise MissingInternalError(
+            f"eqxdist needs `{module}.{name}`, which JAX {jax.__version__} does not "
+            f"provide ({e}); use a JAX version eqxdist supports (see its "
+            "pyproject.toml) or report it to eqxdist."
+        ) from None
+
+
+def backends_are_initialized() -> bool:
+    """Whether JAX has started its backends (after which XLA flags and the
+    simulated device count no longer take effect). No public API tells this without
+    starting them."""
+    started: bool = _internal("jax._src.xla_bridge", "backends_are_initialized")()
+    return started
+
+
+def distributed_client() -> Any:
+    """The coordination-service client of `jax.distributed` (`None` before
+    `jax.distributed.initialize`): the only way to wait at a barrier with a timeout
+    without running a device collective."""
+    return _internal("jax._src.distributed", "global_state").client
+
+
+def cluster_types() -> list[Any]:
+    """The cluster environments `jax.distributed.initialize()` detects, in the order
+    it tries them (JAX keeps this registry private)."""
+    types: list[Any] = list(_internal("jax._src.clusters", "ClusterEnv")._cluster_types)
+    return types
+
+
+def all_gather_invariant(
+    x: Any, axis_name: Any, *, axis: int = 0, tiled: bool = False
+) -> Any:
+    """`jax.lax.all_gather` whose result JAX knows to be the same on every device of
+    `axis_name` (inside `jax.shard_map` with `check_vma=True`); not public yet."""
+    gather = _internal("jax._src.lax.parallel", "all_gather_invariant")
+    return gather(x, axis_name, axis=axis, tiled=tiled)

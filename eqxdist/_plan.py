@@ -1,0 +1,202 @@
+"""The model plan: where every leaf of a model lives under a step's layout, and what
+the step's `jax.shard_map` does with it, computed once per model structure.
+
+A step asks three questions of a model (its specs, the part of them `shard_map`
+handles by hand, and what the step all-gathers); `ModelPlan` answers all three from
+one pass over the names-to-axes rules (`_rules`), and `Planner` keeps one plan per
+structure, shapes and dtypes, which the step math and the compiled-step cache both
+read through `planner(model)`.
+"""
+
+import dataclasses
+from typing import Any
+
+import jax
+from jax.sharding import Mesh, PartitionSpec as P
+
+from ._fsdp import gather_params, scatter_mean, sync_gradients
+from ._rules import (
+    FsdpRule,
+    ParamRules,
+    leaf_plan,
+    restrict,
+    sharded_dim,
+    spec_axes,
+)
+from ._utils import is_array, is_array_like, path_str
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelPlan:
+    """The layout of one model structure; each field is a pytree of the model's
+    structure with a `PartitionSpec` at every array leaf (`None` elsewhere).
+
+    - `specs`: where each leaf lives (data, FSDP and rule axes).
+    - `manual`: `specs` restricted to the data axes, the `in_specs`/`out_specs` of
+      the step's `shard_map` (which is manual over the data axes only; the rule
+      axes stay with XLA).
+    - `gather`: the specs with which the step all-gathers the model inside
+      `shard_map` (`fsdp_axis` only; `None` without FSDP).
+    - `scatter`: under ZeRO-1, the data-axis specs of the gradients as they leave
+      `shard_map`: reduce-scattered over `fsdp_axis` where the optimizer state
+      is sharded, so each device updates its share; `None` otherwise (gradients
+      leave as `manual` says).
+    """
+
+    specs: Any
+    manual: Any
+    gather: Any
+    fsdp_axis: str | None
+    scatter: Any = None
+
+    @property
+    def grad_specs(self) -> Any:
+        """The `out_specs` of the gradients of the step's `shard_map`."""
+        return self.manual if self.scatter is None else self.scatter
+
+    def reduce_gradients(self, grads: Any, axes: tuple[str, ...]) -> Any:
+        """Inside the step's `shard_map`: each device's gradients averaged over the
+        data `axes` where they are not yet (`sync_gradients`), and under ZeRO-1
+        reduce-scattered to the optimizer state's shards, so the update runs on
+        the shards (this reduce-scatter and the all-gather of the updated
+        parameters move what data parallelism's all-reduce moves)."""
+        if self.scatter is None or self.fsdp_axis is None:
+            return sync_gradients(grads, self.manual, axes)
+        axis = self.fsdp_axis
+
+        def scatter(spec: P | None, g: Any) -> Any:
+            dim = sharded_dim(spec, axis) if is_array(g) else None
+            return g if dim is None else scatter_mean(g, dim, axis)
+
+        # The specs lead: gradients of frozen leaves are `None` where specs are not.
+        scattered = jax.tree.map(
+            scatter,
+            self.scatter,
+            grads,
+            is_leaf=lambda x: x is None or isinstance(x, P),
+        )
+        return sync_gradients(scattered, self.scatter, axes)
+
+    def gathered(self, tree: Any) -> Any:
+        """Inside the step's `shard_map`: `tree`'s FSDP shards all-gathered as
+        `gather` says; `tree` itself without FSDP."""
+        if self.gather is None or self.fsdp_axis is None:
+            return tree
+        return gather_params(tree, self.gather, self.fsdp_axis)
+
+
+def plan_model(
+    model: Any,
+    *,
+    data_axes: tuple[str, ...],
+    fsdp: FsdpRule | None,
+    rules: ParamRules,
+    caller: str,
+    zero1: FsdpRule | None = None,
+) -> ModelPlan:
+    """The plan of `model` when its leaves are sharded by `fsdp` (`None`: not at all
+    over the data axes) and `rules` over the other axes; under ZeRO-1 (`zero1`:
+    the FSDP rule of the optimizer state) the gradients leave `shard_map` sharded
+    as the optimizer state is.
+
+    A leaf the step gathers that is sharded over rule axes too enters `shard_map`
+    unsharded over the data axes: XLA's partitioner replicates the operand of a
+    collective over the manual (data) axes across the automatic (rule) axes, so an
+    FSDP all-gather inside `shard_map` would gather such a leaf over the rule axes
+    as well, undoing tensor parallelism (every device would hold and multiply whole
+    weights). Gathered at the `shard_map` boundary instead, XLA gathers it over the
+    data axes only, keeping the rule axes sharded; its gradient is then averaged
+    with an all-reduce over the data axes, and the update keeps its FSDP shard."""
+    with_path, treedef = jax.tree_util.tree_flatten_with_path(model)
+    leaves = [x for _, x in with_path]
+    paths = [path_str(p) for p, _ in with_path]
+    rule_specs = rules.match(paths, leaves)
+    if fsdp is None:
+        specs = [
+            (r or P()) if is_array_like(x) else None
+            for x, r in zip(leaves, rule_specs, strict=True)
+        ]
+        manual = [restrict(s, data_axes) for s in specs]
+        scatter = None
+        if zero1 is not None:
+            scatter = jax.tree.unflatten(
+                treedef,
+                [
+                    None
+                    if s is None
+                    else restrict(zero1.spec(tuple(x.shape), s), data_axes)
+                    for x, s in zip(leaves, specs, strict=True)
+                ],
+            )
+        return ModelPlan(
+            jax.tree.unflatten(treedef, specs),
+            jax.tree.unflatten(treedef, manual),
+            None,
+            None if zero1 is None else zero1.axis_name,
+            scatter,
+        )
+    specs, own = leaf_plan(model, fsdp, rule_specs, paths, caller)
+    boundary = [
+        o and s is not None and bool(spec_axes(s) - set(data_axes))
+        for s, o in zip(specs, own, strict=True)
+    ]
+    manual = [
+        P() if b else restrict(s, data_axes)
+        for s, b in zip(specs, boundary, strict=True)
+    ]
+    gather = [
+        restrict(s, (fsdp.axis_name,))
+        if o and s is not None and not b
+        else (P() if s is not None else None)
+        for s, o, b in zip(specs, own, boundary, strict=True)
+    ]
+    return ModelPlan(
+        jax.tree.unflatten(treedef, specs),
+        jax.tree.unflatten(treedef, manual),
+        jax.tree.unflatten(treedef, gather),
+        fsdp.axis_name,
+    )
+
+
+def structure_key(tree: Any) -> Any:
+    """What a plan depends on: the tree structure and every array leaf's shape and
+    dtype."""
+    leaves, treedef = jax.tree.flatten(tree)
+    shapes = tuple((tuple(x.shape), str(x.dtype)) for x in leaves if is_array_like(x))
+    return treedef, shapes
+
+
+class Planner:
+    """`planner(model) -> ModelPlan`, computed once per model structure, shapes and
+    dtypes (the slow path of a step, its trace and `state_specs` all ask)."""
+
+    def __init__(
+        self,
+        mesh: Mesh,
+        *,
+        data_axes: tuple[str, ...],
+        fsdp: FsdpRule | None,
+        rules: ParamRules,
+        caller: str,
+        zero1: FsdpRule | None = None,
+    ) -> None:
+        self.mesh = mesh
+        self.data_axes = data_axes
+        self.fsdp = fsdp
+        self.zero1 = zero1
+        self.rules = rules
+        self.caller = caller
+        self._plans: dict[Any, ModelPlan] = {}
+
+    def __call__(self, model: Any) -> ModelPlan:
+        key = structure_key(model)
+        if key not in self._plans:
+            self._plans[key] = plan_model(
+                model,
+                data_axes=self.data_axes,
+                fsdp=self.fsdp,
+                rules=self.rules,
+                caller=self.caller,
+                zero1=self.zero1,
+            )
+        return self._plans[key]
