@@ -7,7 +7,7 @@ log point every 10 steps (loss, learning rate, throughput), no progress bar. The
 two run interleaved, `--repeats` times each; the ratio of the medians of the
 per-step times is the loop's overhead (goal <= 1.02).
 
-    python benchmarks/bench_loop.py [--steps 200] [--repeats 5]
+    python benchmarks/bench_loop.py [--steps 200] [--repeats 5] [--max-in-flight 2]
 """
 
 import argparse
@@ -43,6 +43,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--steps", type=int, default=200, help="steps per run")
     parser.add_argument("--repeats", type=int, default=5, help="runs of each loop")
+    parser.add_argument(
+        "--max-in-flight", type=int, default=2, help="train_loop's max_in_flight"
+    )
     args = parser.parse_args()
 
     mesh = ed.create_data_parallel_mesh()
@@ -80,6 +83,7 @@ def main() -> None:
             result = ed.train_loop(
                 step, state, lambda i: batches[i % 8], args.steps, writer=writer,
                 log_every=10, progress=False, flops_per_step=None,
+                max_in_flight=args.max_in_flight,
             )  # fmt: skip
             jax.block_until_ready(result.state)
             return (time.perf_counter() - start) / args.steps
