@@ -19,12 +19,12 @@ from ._metrics.tree import check_metrics, reduce_metrics
 from ._train import TrainState, split_inputs, trainable_mask_tree
 from ._utils import (
     AxisName,
+    batch_rows,
     cast_floating,
     check_array_leaves,
     check_compute_dtype,
     flatten_up_to,
     is_array,
-    path_str,
     typecheck,
 )
 
@@ -143,22 +143,13 @@ class EvalStep:
 
     def _rows(self, batch: Any) -> int:
         check_array_leaves(batch, "eval step", "batch")
-        rows: dict[int, str] = {}
-        for path, leaf in jax.tree_util.tree_flatten_with_path(batch)[0]:
-            if is_array(leaf) and np.ndim(leaf) > 0:
-                rows.setdefault(np.shape(leaf)[0], path_str(path))
-        if len(rows) > 1:
-            found = ", ".join(f"{p}: {n}" for n, p in rows.items())
-            raise ValueError(
-                f"eval step: every batch leaf must have the same number of rows; got "
-                f"{found}."
-            )
-        if not rows:
+        rows = batch_rows(batch, "eval step")
+        if rows is None:
             raise ValueError(
                 "eval step: the batch has no array with rows (rank >= 1); pass the "
                 "examples to evaluate as arrays with a leading batch dimension."
             )
-        return next(iter(rows))
+        return rows
 
     def _inputs(self, state_or_model: Any) -> EvalInput:
         if isinstance(state_or_model, TrainState):

@@ -5,7 +5,6 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
-import optax
 from jax.sharding import Mesh, PartitionSpec as P
 from jaxtyping import PyTree
 
@@ -16,11 +15,13 @@ from ._train import (
     FSDP_GATHERS,
     StepMath,
     TrainState,
+    as_optimizer,
     check_num_minibatches,
     check_train_state,
 )
 from ._utils import (
     AxisName,
+    batch_rows,
     check_array_leaves,
     check_compute_dtype,
     check_not_consumed,
@@ -60,6 +61,11 @@ class TrainStep:
 
     def _check_batch(self, batch: Any) -> None:
         check_array_leaves(batch, "train step", "batch")
+        if batch_rows(batch, "train step") == 0:
+            raise ValueError(
+                "train step: the batch has 0 rows; a step needs at least one row per "
+                "device (the loss of an empty batch is 0/0). Skip empty batches."
+            )
         self.layout.check_rows(batch, self.math.num_minibatches)
 
     def model_specs(self, model: Any) -> Any:
@@ -132,7 +138,7 @@ def _kept(state: TrainState) -> Any:
 @typecheck
 def make_train_step(
     loss_fn: Callable[..., Any],
-    optimizer: optax.GradientTransformation,
+    optimizer: Any,
     mesh: Mesh,
     *,
     strategy: str = "dp",
@@ -193,8 +199,13 @@ def make_train_step(
 
     - `loss_fn`: see above.
     - `optimizer`: an Optax gradient transformation (the one the state was created
-      with). It runs on the sharded global arrays, so even whole-tree
-      transformations (e.g. global-norm clipping) see every parameter.
+      with), or any object with Optax's `init`/`update` (e.g. `optax.MultiSteps`).
+      It runs on the sharded global arrays, so even whole-tree transformations
+      (e.g. global-norm clipping) see every parameter. When its `update` takes
+      Optax's extra arguments and reads `value` (e.g.
+      `optax.contrib.reduce_on_plateau`), it gets the step's loss as `value`
+      (the mean over every device and minibatch); no other extra argument is
+      passed.
     - `mesh`: the device mesh.
     - `strategy`: `"dp"` or `"fsdp"`.
     - `data_axis`: the mesh axis, or tuple of axes, the batch is split over (rows
@@ -263,6 +274,7 @@ def make_train_step(
         ```
     """
     check_num_minibatches(num_minibatches, "make_train_step")
+    optimizer = as_optimizer(optimizer, "make_train_step")
     if max_steps_in_flight is not None and max_steps_in_flight < 1:
         raise ValueError(
             "make_train_step: `max_steps_in_flight` must be >= 1 or None; got "

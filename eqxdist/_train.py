@@ -5,6 +5,7 @@ Where the step's arrays live is `_layout.Layout`'s business, why it does not
 recompile is `_compiled.CompiledStep`'s, and `_steps.make_train_step` puts the
 three together."""
 
+import inspect
 from collections.abc import Callable
 from typing import Any
 
@@ -12,7 +13,7 @@ import equinox as eqx
 import jax
 import jax.numpy as jnp
 import optax
-from jax.sharding import PartitionSpec as P
+from jax.sharding import AxisType, Mesh, PartitionSpec as P
 from jaxtyping import Array, Int, PRNGKeyArray, PyTree
 
 from ._fsdp import sync_gradients
@@ -113,7 +114,7 @@ class TrainState(eqx.Module):
     def create(
         cls,
         model: Any,
-        optimizer: optax.GradientTransformation,
+        optimizer: Any,
         key: PRNGKeyArray,
         *,
         model_state: Any = None,
@@ -125,7 +126,8 @@ class TrainState(eqx.Module):
         **Arguments:**
 
         - `model`: any Equinox model (or pytree of parameters).
-        - `optimizer`: an Optax gradient transformation.
+        - `optimizer`: an Optax gradient transformation, or any object with Optax's
+          `init`/`update` (e.g. `optax.MultiSteps`).
         - `key`: the PRNG key every step derives its randomness from
           (`fold_in(key, step)`); it stays the same from step to step.
         - `model_state`: the model's non-trained state (e.g. from
@@ -150,6 +152,7 @@ class TrainState(eqx.Module):
                                          trainable=trainable)
             ```
         """
+        optimizer = as_optimizer(optimizer, "TrainState.create")
         mask: tuple[bool, ...] | None = None
         if trainable is not None:
             missing = object()
@@ -187,6 +190,25 @@ class TrainState(eqx.Module):
         """The trained leaves of `model` (`None` elsewhere): what the optimizer
         state belongs to."""
         return eqx.filter(self.model, self.trainable_mask())
+
+
+def as_optimizer(optimizer: Any, caller: str) -> optax.GradientTransformation:
+    """`optimizer` as an `optax.GradientTransformation`, or a `TypeError` unless it
+    follows Optax's convention: `init(params)` and `update(updates, state,
+    params)` (e.g. `optax.MultiSteps`, which is not a `GradientTransformation`)."""
+    if isinstance(optimizer, optax.GradientTransformation):
+        return optimizer
+    if not (
+        callable(getattr(optimizer, "init", None))
+        and callable(getattr(optimizer, "update", None))
+    ):
+        raise TypeError(
+            f"{caller}: `optimizer` must be an Optax gradient transformation (an "
+            "object with `init(params)` and `update(updates, state, params)`, e.g. "
+            f"optax.adamw(1e-3) or optax.MultiSteps(...)); got "
+            f"{type(optimizer).__name__}."
+        )
+    return optax.GradientTransformationExtraArgs(optimizer.init, optimizer.update)
 
 
 def trainable_mask_tree(model: Any, trainable: tuple[bool, ...] | None) -> Any:
@@ -272,7 +294,7 @@ def _accumulate(
     key: Any,
     n: int,
     use_scan: bool,
-) -> tuple[Any, Any, Any]:
+) -> tuple[Any, Any, Any, Any]:
     """The engine of `accumulate_gradients`: `loss(diff, model_state, minibatch,
     key) -> (loss, (metrics, model_state))`, differentiated with respect to the
     floating-point arrays of `diff`, minibatch after minibatch (in order, each
@@ -280,17 +302,17 @@ def _accumulate(
     grad_fn = eqx.filter_value_and_grad(loss, has_aux=True)
     keys = None if key is None else jax.random.split(key, n)
 
-    def minibatch(i: Any, k: Any, state: Any) -> tuple[Any, Any, Any]:
+    def minibatch(i: Any, k: Any, state: Any) -> tuple[Any, Any, Any, Any]:
         def take(x: Any) -> Any:
             if not is_array(x) or jnp.ndim(x) == 0:
                 return x
             rows = x.shape[0] // n
             return jax.lax.dynamic_slice_in_dim(x, i * rows, rows, axis=0)
 
-        (_, (metrics, state)), grads = grad_fn(
+        (value, (metrics, state)), grads = grad_fn(
             diff, state, jax.tree.map(take, batch), k
         )
-        return grads, metrics, state
+        return grads, value.astype(jnp.float32), metrics, state
 
     def key_at(i: int) -> Any:
         return None if keys is None else keys[i]
@@ -301,15 +323,18 @@ def _accumulate(
         metric_static: list[Any] = []
 
         def body(carry: Any, xs: tuple[Any, Any]) -> tuple[Any, Any]:
-            total, state = carry
-            grads, metrics, state = minibatch(*xs, state)
+            total, loss_total, state = carry
+            grads, value, metrics, state = minibatch(*xs, state)
             dynamic, static = eqx.partition(metrics, eqx.is_array)
             metric_static[:] = [static]
-            return (jax.tree.map(jnp.add, total, grads), state), dynamic
+            total = jax.tree.map(jnp.add, total, grads)
+            return (total, loss_total + value, state), dynamic
 
         zeros = jax.tree.map(jnp.zeros_like, eqx.filter(diff, eqx.is_inexact_array))
-        (grads, model_state), stacked = jax.lax.scan(
-            body, (zeros, model_state), (jnp.arange(n), keys)
+        (grads, loss_sum, model_state), stacked = jax.lax.scan(
+            body,
+            (zeros, jnp.zeros((), jnp.float32), model_state),
+            (jnp.arange(n), keys),
         )
         per_minibatch = [
             eqx.combine(jax.tree.map(lambda x, i=i: x[i], stacked), metric_static[0])
@@ -319,12 +344,13 @@ def _accumulate(
         for more in per_minibatch[1:]:
             metrics = merge_metrics(metrics, more)
     else:
-        grads, metrics, model_state = minibatch(0, key_at(0), model_state)
+        grads, loss_sum, metrics, model_state = minibatch(0, key_at(0), model_state)
         for i in range(1, n):
-            more_grads, more_metrics, model_state = minibatch(i, key_at(i), model_state)
+            more_grads, value, more, model_state = minibatch(i, key_at(i), model_state)
             grads = jax.tree.map(jnp.add, grads, more_grads)
-            metrics = merge_metrics(metrics, more_metrics)
-    return jax.tree.map(lambda g: g / n, grads), metrics, model_state
+            loss_sum = loss_sum + value
+            metrics = merge_metrics(metrics, more)
+    return jax.tree.map(lambda g: g / n, grads), loss_sum / n, metrics, model_state
 
 
 @typecheck
@@ -392,7 +418,7 @@ def accumulate_gradients(
     check_rows(batch, n, "accumulate_gradients", f"num_minibatches={n}")
     with_state = model_state is not None
     checked = _checked_loss(loss_fn, with_state)
-    grads, metrics, model_state = _accumulate(
+    grads, _, metrics, model_state = _accumulate(
         checked, model, model_state, batch, key, n, use_scan
     )
     return (grads, metrics, model_state) if with_state else (grads, metrics)
@@ -439,6 +465,46 @@ def split_inputs(
     )
 
 
+def reads_value(optimizer: Any, params: Any, opt_state: Any) -> bool:
+    """Whether `optimizer.update` takes Optax's extra argument `value` (the loss,
+    as `optax.contrib.reduce_on_plateau` needs it) and reads it: only then does
+    the step reduce the loss across devices for it."""
+    try:
+        signature = inspect.signature(optimizer.update)
+    except (TypeError, ValueError):
+        return False
+    if not any(
+        p.name == "value" or p.kind is inspect.Parameter.VAR_KEYWORD
+        for p in signature.parameters.values()
+    ):
+        return False
+
+    def update(value: Any) -> Any:
+        return optimizer.update(params, opt_state, params, value=value)
+
+    jaxpr = jax.make_jaxpr(update)(jnp.zeros((), jnp.float32)).jaxpr
+    value = jaxpr.invars[0]
+    return value in jaxpr.outvars or any(value in e.invars for e in jaxpr.eqns)
+
+
+def shard_map_mesh(mesh: Mesh, axes: tuple[str, ...], with_state: bool) -> Mesh:
+    """The mesh a step's `shard_map` runs on: `mesh`, with a trailing size-1 axis
+    when a model state is carried and every axis of `mesh` is manual.
+
+    Inside a fully manual `shard_map` traced values carry the manual mesh in their
+    type while fresh constants do not, so `eqx.nn.State.set(index,
+    jnp.array(False))` (BatchNorm's `mode="ema"` flag) fails Equinox's check that
+    a value keeps its type. One automatic axis of size 1 leaves the computation
+    unchanged and gives traced values and constants the same type."""
+    if not with_state or not set(mesh.axis_names) <= set(axes):
+        return mesh
+    return Mesh(
+        mesh.devices[..., None],
+        (*mesh.axis_names, "_eqxdist_auto"),
+        axis_types=(*mesh.axis_types, AxisType.Auto),
+    )
+
+
 class StepMath(eqx.Module):
     """What one training step computes, on global arrays: gradients and metrics
     inside `jax.shard_map` (manual over the data axes), then the optimizer update
@@ -470,6 +536,9 @@ class StepMath(eqx.Module):
         with_state = state.model_state is not None
         loss = _checked_loss(self.loss_fn, with_state)
         cast = self.compute_dtype
+        wants_value = reads_value(
+            self.optimizer, eqx.filter(state.model, mask), state.opt_state
+        )
 
         def gather(tree: Any) -> Any:
             return layout.gather(tree, gspecs)
@@ -483,7 +552,7 @@ class StepMath(eqx.Module):
 
         def per_device(
             p: Any, f: Any, ms: Any, key: Any, local_batch: Any
-        ) -> tuple[Any, Any, Any]:
+        ) -> tuple[Any, Any, Any, Any]:
             frozen_full = gather(f)
             local_batch = eqx.combine(local_batch, batch_static)
 
@@ -508,15 +577,16 @@ class StepMath(eqx.Module):
                 # Gather once, accumulate full-size gradients over the minibatches,
                 # reduce-scatter once (the VJP of the gather).
                 full, pullback = jax.vjp(materialise, p)
-                grads, metrics, new_ms = run(loss_of, full)
+                grads, value, metrics, new_ms = run(loss_of, full)
                 (grads,) = pullback(grads)
             else:
-                grads, metrics, new_ms = run(
+                grads, value, metrics, new_ms = run(
                     lambda q, *rest: loss_of(materialise(q), *rest), p
                 )
             new_ms = eqx.filter(new_ms, is_array) if with_state else None
             return (
                 sync_gradients(grads, manual, axes),
+                jax.lax.pmean(value, axes) if wants_value else None,
                 reduce_metrics(metrics, axes),
                 sync_model_state(new_ms, axes),
             )
@@ -525,11 +595,11 @@ class StepMath(eqx.Module):
         # are averaged explicitly (sync_gradients), as in a hand-written step, and
         # the compiled step carries no replication checks. Manual over the data
         # axes only: tensor-parallel rule axes are left to XLA.
-        grads, metrics, new_ms = jax.shard_map(
+        grads, value, metrics, new_ms = jax.shard_map(
             per_device,
-            mesh=layout.mesh,
+            mesh=shard_map_mesh(layout.mesh, axes, with_state),
             in_specs=(manual, manual, P(), P(), batch_specs),
-            out_specs=(manual, P(), P()),
+            out_specs=(manual, P(), P(), P()),
             axis_names=frozenset(axes),
             check_vma=False,
         )(
@@ -540,7 +610,10 @@ class StepMath(eqx.Module):
             batch_arrays,
         )
         trained = eqx.filter(state.model, mask)
-        updates, opt_state = self.optimizer.update(grads, state.opt_state, trained)
+        extra = {"value": value} if wants_value else {}
+        updates, opt_state = self.optimizer.update(
+            grads, state.opt_state, trained, **extra
+        )
         new_params = jax.tree.map(
             lambda p, u: (p + u).astype(p.dtype), trained, updates
         )
