@@ -2,6 +2,7 @@
 number of rows, padded and masked inside, reduced across devices like a training
 step's."""
 
+import functools
 import math
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -16,7 +17,8 @@ from ._compiled import CompiledStep
 from ._data_parallel import local_shard_count
 from ._layout import Layout
 from ._metrics.tree import check_metrics, reduce_metrics
-from ._train import TrainState, split_inputs, trainable_mask_tree
+from ._state import TrainState, trainable_mask_tree
+from ._train import StepInputs, step_layout
 from ._utils import (
     AxisName,
     batch_rows,
@@ -51,42 +53,30 @@ class EvalMath(eqx.Module):
     compute_dtype: Any = eqx.field(static=True)
 
     def __call__(self, inputs: EvalInput, batch: Any) -> tuple[EvalInput, Any]:
-        layout = self.layout
         batch, mask = batch
-        specs = layout.model_specs(inputs.model)
-        manual = layout.manual_specs(inputs.model, specs)
-        gspecs = layout.gather_specs(inputs.model, specs)
-        (
-            (trained, frozen, static),
-            (ms_arrays, ms_static),
-            (batch_arrays, batch_static),
-        ) = split_inputs(inputs.model, inputs.cast_mask(), inputs.model_state, batch)
-        batch_specs = layout.batch_specs(batch_arrays)
-        with_state = inputs.model_state is not None
-
-        def gather(tree: Any) -> Any:
-            return layout.gather(tree, gspecs)
-
-        def per_device(t: Any, f: Any, ms: Any, local: Any, local_mask: Any) -> Any:
-            model = eqx.combine(gather(cast_floating(t, self.compute_dtype)), gather(f))
-            model = eqx.combine(model, static)
-            local = eqx.combine(local, batch_static)
-            if with_state:
-                out = self.eval_fn(model, eqx.combine(ms, ms_static), local, local_mask)
-            else:
-                out = self.eval_fn(model, local, local_mask)
-            check_metrics(out, "eval_fn")
-            return reduce_metrics(out, layout.data_axes)
-
-        metrics = jax.shard_map(
-            per_device,
-            mesh=layout.mesh,
-            in_specs=(manual, manual, P(), batch_specs, layout.batch_spec),
-            out_specs=P(),
-            axis_names=frozenset(layout.data_axes),
-            check_vma=False,
-        )(trained, frozen, ms_arrays, batch_arrays, mask)
+        split = StepInputs.split(
+            self.layout, inputs.model, inputs.cast_mask(), inputs.model_state, batch
+        )
+        metrics = split.shard_map(
+            functools.partial(self._per_device, split),
+            (mask,),
+            (self.layout.batch_spec,),
+            P(),
+        )
         return inputs, metrics
+
+    def _per_device(
+        self, split: StepInputs, t: Any, f: Any, ms: Any, local: Any, mask: Any
+    ) -> Any:
+        trained = split.gather(cast_floating(t, self.compute_dtype))
+        model = split.model(trained, split.gather(f))
+        local = split.local_batch(local)
+        if split.with_state:
+            out = self.eval_fn(model, split.model_state(ms), local, mask)
+        else:
+            out = self.eval_fn(model, local, mask)
+        check_metrics(out, "eval_fn")
+        return reduce_metrics(out, self.layout.data_axes)
 
 
 def padded_rows(rows: int, shards: int) -> int:
@@ -241,15 +231,6 @@ def make_eval_step(
         metrics = eval_step(state, {"x": x_test, "y": y_test})  # any number of rows
         ```
     """
-    layout = Layout(
-        mesh,
-        strategy=strategy,
-        data_axis=data_axis,
-        fsdp_axis=fsdp_axis,
-        min_weight_size=min_weight_size,
-        param_rules=param_rules,
-        fsdp_layout=fsdp_layout,
-        caller="make_eval_step",
-    )
+    layout = step_layout(mesh, "make_eval_step", locals())
     dtype = check_compute_dtype(compute_dtype, "make_eval_step")
     return EvalStep(EvalMath(eval_fn, layout, dtype))

@@ -8,17 +8,11 @@ import jax
 from jax.sharding import Mesh, PartitionSpec as P
 from jaxtyping import PyTree
 
+from ._accumulate import check_num_minibatches
 from ._compiled import CompiledStep
 from ._data_parallel import place
-from ._layout import Layout
-from ._train import (
-    FSDP_GATHERS,
-    StepMath,
-    TrainState,
-    as_optimizer,
-    check_num_minibatches,
-    check_train_state,
-)
+from ._state import TrainState, as_optimizer, check_train_state
+from ._train import FSDP_GATHERS, StepMath, step_layout
 from ._utils import (
     AxisName,
     batch_rows,
@@ -286,20 +280,10 @@ def make_train_step(
             "(gather once per step) or 'minibatch' (gather per minibatch: less "
             "memory, one all-gather and reduce-scatter per minibatch)."
         )
-    layout = Layout(
-        mesh,
-        strategy=strategy,
-        data_axis=data_axis,
-        fsdp_axis=fsdp_axis,
-        min_weight_size=min_weight_size,
-        param_rules=param_rules,
-        fsdp_layout=fsdp_layout,
-        caller="make_train_step",
-    )
     math = StepMath(
         loss_fn,
         optimizer,
-        layout,
+        step_layout(mesh, "make_train_step", locals()),
         num_minibatches,
         use_scan,
         check_compute_dtype(compute_dtype, "make_train_step"),
