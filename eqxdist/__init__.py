@@ -11,8 +11,13 @@ from ._checkpoint import (
     restore_checkpoint as restore_checkpoint,
     save_checkpoint as save_checkpoint,
 )
-from ._data_parallel import (
+from ._compat import (
     DataParallel as DataParallel,
+    DeviceMeshManager as DeviceMeshManager,
+    DistributedMetrics as DistributedMetrics,
+)
+from ._data import BatchLoader as BatchLoader
+from ._data_parallel import (
     all_reduce_gradients as all_reduce_gradients,
     create_data_parallel_sharding as create_data_parallel_sharding,
     replicate_params as replicate_params,
@@ -34,7 +39,6 @@ from ._fsdp import (
 from ._hlo import count_collectives as count_collectives
 from ._layers import FSDPSequential as FSDPSequential, Stacked as Stacked
 from ._mesh import (
-    DeviceMeshManager as DeviceMeshManager,
     create_data_parallel_mesh as create_data_parallel_mesh,
     create_device_mesh as create_device_mesh,
     create_hybrid_mesh as create_hybrid_mesh,
@@ -66,7 +70,6 @@ from ._metrics import (
 )
 from ._partition import fsdp_specs as fsdp_specs
 from ._reductions import (
-    DistributedMetrics as DistributedMetrics,
     all_gather as all_gather,
     collect_from_devices as collect_from_devices,
     reduce_custom as reduce_custom,

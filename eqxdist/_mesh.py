@@ -6,7 +6,6 @@ import re
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-import equinox as eqx
 import jax
 import numpy as np
 from jax._src.xla_bridge import backends_are_initialized
@@ -282,93 +281,3 @@ def get_mesh_info(mesh: Mesh) -> dict[str, Any]:
         "local_devices": sum(d.process_index == jax.process_index() for d in devices),
         "platform": devices[0].platform,
     }
-
-
-class DeviceMeshManager(eqx.Module):
-    """Mesh building over a fixed list of devices (Artifex's `DeviceMeshManager`).
-
-    `DeviceMeshManager(devices=None)` holds `devices` (default `jax.devices()`); its
-    methods are the module-level mesh functions, placing meshes on those devices (a
-    method's own `devices=` argument overrides them for one call).
-
-    !!! Example
-
-        ```python
-        manager = ed.DeviceMeshManager()
-        mesh = manager.create_hybrid_mesh(4, 2)
-        manager.get_mesh_info(mesh)["axes"]  # {"data": 4, "model": 2}
-        ```
-    """
-
-    _devices: tuple[jax.Device, ...] = eqx.field(static=True)
-
-    def __init__(self, devices: Sequence[jax.Device] | None = None):
-        self._devices = tuple(jax.devices() if devices is None else devices)
-        if not self._devices:
-            raise ValueError("DeviceMeshManager: `devices` is empty.")
-        _check_devices(self._devices, "DeviceMeshManager")
-
-    @property
-    def devices(self) -> list[jax.Device]:
-        """The devices meshes are built from, in order."""
-        return list(self._devices)
-
-    @property
-    def num_devices(self) -> int:
-        """How many devices this manager can place meshes on."""
-        return len(self._devices)
-
-    def _pick(self, devices: Sequence[jax.Device] | None) -> Sequence[jax.Device]:
-        return self._devices if devices is None else devices
-
-    def create_device_mesh(
-        self, mesh_shape: MeshShape, *, devices: Sequence[jax.Device] | None = None
-    ) -> Mesh:
-        """`create_device_mesh` over this manager's devices."""
-        return create_device_mesh(mesh_shape, devices=self._pick(devices))
-
-    def create_data_parallel_mesh(
-        self,
-        num_devices: int | None = None,
-        *,
-        axis_name: str = "data",
-        devices: Sequence[jax.Device] | None = None,
-    ) -> Mesh:
-        """`create_data_parallel_mesh` over this manager's devices."""
-        return create_data_parallel_mesh(
-            num_devices, axis_name=axis_name, devices=self._pick(devices)
-        )
-
-    def create_model_parallel_mesh(
-        self,
-        num_devices: int | None = None,
-        *,
-        axis_name: str = "model",
-        devices: Sequence[jax.Device] | None = None,
-    ) -> Mesh:
-        """`create_model_parallel_mesh` over this manager's devices."""
-        return create_model_parallel_mesh(
-            num_devices, axis_name=axis_name, devices=self._pick(devices)
-        )
-
-    def create_hybrid_mesh(
-        self,
-        data_parallel_size: int = 1,
-        model_parallel_size: int = 1,
-        *,
-        data_axis: str = "data",
-        model_axis: str = "model",
-        devices: Sequence[jax.Device] | None = None,
-    ) -> Mesh:
-        """`create_hybrid_mesh` over this manager's devices."""
-        return create_hybrid_mesh(
-            data_parallel_size,
-            model_parallel_size,
-            data_axis=data_axis,
-            model_axis=model_axis,
-            devices=self._pick(devices),
-        )
-
-    def get_mesh_info(self, mesh: Mesh) -> dict[str, Any]:
-        """`get_mesh_info`."""
-        return get_mesh_info(mesh)

@@ -13,7 +13,6 @@ Two modes, chosen by `axis_name`:
 from collections.abc import Callable, Mapping
 from typing import Any, Literal, TypeAlias
 
-import equinox as eqx
 import jax
 import jax.numpy as jnp
 from jax._src.lax.parallel import all_gather_invariant
@@ -264,86 +263,3 @@ def collect_from_devices(metrics: Mapping[str, Any]) -> dict[str, Any]:
         return list(x) if jnp.ndim(x) > 0 else x
 
     return {key: map_arrays(split, value) for key, value in metrics.items()}
-
-
-class _UseOwnAxis:
-    """Sentinel default: 'use the axis name this object was built with'."""
-
-    def __repr__(self) -> str:
-        return "<own axis_name>"
-
-
-OWN_AXIS = _UseOwnAxis()
-
-
-class DistributedMetrics(eqx.Module):
-    """The reductions above bound to one `axis_name` (Artifex's `DistributedMetrics`).
-
-    `DistributedMetrics(axis_name="data")`; `axis_name=None` selects global mode for
-    every method. Each method also accepts `axis_name=` to override it for one call.
-
-    !!! Example
-
-        ```python
-        dm = ed.DistributedMetrics()
-        metrics = dm.reduce_custom({"loss": loss, "n": n}, {"n": "sum"})
-        ```
-    """
-
-    axis_name: AxisName | None = eqx.field(default="data", static=True)
-
-    def _axis(self, override: AxisName | _UseOwnAxis | None) -> AxisName | None:
-        return self.axis_name if isinstance(override, _UseOwnAxis) else override
-
-    def reduce_mean(
-        self, metrics: Any, axis_name: AxisName | _UseOwnAxis | None = OWN_AXIS
-    ) -> Any:
-        """`reduce_mean` over this object's axis."""
-        return reduce_mean(metrics, self._axis(axis_name))
-
-    def reduce_sum(
-        self, metrics: Any, axis_name: AxisName | _UseOwnAxis | None = OWN_AXIS
-    ) -> Any:
-        """`reduce_sum` over this object's axis."""
-        return reduce_sum(metrics, self._axis(axis_name))
-
-    def reduce_max(
-        self, metrics: Any, axis_name: AxisName | _UseOwnAxis | None = OWN_AXIS
-    ) -> Any:
-        """`reduce_max` over this object's axis."""
-        return reduce_max(metrics, self._axis(axis_name))
-
-    def reduce_min(
-        self, metrics: Any, axis_name: AxisName | _UseOwnAxis | None = OWN_AXIS
-    ) -> Any:
-        """`reduce_min` over this object's axis."""
-        return reduce_min(metrics, self._axis(axis_name))
-
-    def reduce_custom(
-        self,
-        metrics: Mapping[str, Any],
-        reduce_fn: Mapping[str, str | None] | None = None,
-        axis_name: AxisName | _UseOwnAxis | None = OWN_AXIS,
-    ) -> dict[str, Any]:
-        """`reduce_custom` over this object's axis."""
-        return reduce_custom(metrics, reduce_fn, self._axis(axis_name))
-
-    def all_gather(
-        self,
-        metrics: Any,
-        axis_name: AxisName | _UseOwnAxis = OWN_AXIS,
-        *,
-        tiled: bool = False,
-    ) -> Any:
-        """`all_gather` over this object's axis (which must not be `None`)."""
-        axis = self._axis(axis_name)
-        if axis is None:
-            raise ValueError(
-                "DistributedMetrics.all_gather: this object has axis_name=None "
-                "(global mode), but gathering needs a mesh axis; pass axis_name=..."
-            )
-        return all_gather(metrics, axis, tiled=tiled)
-
-    def collect_from_devices(self, metrics: Mapping[str, Any]) -> dict[str, Any]:
-        """`collect_from_devices`."""
-        return collect_from_devices(metrics)

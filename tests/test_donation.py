@@ -85,6 +85,7 @@ SCENARIOS = {
 }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("strategy", ["dp", "fsdp"])
 @pytest.mark.parametrize("scenario", sorted(SCENARIOS))
 def test_consumed_state(scenario, strategy):

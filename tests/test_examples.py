@@ -27,6 +27,7 @@ def _run(*args: str, timeout: int = 240) -> subprocess.CompletedProcess[str]:
     )
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("script", EXAMPLES, ids=lambda p: p.name)
 def test_example_answers_help(script: Path) -> None:
     out = _run(str(script), "--help")
@@ -34,6 +35,7 @@ def test_example_answers_help(script: Path) -> None:
     assert out.stdout.startswith("usage:")
 
 
+@pytest.mark.slow
 def test_main_job_trains_and_the_strategies_agree(tmp_path: Path) -> None:
     out = _run("examples/train_classifier.py", "--epochs", "2", "--out", str(tmp_path))
     assert out.returncode == 0, out.stderr
@@ -53,6 +55,7 @@ def _summary(stdout: str, strategy: str) -> str:
     return " ".join(line.split()[:5])
 
 
+@pytest.mark.slow
 def test_main_job_resumes_exactly(tmp_path: Path) -> None:
     args = ["examples/train_classifier.py", "--epochs", "2", "--strategies", "dp"]
     whole = _run(*args, "--out", str(tmp_path / "whole"))
@@ -65,6 +68,7 @@ def test_main_job_resumes_exactly(tmp_path: Path) -> None:
     assert _summary(second.stdout, "dp") == _summary(whole.stdout, "dp")
 
 
+@pytest.mark.slow
 def test_quickstart_runs() -> None:
     out = _run("examples/quickstart.py")
     assert out.returncode == 0, out.stderr

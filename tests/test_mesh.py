@@ -163,6 +163,7 @@ def _run_fresh(code: str) -> subprocess.CompletedProcess[str]:
     )
 
 
+@pytest.mark.slow
 def test_simulate_cpu_devices_in_a_fresh_process():
     ok = _run_fresh(
         "import eqxdist as ed, jax; ed.simulate_cpu_devices(4); "
@@ -177,6 +178,7 @@ def test_simulate_cpu_devices_in_a_fresh_process():
     assert "already started with 1 devices" in late.stderr
 
 
+@pytest.mark.slow
 def test_simulate_cpu_devices_keeps_an_existing_flag():
     before = os.environ["XLA_FLAGS"]
     ed.simulate_cpu_devices(2)  # the flag conftest set wins; nothing changes

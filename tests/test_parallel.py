@@ -225,6 +225,7 @@ def test_rule_mistakes():
         make([(r"nothing", P("model"))])(state, batch)
 
 
+@pytest.mark.slow
 def test_hsdp_across_processes(tmp_path):
     """2 processes x 4 devices, the replica axis across processes, each passing
     its own rows: the same parameters as 1 process x 8 devices."""

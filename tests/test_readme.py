@@ -8,10 +8,13 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parent.parent
 BLOCK = re.compile(r"^```python[^\n]*\n(.*?)^```", flags=re.S | re.M)
 
 
+@pytest.mark.slow
 def test_readme_tour_runs(tmp_path: Path) -> None:
     blocks = BLOCK.findall((ROOT / "README.md").read_text())
     assert blocks, "README.md has no ```python block"

@@ -9,6 +9,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parent.parent
 SCRIPT = ROOT / "examples" / "transformer_lm.py"
 
@@ -27,6 +29,7 @@ def _run(*args: str) -> subprocess.CompletedProcess[str]:
     )
 
 
+@pytest.mark.slow
 def test_trains_and_agrees_with_data_parallel() -> None:
     out = _run(
         *("--steps", "6", "--compare-steps", "4", "--log-every", "3"),
@@ -52,6 +55,7 @@ def test_trains_and_agrees_with_data_parallel() -> None:
     assert float(agree[1]) < 1e-5
 
 
+@pytest.mark.slow
 def test_help_describes_every_option() -> None:
     out = _run("--help")
     assert out.returncode == 0, out.stderr

@@ -105,7 +105,13 @@ def save_checkpoint(
     check_not_consumed(state, "save_checkpoint")
     root = Path(directory).absolute()
     files.check_root(root, "save_checkpoint")
-    writer = Writer(root, max_to_keep=None, save_interval_steps=1, async_save=False)
+    writer = Writer(
+        root,
+        max_to_keep=None,
+        save_interval_steps=1,
+        async_save=False,
+        caller="save_checkpoint",
+    )
     try:
         writer.save(step, state, "save_checkpoint")
     finally:
@@ -249,17 +255,25 @@ def restore_checkpoint(
             )
     # Before Orbax reads anything: corrupted bytes would restore as wrong values.
     files.verify(location, metadata, step, "restore_checkpoint")
-    with ocp.Checkpointer(ocp.PyTreeCheckpointHandler()) as checkpointer:
-        restored = checkpointer.restore(
-            files.item_directory(location, metadata),
-            args=ocp.args.PyTreeRestore(restore_args=restore_args),
-        )
-
-    out = [leaf for _, leaf in leaves]
-    for path, i in wanted.items():
-        key, entry = saved[path]
-        value = restored[key]
-        if "prng_impl" in entry:
-            value = jax.random.wrap_key_data(value, impl=entry["prng_impl"])
-        out[i] = value
+    try:
+        with ocp.Checkpointer(ocp.PyTreeCheckpointHandler()) as checkpointer:
+            restored = checkpointer.restore(
+                files.item_directory(location, metadata),
+                args=ocp.args.PyTreeRestore(restore_args=restore_args),
+            )
+        out = [leaf for _, leaf in leaves]
+        for path, i in wanted.items():
+            key, entry = saved[path]
+            value = restored[key]
+            if "prng_impl" in entry:
+                value = jax.random.wrap_key_data(value, impl=entry["prng_impl"])
+            out[i] = value
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        # Files removed or changed where no checksum guards them (a v0.1
+        # checkpoint), or a marker whose key description is not JAX's.
+        raise ValueError(
+            f"restore_checkpoint: checkpoint step {step} in {str(root)!r} is "
+            f"corrupted: it cannot be read ({type(e).__name__}: {e}). Restore "
+            "another step (`step=`) or save again."
+        ) from e
     return jax.tree_util.tree_unflatten(treedef, out)

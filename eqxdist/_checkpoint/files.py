@@ -32,8 +32,10 @@ from typing import Any
 MARKER = "eqxdist_checkpoint.json"
 FORMAT = "eqxdist-checkpoint"
 # 1: v0.1 (arrays directly in <step>/, marker written after Orbax's commit, no
-# checksums); 2: Orbax CheckpointManager layout (<step>/default/), checksums.
-VERSION = 2
+# checksums); 2: Orbax CheckpointManager layout (<step>/default/), checksums;
+# 3: the user's `metadata` and a SHA-256 of the marker itself (`marker_sha256`),
+# so that damage to the marker that leaves valid JSON is detected too.
+VERSION = 3
 ITEM = "default"  # the directory Orbax's CheckpointManager gives a single item
 # Orbax names its temporary directories `<final name><TMP_SUFFIX>...`.
 TMP_SUFFIX = ".orbax-checkpoint-tmp"
@@ -120,9 +122,20 @@ def fsync_directory(path: Path) -> None:
         os.close(fd)
 
 
+def canonical_json(value: Any) -> str:
+    """The one JSON text of `value` that digests are taken of."""
+    return json.dumps(value, sort_keys=True, separators=(",", ":"), allow_nan=False)
+
+
+def _marker_digest(marker: dict[str, Any]) -> str:
+    body = {k: v for k, v in marker.items() if k != "marker_sha256"}
+    return hashlib.sha256(canonical_json(body).encode()).hexdigest()
+
+
 def write_marker(step_dir: Path, metadata: dict[str, Any]) -> None:
     """Record the checksums of `step_dir/default` and write the marker (durably)."""
     metadata = dict(metadata, checksums=checksums(step_dir / ITEM))
+    metadata["marker_sha256"] = _marker_digest(metadata)
     with open(step_dir / MARKER, "w") as f:
         json.dump(metadata, f, indent=1)
         f.flush()
@@ -130,19 +143,77 @@ def write_marker(step_dir: Path, metadata: dict[str, Any]) -> None:
     fsync_directory(step_dir)
 
 
+def _is_count(x: Any) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool) and x >= 0
+
+
+def _is_shape(x: Any) -> bool:
+    return isinstance(x, list) and all(map(_is_count, x))
+
+
+_SHA256 = re.compile(r"[0-9a-f]{64}\Z", re.ASCII)
+
+
+def _leaf_problem(entry: Any) -> str | None:
+    if not isinstance(entry, dict):
+        return f"a leaf is described by {entry!r}, not a mapping"
+    if not isinstance(entry.get("path"), str):
+        return f"a leaf has no path: {entry!r}"
+    if not _is_shape(entry.get("shape")) or not isinstance(entry.get("dtype"), str):
+        return f"leaf {entry['path']} has no valid shape and dtype"
+    if "prng_impl" in entry and not (
+        isinstance(entry["prng_impl"], str) and _is_shape(entry.get("key_data_shape"))
+    ):
+        return f"leaf {entry['path']} has no valid PRNG key description"
+    return None
+
+
+def _marker_problem(marker: Any) -> str | None:
+    """What is wrong with a parsed marker, or `None`."""
+    if not isinstance(marker, dict) or marker.get("format") != FORMAT:
+        return "not an eqxdist checkpoint description"
+    version = marker.get("version", 1)
+    if version not in range(1, VERSION + 1) or isinstance(version, bool):
+        return f"unknown format version {version!r}"
+    if not isinstance(marker.get("leaves"), list):
+        return "it lists no leaves"
+    for entry in marker["leaves"]:
+        if (problem := _leaf_problem(entry)) is not None:
+            return problem
+    if version == 1:
+        return None
+    recorded = marker.get("checksums")
+    if not isinstance(recorded, dict) or not all(
+        isinstance(v, list)
+        and len(v) == 2
+        and _is_count(v[0])
+        and isinstance(v[1], str)
+        and _SHA256.match(v[1])
+        for v in recorded.values()
+    ):
+        return "the checksums of its files are missing or damaged"
+    if version >= 3:
+        if marker.get("marker_sha256") != _marker_digest(marker):
+            return "its contents do not match their SHA-256 (it was changed)"
+        if not isinstance(marker.get("metadata"), dict):
+            return "its metadata is missing"
+    return None
+
+
 def read_marker(location: Path, step: int, caller: str) -> dict[str, Any]:
+    """The marker of `location`, checked; a `ValueError` naming the step if it
+    cannot be read or is not a whole, unchanged eqxdist marker."""
     try:
-        metadata = json.loads((location / MARKER).read_text())
-        if metadata.get("format") != FORMAT or not isinstance(
-            metadata.get("leaves"), list
-        ):
-            raise ValueError("not an eqxdist checkpoint description")
-    except (ValueError, UnicodeDecodeError) as e:
+        marker = json.loads((location / MARKER).read_text())
+        problem = _marker_problem(marker)
+    except (OSError, ValueError, UnicodeDecodeError) as e:
+        problem = str(e)
+    if problem is not None:
         raise ValueError(
             f"{caller}: checkpoint step {step} in {str(location.parent)!r} is "
-            f"corrupted: its file {MARKER} cannot be read ({e})."
-        ) from None
-    return metadata  # type: ignore[no-any-return]
+            f"corrupted: its file {MARKER} cannot be read ({problem})."
+        )
+    return marker  # type: ignore[no-any-return]
 
 
 def item_directory(location: Path, metadata: dict[str, Any]) -> Path:
@@ -152,9 +223,9 @@ def item_directory(location: Path, metadata: dict[str, Any]) -> Path:
 def verify(location: Path, metadata: dict[str, Any], step: int, caller: str) -> None:
     """Raise a `ValueError` naming the step and the file if a file recorded at save
     is missing, has another size, or other bytes."""
-    recorded = metadata.get("checksums")
-    if recorded is None:
-        return  # a version-1 checkpoint: no checksums were recorded
+    if metadata.get("version", 1) == 1:
+        return  # no checksums were recorded (`read_marker` requires them later)
+    recorded = metadata["checksums"]
     item = item_directory(location, metadata)
     problems: dict[str, str] = {}
     for name, (size, _) in recorded.items():
@@ -244,3 +315,34 @@ def is_collision(error: BaseException) -> bool:
     if isinstance(error, FileExistsError):
         return True
     return isinstance(error, OSError) and error.errno in (errno.ENOTEMPTY, errno.EEXIST)
+
+
+def check_user_metadata(value: Any, caller: str) -> dict[str, Any]:
+    """A copy of `value` as JSON gives it back, or a clear error if it is not a
+    dict that JSON represents exactly (string keys; lists, not tuples; finite
+    floats; Python numbers, not NumPy's)."""
+    if not isinstance(value, dict):
+        raise TypeError(
+            f"{caller}: `metadata` must be a dict; got {type(value).__name__}."
+        )
+    try:
+        copy = json.loads(canonical_json(value))
+    except (TypeError, ValueError) as e:
+        raise TypeError(
+            f"{caller}: `metadata` must be JSON-serialisable (str keys; str, int, "
+            f"float, bool, None, lists and dicts as values); {e}."
+        ) from None
+    if copy != value or canonical_json(copy) != canonical_json(value):
+        raise ValueError(
+            f"{caller}: `metadata` {value!r} does not come back the same from JSON "
+            "(tuples become lists, non-str keys become strings); use lists and str "
+            "keys."
+        )
+    return copy  # type: ignore[no-any-return]
+
+
+def user_metadata(location: Path, step: int, caller: str) -> dict[str, Any]:
+    """The `metadata` saved with the checkpoint at `location` (`{}` if none was)."""
+    marker = read_marker(location, step, caller)
+    saved: dict[str, Any] = marker.get("metadata", {})
+    return saved

@@ -13,7 +13,7 @@ from jaxtyping import PyTree
 
 from .._utils import check_not_consumed, typecheck
 from . import files
-from .api import latest_step, restore_checkpoint
+from .api import CheckpointNotFoundError, latest_step, restore_checkpoint
 from .writer import Writer, check_step, orbax
 
 
@@ -48,7 +48,10 @@ class CheckpointManager:
     same order. In a single process, the manager installs a SIGTERM handler
     (restored by `close()`); under `jax.distributed` (`eqxdist.launch`, SLURM,
     ...) JAX's own preemption sync point is used, so `reached_preemption(step)`
-    becomes `True` at the same step on every process.
+    becomes `True` at the same step on every process: the first step saved since
+    the signal, so the loop below stops at a saved step wherever the signal lands.
+    `save(..., metadata={...})` keeps a JSON dict with the step (e.g. the data
+    loader's position); `metadata(step)` reads it back.
 
     **Raises:**
 
@@ -99,10 +102,12 @@ class CheckpointManager:
             max_to_keep=max_to_keep,
             save_interval_steps=save_interval_steps,
             async_save=async_save,
+            caller=caller,
         )
         self._sigterm = threading.Event()
         self._previous_handler: Any = None
         self._preempted_at: int | None = None
+        self._saved_at: int | None = None  # the newest step `save` saved
         self._closed = False
         if (
             not _uses_jax_preemption_service()
@@ -120,16 +125,9 @@ class CheckpointManager:
                 "is closed; create a new one."
             )
 
-    @typecheck
-    def reached_preemption(self, step: int) -> bool:
-        """Whether the job is being preempted and should save and stop at `step`.
-
-        It becomes `True` once any process received SIGTERM, at the same step on
-        every process (JAX's preemption sync point under `jax.distributed`; the
-        signal itself in a single process), and stays `True` for later steps.
-        Call it at every step, from every process."""
-        self._check_open("reached_preemption")
-        step = check_step(step, "CheckpointManager.reached_preemption")
+    def _preemption_signalled(self, step: int) -> bool:
+        """Whether the job is being preempted at `step` (the same step on every
+        process under `jax.distributed`); stays `True` for later steps."""
         if self._preempted_at is not None and step >= self._preempted_at:
             return True
         if _uses_jax_preemption_service():
@@ -141,9 +139,48 @@ class CheckpointManager:
         return reached
 
     @typecheck
-    def save(self, step: int, state: PyTree[Any], *, force: bool = False) -> bool:
+    def reached_preemption(self, step: int) -> bool:
+        """Whether the job is being preempted and the loop should stop after `step`:
+        `True` once any process received SIGTERM *and* this manager has saved a
+        step since (`save` saves whatever the interval when preempted).
+
+        So the loop `save(step, state)` then `if reached_preemption(step): break`
+        loses nothing wherever the signal lands: if it lands after `save(step)`
+        returned without saving, `reached_preemption(step)` is `False`, the loop
+        trains one more step, `save` saves it and the loop stops there. The step
+        the loop stops at is the newest saved step, and a rerun resumes from it.
+
+        It turns `True` at the same step on every process (JAX's preemption sync
+        point under `jax.distributed`; the signal itself in a single process) and
+        stays `True` for later steps. Call it at every step, from every process.
+        """
+        self._check_open("reached_preemption")
+        step = check_step(step, "CheckpointManager.reached_preemption")
+        if not self._preemption_signalled(step):
+            return False
+        assert self._preempted_at is not None
+        return self._saved_at is not None and self._saved_at >= self._preempted_at
+
+    @typecheck
+    def save(
+        self,
+        step: int,
+        state: PyTree[Any],
+        *,
+        force: bool = False,
+        metadata: dict[str, Any] | None = None,
+    ) -> bool:
         """Save `state` as `step` if `step` is a multiple of `save_interval_steps`,
         `force` is set, or the job is being preempted (see `reached_preemption`).
+
+        **Arguments:**
+
+        - `step`, `state`: as for `save_checkpoint`.
+        - `force`: save whatever the interval.
+        - `metadata`: a JSON-serialisable dict saved with the step (the data
+          loader's position, the configuration, ...), part of the same atomic
+          commit and covered by the same checksums; `metadata(step)` reads it
+          back. In a multi-process run process 0's is saved.
 
         **Returns:**
 
@@ -152,21 +189,55 @@ class CheckpointManager:
 
         **Raises:**
 
-        `ValueError` if `step` is already saved in the directory (or another save
-        of it finished first), if `state` was consumed (donated) by an earlier train
-        step, or if an earlier asynchronous save failed.
+        - `ValueError` if `step` is already saved in the directory (or another
+          save of it finished first), or if `state` was consumed (donated) by an
+          earlier train step.
+        - `TypeError`/`ValueError` for `metadata` that JSON does not give back
+          exactly (checked before anything is written).
+        - The error of a save that failed (a full disk, a directory that cannot be
+          written), with a note naming its step; an asynchronous save's error is
+          raised by the next `save`, `wait_until_finished` or `close`. The failed
+          save's temporary files are removed.
         """
         self._check_open("save")
         caller = "CheckpointManager.save"
         step = check_step(step, caller)
         check_not_consumed(state, caller)
+        if metadata is not None:
+            metadata = files.check_user_metadata(metadata, caller)
         # Orbax decides (interval, preemption under jax.distributed, nothing
         # newer than the latest step); the single-process SIGTERM is ours.
-        preempted = self.reached_preemption(step)
+        preempted = self._preemption_signalled(step)
         if not (force or preempted or self._writer.should_save(step)):
             return False
-        self._writer.save(step, state, caller)
+        self._writer.save(step, state, caller, metadata)
+        self._saved_at = step
         return True
+
+    @typecheck
+    def metadata(self, step: int | None = None) -> dict[str, Any]:
+        """The `metadata` saved with `step` (default: the latest complete step);
+        `{}` for a step saved without. Waits for pending saves first.
+
+        **Raises:**
+
+        - `CheckpointNotFoundError` if there is no such complete step.
+        - `ValueError` naming the step if its files were changed after the save.
+        """
+        self._check_open("metadata")
+        caller = "CheckpointManager.metadata"
+        self._writer.wait(caller)
+        complete = self.all_steps()
+        if step is None and complete:
+            step = complete[-1]
+        elif step is not None:
+            step = check_step(step, caller)
+        if step is None or step not in complete:
+            raise CheckpointNotFoundError(
+                f"{caller}: no complete checkpoint of step {step} in "
+                f"{str(self.directory)!r}; the complete steps are {complete}."
+            )
+        return files.user_metadata(self.directory / str(step), step, caller)
 
     @typecheck
     def restore(self, target: PyTree[Any], *, step: int | None = None) -> PyTree[Any]:

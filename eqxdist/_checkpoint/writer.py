@@ -12,6 +12,7 @@ eqxdist adds, by configuring it rather than by re-implementing any of that:
   directory are never steps, and retention never deletes them).
 """
 
+import importlib
 import itertools
 import os
 import secrets
@@ -149,9 +150,9 @@ def _savable(x: Any) -> Any:
 
 
 def flatten(
-    state: Any, step: int, caller: str
+    state: Any, step: int, caller: str, user_metadata: dict[str, Any]
 ) -> tuple[dict[str, Any], dict[str, Any]]:
-    """The arrays Orbax writes (`leaf0`, `leaf1`, ...) and the marker's metadata."""
+    """The arrays Orbax writes (`leaf0`, `leaf1`, ...) and the marker's contents."""
     check_array_leaves(state, caller, "state")
     entries: list[dict[str, Any]] = []
     arrays: dict[str, Any] = {}
@@ -176,6 +177,7 @@ def flatten(
         "step": step,
         "process_count": jax.process_count(),
         "leaves": entries,
+        "metadata": user_metadata,
     }
     return arrays, metadata
 
@@ -201,12 +203,20 @@ class Writer:
         max_to_keep: int | None,
         save_interval_steps: int,
         async_save: bool,
+        caller: str,
     ):
         ocp = orbax()
         policies = ocp.checkpoint_managers
         self.root = root
         if jax.process_index() == 0:
-            root.mkdir(parents=True, exist_ok=True)
+            try:
+                root.mkdir(parents=True, exist_ok=True)
+            except OSError as e:
+                raise ValueError(
+                    f"{caller}: cannot create the checkpoint directory "
+                    f"{str(root)!r}: {e.strerror or e}. Pass a directory that can "
+                    "be created and written."
+                ) from None
             for leftover in files.leftovers(root):
                 files.remove(leftover)
         options = ocp.CheckpointManagerOptions(
@@ -226,7 +236,8 @@ class Writer:
             save_root_metadata=False,
         )
         self.manager = ocp.CheckpointManager(root, options=options)
-        self._last: tuple[int, str] | None = None  # the latest save's step, token
+        # The pending save's step, token and Orbax operation id.
+        self._last: tuple[int, str, str] | None = None
 
     def should_save(self, step: int) -> bool:
         return bool(self.manager.should_save(step))
@@ -245,12 +256,20 @@ class Writer:
                 "(a file or a symlink); remove it or save under another step."
             )
 
-    def save(self, step: int, state: Any, caller: str) -> None:
+    def save(
+        self,
+        step: int,
+        state: Any,
+        caller: str,
+        user_metadata: dict[str, Any] | None = None,
+    ) -> None:
         """Start saving `state` as `step` (all processes, same order); returns when
         Orbax's `save` does (at once for async saves, once committed otherwise)."""
         ocp = orbax()
         self.check_can_save(step, caller)
-        arrays, metadata = flatten(state, step, caller)
+        arrays, metadata = flatten(state, step, caller, user_metadata or {})
+        # An earlier asynchronous save's failure is reported as its own.
+        self.wait(caller)
         token = _agreed_token()
         with _current_lock:
             _current.root, _current.token = self.root, token
@@ -258,29 +277,80 @@ class Writer:
             try:
                 self.manager.save(step, args=ocp.args.PyTreeSave(arrays), force=True)
             except BaseException as e:
-                self._discard(step, token)
-                self._reraise(e, caller)
+                self._fail(e, caller, (step, token, _operation_id()))
             finally:
                 _current.root, _current.metadata = None, None
-        self._last = (step, token)
+        self._last = (step, token, _operation_id())
 
     def wait(self, caller: str) -> None:
+        """Wait for the pending save; if it failed, clean up after it and raise."""
         try:
             self.manager.wait_until_finished()
         except BaseException as e:
-            if self._last is not None:
-                self._discard(*self._last)
-            self._reraise(e, caller)
+            self._fail(e, caller, self._last)
+        self._last = None
 
     def close(self) -> None:
         self.manager.close()
 
-    def _discard(self, step: int, token: str) -> None:
+    def _fail(
+        self, error: BaseException, caller: str, save: tuple[int, str, str] | None
+    ) -> NoReturn:
+        """Release what the failed `save` holds: Orbax's threads waiting for it
+        (they keep the process from exiting) and its temporary directory."""
+        self._last = None
+        if save is None:
+            self._reraise(error, caller)
+        step, token, operation = save
+        _release_waiting_threads(operation)
         if jax.process_index() == 0:
             files.remove(self.root / files.temporary_name(step, token))
+        if not isinstance(error, SaveCollisionError):
+            error.add_note(
+                f"{caller}: saving step {step} in {str(self.root)!r} failed; the "
+                "step was not saved (earlier steps are intact)."
+            )
+        self._reraise(error, caller)
 
     @staticmethod
     def _reraise(error: BaseException, caller: str) -> NoReturn:
         if isinstance(error, SaveCollisionError):
             raise SaveCollisionError(f"{caller}: {error}") from None
         raise error
+
+
+def _orbax_futures(module: str) -> Any:
+    """A module of Orbax's internal `futures` package (its signalling threads), or
+    `None` in a version that lays it out otherwise."""
+    try:
+        return importlib.import_module(f"orbax.checkpoint._src.futures.{module}")
+    except ImportError:
+        return None
+
+
+def _operation_id() -> str:
+    """Orbax's id of the save it started last (its signals are named by it)."""
+    synchronization = _orbax_futures("synchronization")
+    generator = getattr(synchronization, "OperationIdGenerator", None)
+    if generator is None:
+        return ""
+    return str(generator.get_current_operation_id())
+
+
+def _release_waiting_threads(operation: str) -> None:
+    """Orbax's background threads of a save wait for signals from each other (up to
+    `coordination_timeout`, 5 minutes) and a part that fails sends none, so its
+    waiting threads would hold the process at exit: cancel them and send what they
+    wait for."""
+    future = _orbax_futures("future")
+    thread_class = getattr(future, "_SignalingThread", None)
+    if future is None or thread_class is None or not operation:
+        return
+    for thread in threading.enumerate():
+        if (
+            isinstance(thread, thread_class)
+            and thread.is_alive()
+            and getattr(thread, "_operation_id", None) == operation
+        ):
+            thread.cancel()
+            future.set_signals(thread._receive_signals, operation_id=operation)

@@ -489,6 +489,7 @@ def test_checkpoints_written_by_v0_1_still_restore(tmp_path):
         assert manager.all_steps() == [3, 4]
 
 
+@pytest.mark.slow
 def test_a_new_manager_removes_the_leftovers_of_dead_saves_only(tmp_path):
     from eqxdist._checkpoint.files import host_name
 

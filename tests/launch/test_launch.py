@@ -22,6 +22,7 @@ from mp_scripts import common
 import eqxdist as ed
 from eqxdist import launch
 from eqxdist._distributed import detected_cluster
+from eqxdist._launch import ports
 
 SCRIPTS = Path(__file__).parent.parent / "mp_scripts"
 # A generous bound: the runs take seconds; a hang (the bug these tests are for)
@@ -73,6 +74,7 @@ def assert_all_gone(pid_file: Path) -> None:
 # --------------------------------------------------------------------- the launcher
 
 
+@pytest.mark.slow
 def test_launcher_sets_environment_and_prefixes_output():
     result = run_launcher("-n", 3, "-d", 2, SCRIPTS / "plain.py", "env")
     assert result.returncode == 0, explain(result)
@@ -93,6 +95,7 @@ def test_launcher_sets_environment_and_prefixes_output():
     assert "Gloo" not in result.stdout  # gloo's connection chatter is dropped
 
 
+@pytest.mark.slow
 def test_launcher_runs_the_script_as_python_would():
     script = SCRIPTS / "plain.py"
     # Relative to the working directory, as typed on a command line.
@@ -113,6 +116,7 @@ def test_launcher_runs_the_script_as_python_would():
     assert launched.stdout == "[0] " + direct.stdout
 
 
+@pytest.mark.slow
 def test_launcher_returns_first_failure_and_stops_the_others(tmp_path):
     result = run_launcher("-n", 3, SCRIPTS / "plain.py", "fail", tmp_path, 1, 3)
     assert result.returncode == 3, explain(result)
@@ -121,6 +125,7 @@ def test_launcher_returns_first_failure_and_stops_the_others(tmp_path):
     assert_all_gone(tmp_path / "pids")  # the sleepers and their children
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     ("signum", "status", "mode"),
     [
@@ -172,6 +177,7 @@ def test_launcher_rejects_bad_arguments(tmp_path, capsys):
         (["-n", "2", "--exit-timeout", "0", str(script)], "--exit-timeout must be"),
         (["-n", "2", "-d", "0", str(script)], "--devices-per-process must be >= 1"),
         (["-n", "2", "--grace-period", "-1", str(script)], "--grace-period must be"),
+        (["-n", "2", "--max-restarts", "-1", str(script)], "--max-restarts must be >="),
         (["-n", "2", str(tmp_path / "missing.py")], "missing.py' not found"),
         ([str(script)], "--num-processes"),
     ]
@@ -198,10 +204,11 @@ def wait_for_pids(proc, pid_file, count):
         time.sleep(0.05)
 
 
+@pytest.mark.slow
 def test_a_second_run_on_a_used_port_is_refused_and_leaves_the_first_alone(
     tmp_path,
 ):
-    port = launch._free_port()
+    port = ports.free_port()
     first = launched(
         tmp_path, "-n", 2, "--port", port, SCRIPTS / "plain.py", "sleep", tmp_path
     )
@@ -246,6 +253,154 @@ def test_a_hung_process_is_killed_after_the_exit_timeout_and_named(tmp_path):
     assert_all_gone(tmp_path / "pids")
 
 
+def signal_when_ready(args, ready, signum):
+    """Launch with `args`, send `signum` to the launcher once `ready(stdout so far)`,
+    wait; the status, output, and seconds from the signal to the launcher's exit."""
+    proc = launched(None, *args)
+    lines = []
+    for line in proc.stdout:
+        lines.append(line)
+        if ready("".join(lines)):
+            break
+    assert proc.poll() is None, "".join(lines) + proc.stderr.read()
+    start = time.monotonic()
+    proc.send_signal(signum)
+    out, err = proc.communicate(timeout=60)
+    return proc.returncode, "".join(lines) + out, err, time.monotonic() - start
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGHUP])
+@pytest.mark.parametrize("script", ["plain.py", "ordinary_train.py"])
+def test_a_signal_ends_a_script_that_does_not_handle_it_at_once(
+    tmp_path, script, signum
+):
+    # plain.py keeps Python's default SIGTERM disposition; ordinary_train.py trains
+    # under jax.distributed, whose handler catches SIGTERM, and never asks the
+    # preemption sync point. Neither may hold the run for the grace period, nor be
+    # restarted.
+    mode = ("sleep",) if script == "plain.py" else ()
+    args = ("-n", 2, "-d", 2, "--grace-period", 60, "--max-restarts", 2)
+    status, out, err, elapsed = signal_when_ready(
+        (*args, SCRIPTS / script, *mode, tmp_path),
+        lambda out: (
+            "[1] process 1 sleeping" in out and "[0] process 0 sleeping" in out
+            if script == "plain.py"
+            else "[0] step 1 done" in out
+        ),
+        signum,
+    )
+    assert status == 128 + signum, f"{out}\n{err}"
+    assert elapsed < 12, f"{elapsed:.1f} s\n{err}"
+    assert "restart" not in err
+    name = signal.Signals(signum).name
+    assert err.strip().splitlines()[-1] == (
+        f"eqxdist.launch: received {name}; passed it on and stopped every process."
+    )
+    if script == "ordinary_train.py":
+        assert "[1] eqxdist.launch: SIGTERM: this process does not handle" in err
+    assert_all_gone(tmp_path / "pids")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("script", "signum"),
+    [("plain.py", signal.SIGHUP), ("preempt_train.py", signal.SIGTERM)],
+)
+def test_a_signal_gives_a_script_that_handles_it_the_grace_period(
+    tmp_path, script, signum
+):
+    # plain.py graceful sets its own SIGTERM handler; preempt_train.py saves and
+    # stops at JAX's preemption sync point. Their clean exit is not a failure:
+    # nothing is restarted.
+    if script == "plain.py":
+        mode, ready = ("graceful", tmp_path), "[1] process 1 sleeping"
+    else:
+        mode, ready = (tmp_path / "ckpt", tmp_path / "out.npz", 1000), "step 2\n"
+    status, out, err, _ = signal_when_ready(
+        ("-n", 2, "-d", 2, "--max-restarts", 2, SCRIPTS / script, *mode),
+        lambda out: ready in out,
+        signum,
+    )
+    assert status == 0, f"{out}\n{err}"
+    assert "restart" not in err
+    name = signal.Signals(signum).name
+    assert err.strip().splitlines()[-1] == (
+        f"eqxdist.launch: received {name}; every process exited with status 0."
+    )
+    if script == "preempt_train.py":
+        stopped = {int(m) for m in re.findall(r"\[\d\] preempted at (\d+)", out)}
+        assert len(stopped) == 1 and out.count("preempted at") == 2, out
+        assert ed.latest_step(tmp_path / "ckpt") == stopped.pop()
+        assert "resumed at" not in out  # one attempt only
+    else:
+        assert_all_gone(tmp_path / "pids")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("failures", "max_restarts"), [(2, 3), (3, 2)])
+def test_max_restarts_restarts_the_whole_job_after_a_failure(
+    tmp_path, failures, max_restarts
+):
+    result = run_launcher(
+        *("-n", 3, "--max-restarts", max_restarts, SCRIPTS / "plain.py"),
+        *("flaky", tmp_path, failures, 5),
+    )
+    restarts = min(failures, max_restarts)
+    recovered = failures <= max_restarts
+    assert result.returncode == (0 if recovered else 5), explain(result)
+    lines = result.stderr.splitlines()
+    assert [line for line in lines if "restart" in line] == [
+        f"eqxdist.launch: restart {i} of {max_restarts} after process 1 exited "
+        "with status 5."
+        for i in range(1, restarts + 1)
+    ]
+    for i in range(3):  # every process ran once per attempt, told its number
+        counts = (tmp_path / f"attempts-{i}").read_text().split()
+        assert counts == [str(a) for a in range(restarts + 1)]
+    ports = set(re.findall(r"\[0\] attempt \d+ at (\S+)", result.stdout))
+    assert len(ports) == restarts + 1  # a fresh coordinator each time
+    if not recovered:
+        assert lines[-1] == (
+            "eqxdist.launch: process 1 failed first (exit status 5); stopped "
+            "processes 0, 2."
+        )
+    assert_all_gone(tmp_path / "pids")
+
+
+@pytest.mark.slow
+def test_max_restarts_restarts_a_hung_job_too(tmp_path):
+    result = run_launcher(
+        *("-n", 2, "--exit-timeout", 1, "--max-restarts", 1, SCRIPTS / "plain.py"),
+        *("hang", tmp_path, 1),
+    )
+    assert result.returncode == 124, explain(result)
+    restarts = [line for line in result.stderr.splitlines() if "restart" in line]
+    assert restarts == [
+        "eqxdist.launch: restart 1 of 1 after process 1 did not exit within 1 s of "
+        "process 0."
+    ]
+    assert result.stdout.count("[0] process 0 done") == 2
+    assert_all_gone(tmp_path / "pids")
+
+
+@pytest.mark.slow
+def test_max_restarts_recovers_a_jax_job(tmp_path):
+    result = run_launcher(
+        *("-n", 2, "-d", 2, "--max-restarts", 1, SCRIPTS / "ordinary_train.py"),
+        *(tmp_path, 3, 1),
+    )
+    assert result.returncode == 0, explain(result)
+    assert "[1] process 1 exits with status 3" in result.stdout
+    assert (
+        "eqxdist.launch: restart 1 of 1 after process 1 exited with status 3."
+        in result.stderr
+    )
+    assert "[0] trained 3 steps" in result.stdout
+    assert_all_gone(tmp_path / "pids")
+
+
+@pytest.mark.slow
 def test_a_sigkilled_launcher_leaves_no_process_behind(tmp_path):
     proc = launched(tmp_path, "-n", 2, SCRIPTS / "plain.py", "sleep", tmp_path)
     wait_for_pids(proc, tmp_path / "pids", 4)
@@ -254,6 +409,7 @@ def test_a_sigkilled_launcher_leaves_no_process_behind(tmp_path):
     assert_all_gone(tmp_path / "pids")
 
 
+@pytest.mark.slow
 def test_the_last_line_names_the_first_failing_process(tmp_path):
     result = run_launcher("-n", 3, SCRIPTS / "plain.py", "fail", tmp_path, 2, 7)
     assert result.returncode == 7, explain(result)
@@ -263,6 +419,7 @@ def test_the_last_line_names_the_first_failing_process(tmp_path):
     )
 
 
+@pytest.mark.slow
 def test_launcher_reports_a_single_process_status(tmp_path):
     result = run_launcher("-n", 1, SCRIPTS / "plain.py", "fail", tmp_path, 0, 5)
     assert result.returncode == 5, explain(result)
@@ -375,6 +532,7 @@ def value(basics, name):
     return result
 
 
+@pytest.mark.slow
 def test_mesh_spans_all_processes(basics):
     assert value(basics, "mesh") == {
         "process_count": 2,
@@ -384,6 +542,7 @@ def test_mesh_spans_all_processes(basics):
     }
 
 
+@pytest.mark.slow
 def test_shard_batch_assembles_process_local_rows(basics):
     got = value(basics, "shard_batch")
     assert got["shape"] == [16, 3] and got["spec"] == "P('data',)"
@@ -391,6 +550,7 @@ def test_shard_batch_assembles_process_local_rows(basics):
     assert got["sum"] == DATA.sum() and got["scalar"] == 2.5 and got["tag"] == "t"
 
 
+@pytest.mark.slow
 def test_reductions_across_processes(basics):
     assert value(basics, "global_reductions") == {
         "mean": float(DATA.mean()),
@@ -404,6 +564,7 @@ def test_reductions_across_processes(basics):
     np.testing.assert_array_equal(got["first_column"], DATA[:, 0])
 
 
+@pytest.mark.slow
 def test_metrics_sync_across_processes(basics):
     labels = np.arange(16) % 3
     accuracy = np.mean(DATA.argmax(-1) == labels)
@@ -414,6 +575,7 @@ def test_metrics_sync_across_processes(basics):
     }
 
 
+@pytest.mark.slow
 def test_placing_process_local_state_on_a_global_mesh(basics):
     import equinox as eqx
 
@@ -429,6 +591,7 @@ def test_placing_process_local_state_on_a_global_mesh(basics):
     assert value(basics, "jit_on_placed") == pytest.approx(DATA.sum() * 2)
 
 
+@pytest.mark.slow
 def test_print_metrics_prints_once(basics):
     _, result = basics
     assert result.stdout.count("printed once") == 1
@@ -482,6 +645,7 @@ def assert_same_arrays(got, want, exact=True):
             )
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("strategy", ["dp", "fsdp"])
 def test_training_on_2x4_matches_1x8(training, strategy):
     reference, runs, _, _ = training
@@ -493,6 +657,7 @@ def test_training_on_2x4_matches_1x8(training, strategy):
         assert g["accuracy"] == w["accuracy"]
 
 
+@pytest.mark.slow
 def test_training_prints_metrics_once(training):
     *_, result = training
     for strategy in ("dp", "fsdp"):
@@ -502,6 +667,7 @@ def test_training_prints_metrics_once(training):
         assert len(headings) == 1 and headings[0].startswith("[0] ")
 
 
+@pytest.mark.slow
 def test_resume_on_2_processes_equals_the_uninterrupted_run(training):
     _, runs, _, _ = training
     assert runs["results"]["resumed_step"] == 2
@@ -510,12 +676,14 @@ def test_resume_on_2_processes_equals_the_uninterrupted_run(training):
     assert runs["results"]["fsdp_resumed"] == runs["results"]["fsdp"][2:]
 
 
+@pytest.mark.slow
 def test_checkpoint_from_1_process_restores_on_2(training):
     reference, runs, _, _ = training
     assert "P('data', None)" in runs["results"]["from_one_process_specs"]
     assert_same_arrays(runs["from_one_process"], reference["dp_step2"])
 
 
+@pytest.mark.slow
 def test_checkpoint_from_2_processes_restores_on_1(training, mesh8):
     _, runs, out, _ = training
     # Orbax's per-process data files: process 1 wrote the shards it held.
@@ -540,6 +708,7 @@ def test_checkpoint_from_2_processes_restores_on_1(training, mesh8):
 # --------------------------------------------------------------------- failures
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     ("how", "status", "message"),
     [

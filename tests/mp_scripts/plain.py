@@ -6,6 +6,9 @@
     plain.py sleep OUT            every process sleeps
     plain.py hang OUT ID          process ID sleeps; the others exit with status 0
     plain.py graceful OUT         every process sleeps, and exits with 0 on SIGTERM
+    plain.py flaky OUT K CODE     the first K attempts (counted in OUT/attempts-ID):
+                                  process 1 exits with CODE, the others sleep; later
+                                  attempts all exit with 0
 
 Sleeping processes start a child that sleeps too; every process id goes to
 `OUT/pids`, so the tests can check that none outlives the launcher."""
@@ -50,6 +53,17 @@ if mode == "hang" and index != int(sys.argv[3]):
     time.sleep(0.5)
     print(f"process {index} done", flush=True)
     sys.exit(0)
+if mode == "flaky":
+    counter = out / f"attempts-{index}"
+    attempt = len(counter.read_text().split()) if counter.exists() else 0
+    with open(counter, "a") as f:
+        f.write(f"{os.environ['EQXDIST_RESTART_COUNT']}\n")
+    print(f"attempt {attempt} at {os.environ['EQXDIST_COORDINATOR']}", flush=True)
+    if attempt >= int(sys.argv[3]):
+        sys.exit(0)
+    if index == 1:
+        time.sleep(0.2)
+        sys.exit(int(sys.argv[4]))
 if mode == "graceful":
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
 child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])

@@ -9,7 +9,8 @@ Resumes from the latest checkpoint in CKPT if there is one, trains the `common`
 problem (data parallel, a different batch per step) up to STEPS, and saves when
 preempted: on SIGTERM to any process every process stops at the same step, saves
 it and exits with status 0. A run that reaches STEPS writes the final state to OUT
-(`.npz`, from process 0)."""
+(`.npz`, from process 0). Each save carries `metadata` (written by process 0); a
+resumed run checks, on every process, that it reads back the step's own."""
 
 import sys
 import time
@@ -44,13 +45,16 @@ with ed.CheckpointManager(directory, save_interval_steps=1000, async_save=True) 
     state = common.make_state()
     if start:
         state = m.restore(eqx.filter_eval_shape(common.make_state))
+        saved = m.metadata()
+        if saved != {"next_step": start}:
+            raise SystemExit(f"wrong metadata at step {start}: {saved}")
         print(f"resumed at {start}", flush=True)
     for step in range(start, steps):
         state, _ = train_step(state, batch(step))
         jax.block_until_ready(state)
         print(f"pid {__import__('os').getpid()} step {step + 1}", flush=True)
         time.sleep(0.3)
-        m.save(step + 1, state)
+        m.save(step + 1, state, metadata={"next_step": step + 1})
         if m.reached_preemption(step + 1):
             print(f"preempted at {step + 1}", flush=True)
             break

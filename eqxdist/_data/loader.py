@@ -1,0 +1,260 @@
+"""`BatchLoader`: the global batch of every step as a pure function of
+`(seed, step)`, read by each process for its own devices only."""
+
+import itertools
+import math
+import threading
+from collections.abc import Iterator
+from types import TracebackType
+from typing import Any
+
+import jax
+import numpy as np
+from jax.sharding import Mesh, NamedSharding
+from jaxtyping import PyTree
+
+from .._data_parallel import create_data_parallel_sharding
+from .._utils import AxisName, axis_names, typecheck
+from .reader import Reader
+from .sources import as_source, check_read
+
+
+def local_positions(sharding: NamedSharding, rows: int) -> np.ndarray:
+    """The positions in a global batch of `rows` rows that this process's devices
+    hold, in increasing order: the order `jax.make_array_from_process_local_data`
+    expects the process's rows in."""
+    blocks = {
+        (index[0].start or 0, rows if index[0].stop is None else index[0].stop)
+        for index in sharding.addressable_devices_indices_map((rows,)).values()
+        if index is not None
+    }
+    return np.concatenate([np.arange(a, b) for a, b in sorted(blocks)])
+
+
+class _Permutations:
+    """The row order of each epoch, `np.random.default_rng([seed, epoch])`'s
+    permutation, cached for the two latest epochs (the consumer's and the
+    read-ahead's at an epoch boundary): drawing one costs O(len(source))."""
+
+    def __init__(self, size: int, seed: int, shuffle: bool) -> None:
+        self._size, self._seed, self._shuffle = size, seed, shuffle
+        self._cache: dict[int, np.ndarray] = {}
+        self._lock = threading.Lock()
+
+    def rows(self, epoch: int, positions: np.ndarray) -> np.ndarray:
+        """The rows at `positions` (taken modulo the size) of `epoch`'s order."""
+        positions = positions % self._size
+        if not self._shuffle:
+            return positions
+        with self._lock:
+            order = self._cache.get(epoch)
+            if order is None:
+                order = np.random.default_rng([self._seed, epoch]).permutation(
+                    self._size
+                )
+                self._cache = {e: o for e, o in self._cache.items() if e == epoch - 1}
+                self._cache[epoch] = order
+        rows: np.ndarray = order[positions]
+        return rows
+
+
+def _check_step(step: Any, caller: str) -> None:
+    if isinstance(step, bool) or not isinstance(step, int | np.integer):
+        raise TypeError(
+            f"{caller}: `step` must be an int; got {type(step).__name__} {step!r}."
+        )
+    if step < 0:
+        raise ValueError(f"{caller}: `step` must be >= 0; got {step}.")
+
+
+class BatchLoader:
+    """Batches of a map-style data set for a step on `mesh`, each process reading
+    only the rows its own devices hold.
+
+    The global batch of step `s` is a pure function of `(seed, s)`: step `s` is
+    batch `s % steps_per_epoch` of epoch `s // steps_per_epoch`, whose rows are
+    taken in the order of a permutation of `range(len(source))` drawn from
+    `(seed, epoch)` (the identity with `shuffle=False`). It is the same batch
+    whatever the number of processes and devices, so resuming needs only the step
+    number: `loader.iterate(int(state.step))` continues the exact stream, also
+    after a restart on another cluster size.
+
+    **Arguments:**
+
+    - `source`: a pytree of arrays sharing their leading dimension (NumPy arrays,
+      `np.memmap`s: only the rows asked for are read from disk), a Grain
+      `MapDataset` (`eqxdist[grain]`), or any object with `__len__` and
+      `__getitem__(indices: np.ndarray) -> pytree of arrays` with `len(indices)`
+      rows.
+    - `global_batch_size`: rows per step over all devices; a multiple of the
+      number of devices along `data_axis`.
+    - `mesh`: the step's mesh.
+    - `data_axis`: the mesh axis (or tuple of axes, in mesh order, e.g.
+      `("replica", "data")`) the rows are split over, as in the step.
+    - `seed`: the shuffling seed (>= 0).
+    - `shuffle`: `False` reads the rows in order, epoch after epoch.
+    - `prefetch`: how many batches `iterate` reads and places ahead of the
+      consumer in a background thread; `0` reads each batch when it is asked for.
+    - `drop_remainder`: `True` drops the last `len(source) % global_batch_size`
+      rows of each epoch's order (a different set every epoch when shuffled).
+      `False` keeps them: the epoch's last batch is filled up to
+      `global_batch_size` with the first rows of the same epoch's order, which
+      are then seen twice; every batch keeps its shape, so the step compiles once,
+      and the repeated rows are the last `steps_per_epoch * global_batch_size -
+      len(source)` rows of that batch, for a loss or metric mask.
+
+    **Raises:**
+
+    `ValueError` for an empty source, leaves of unequal length, a
+    `global_batch_size` below 1, not divisible by the devices along `data_axis`
+    or (with `drop_remainder`) larger than the data set, a `data_axis` not in the
+    mesh, or a negative `seed` or `prefetch`; `TypeError` for a source that is
+    neither a pytree of arrays nor indexable.
+
+    !!! Example
+
+        ```python
+        data = {"x": np.ones((1000, 8), np.float32), "y": np.zeros(1000, np.int32)}
+        with ed.BatchLoader(data, 64, mesh, seed=0) as loader:
+            for step, batch in loader.iterate(int(state.step)):
+                if step == num_steps:
+                    break
+                state, metrics = train_step(state, batch)
+        ```
+    """
+
+    @typecheck
+    def __init__(
+        self,
+        source: Any,
+        global_batch_size: int,
+        mesh: Mesh,
+        *,
+        data_axis: AxisName = "data",
+        seed: int = 0,
+        shuffle: bool = True,
+        prefetch: int = 2,
+        drop_remainder: bool = True,
+    ) -> None:
+        caller = "BatchLoader"
+        self.source = as_source(source, caller)
+        size = len(self.source)
+        self.global_batch_size = global_batch_size
+        self.sharding = create_data_parallel_sharding(mesh, data_axis)
+        devices = math.prod(mesh.shape[a] for a in axis_names(data_axis))
+        if size < 1:
+            raise ValueError(f"{caller}: `source` is empty; it needs at least 1 row.")
+        if global_batch_size < 1 or global_batch_size % devices:
+            raise ValueError(
+                f"{caller}: `global_batch_size`={global_batch_size} must be a "
+                f"positive multiple of the {devices} devices along {data_axis!r}."
+            )
+        if drop_remainder and global_batch_size > size:
+            raise ValueError(
+                f"{caller}: `global_batch_size`={global_batch_size} is larger than "
+                f"the data set ({size} rows), so with `drop_remainder=True` no batch "
+                "is left; use a smaller batch or `drop_remainder=False`."
+            )
+        for name, value in [("seed", seed), ("prefetch", prefetch)]:
+            if value < 0:
+                raise ValueError(f"{caller}: `{name}` must be >= 0; got {value}.")
+        self.prefetch = prefetch
+        self.steps_per_epoch = (
+            size // global_batch_size
+            if drop_remainder
+            else -(-size // global_batch_size)
+        )
+        self._positions = local_positions(self.sharding, global_batch_size)
+        self._order = _Permutations(size, seed, shuffle)
+        self._readers: set[Reader] = set()
+
+    def _rows(self, step: int, positions: np.ndarray) -> np.ndarray:
+        epoch, index = divmod(step, self.steps_per_epoch)
+        return self._order.rows(epoch, index * self.global_batch_size + positions)
+
+    @typecheck
+    def indices(self, step: int) -> np.ndarray:
+        """The rows of the source, in batch order, that make up the global batch
+        of `step` (every process's rows; each process reads only its own)."""
+        _check_step(step, "BatchLoader.indices")
+        return self._rows(step, np.arange(self.global_batch_size))
+
+    # Not wrapped in `typecheck`: checking the returned pytree would cost more than
+    # reading and placing a batch; `_check_step` checks the argument.
+    def batch(self, step: int) -> PyTree[jax.Array]:
+        """The global batch of `step`: the source's pytree with every leaf a
+        `jax.Array` of `global_batch_size` rows split over `data_axis` (rows in
+        mesh order), built with `jax.make_array_from_process_local_data` from the
+        rows this process's devices hold, read in one `source[indices]` call.
+
+        **Raises:**
+
+        `TypeError` for a non-int `step`; `ValueError` for a negative one or when
+        the source returns other than one row per index; an exception of the
+        source, with a note naming the step."""
+        _check_step(step, "BatchLoader.batch")
+        rows = self._rows(int(step), self._positions)
+        try:
+            local = self.source[rows]
+        except Exception as error:
+            error.add_note(f"BatchLoader: raised reading the rows of step {step}.")
+            raise
+        local = check_read(local, len(rows), step, "BatchLoader")
+        if self.sharding.is_fully_addressable:
+            # Every row is local: one call places the whole tree at once.
+            return jax.make_array_from_process_local_data(self.sharding, local)
+        return jax.tree.map(
+            lambda x: jax.make_array_from_process_local_data(
+                self.sharding, x, (self.global_batch_size, *x.shape[1:])
+            ),
+            local,
+        )
+
+    @typecheck
+    def iterate(self, start_step: int = 0) -> Iterator[tuple[int, PyTree[jax.Array]]]:
+        """`(step, batch(step))` for `step = start_step, start_step + 1, ...`,
+        forever (epochs follow each other); break out of the loop to stop.
+
+        With `prefetch > 0` a background thread reads and places up to `prefetch`
+        batches ahead, while the consumer's steps run. An exception it meets is
+        raised in the consumer, at the batch of the step it happened in (with a
+        note naming the step), and ends the iteration. The thread stops when the
+        iterator is closed or garbage collected after it started, or at
+        `close()`.
+
+        **Raises:**
+
+        `ValueError` for a negative `start_step`.
+        """
+        _check_step(start_step, "BatchLoader.iterate")
+        if self.prefetch == 0:
+            return ((step, self.batch(step)) for step in itertools.count(start_step))
+        reader = Reader(self.batch, start_step, self.prefetch)
+        self._readers.add(reader)
+        return self._drain(reader)
+
+    def _drain(self, reader: Reader) -> Iterator[tuple[int, Any]]:
+        try:
+            while (item := reader.next()) is not None:
+                yield item
+        finally:
+            reader.close()
+            self._readers.discard(reader)
+
+    def close(self) -> None:
+        """Stop every read-ahead thread of this loader (each after the read in
+        progress) and wait for them; iterators of `iterate` then end. The loader
+        itself stays usable."""
+        while self._readers:
+            self._readers.pop().close()
+
+    def __enter__(self) -> "BatchLoader":
+        return self
+
+    def __exit__(
+        self,
+        kind: type[BaseException] | None,
+        error: BaseException | None,
+        traceback: TracebackType | None,
+    ) -> None:
+        self.close()
