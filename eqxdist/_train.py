@@ -20,7 +20,7 @@ import optax
 from jax.sharding import AxisType, Mesh, PartitionSpec as P
 from jaxtyping import Array, PRNGKeyArray
 
-from ._accumulate import accumulate, checked_loss
+from ._accumulate import Accumulated, CheckedLoss, accumulate, divide_by_weight
 from ._fsdp import sync_gradients
 from ._layout import Layout
 from ._metrics.tree import reduce_metrics
@@ -227,7 +227,8 @@ class StepMath(eqx.Module):
     """What one training step computes, on global arrays: gradients and metrics
     inside `jax.shard_map` (manual over the data axes), then the optimizer update
     on the (possibly sharded) global arrays, which XLA keeps in the parameters'
-    layout."""
+    layout. Returns `(state, metrics)`, or `(state, (metrics, info))` with
+    `step_info`."""
 
     loss_fn: Callable[..., Any] = eqx.field(static=True)
     optimizer: optax.GradientTransformation = eqx.field(static=True)
@@ -236,6 +237,8 @@ class StepMath(eqx.Module):
     use_scan: bool = eqx.field(static=True)
     compute_dtype: Any = eqx.field(static=True)
     fsdp_gather: str = eqx.field(static=True)
+    step_info: bool = eqx.field(static=True, default=False)
+    skip_nonfinite: bool = eqx.field(static=True, default=False)
 
     def __call__(self, state: TrainState, batch: Any) -> tuple[TrainState, Any]:
         self.layout.check_rows(batch, self.num_minibatches, traced=True)
@@ -245,7 +248,9 @@ class StepMath(eqx.Module):
         )
         trained = eqx.filter(state.model, mask)
         wants_value = reads_value(self.optimizer, trained, state.opt_state)
-        per_device = functools.partial(self._per_device, inputs, wants_value)
+        per_device = functools.partial(
+            self._per_device, inputs, wants_value or self.skip_nonfinite
+        )
         grads, value, metrics, new_ms = inputs.shard_map(
             per_device,
             (jax.random.fold_in(state.key, state.step),),
@@ -259,16 +264,28 @@ class StepMath(eqx.Module):
         new_params = jax.tree.map(
             lambda p, u: (p + u).astype(p.dtype), trained, updates
         )
+        new_ms = inputs.model_state(new_ms) if inputs.with_state else None
+        skipped = None
+        if self.skip_nonfinite:
+            skipped = nonfinite(value, grads)
+            new_params, opt_state, new_ms = keep_if(
+                skipped,
+                (trained, state.opt_state, state.model_state),
+                (new_params, opt_state, new_ms),
+            )
         new_model = eqx.combine(new_params, eqx.filter(state.model, mask, inverse=True))
         new_state = TrainState(
             new_model,
             opt_state,
             state.step + 1,
             state.key,
-            model_state=inputs.model_state(new_ms) if inputs.with_state else None,
+            model_state=new_ms,
             trainable=state.trainable,
         )
-        return new_state, metrics
+        if not self.step_info:
+            return new_state, metrics
+        info = step_statistics(grads, updates, new_params, skipped)
+        return new_state, (metrics, info)
 
     def _materialise(self, inputs: StepInputs, p: Any) -> Any:
         # Cast before the gather, so that FSDP's all-gathers (and the
@@ -289,7 +306,7 @@ class StepMath(eqx.Module):
     ) -> tuple[Any, Any, Any, Any]:
         axes = self.layout.data_axes
         frozen_full = inputs.gather(f)
-        loss = checked_loss(self.loss_fn, inputs.with_state)
+        loss = CheckedLoss(self.loss_fn, inputs.with_state)
 
         def loss_of(full: Any, ms: Any, minibatch: Any, k: Any) -> Any:
             if k is not None:
@@ -297,31 +314,86 @@ class StepMath(eqx.Module):
             model = inputs.model(cast_floating(full, self.compute_dtype), frozen_full)
             return loss(model, inputs.model_state(ms), minibatch, k)
 
-        def run(loss_of: Callable[..., Any], diff: Any) -> Any:
-            return accumulate(
-                loss_of,
-                diff,
-                ms,
-                inputs.local_batch(local_batch),
-                key,
-                self.num_minibatches,
-                self.use_scan,
-            )
+        def run(loss_of: Callable[..., Any], diff: Any) -> Accumulated:
+            local = inputs.local_batch(local_batch)
+            n = self.num_minibatches
+            return accumulate(loss_of, loss, diff, ms, local, key, n, self.use_scan)
 
         if self.fsdp_gather == "step":
             # Gather once, accumulate full-size gradients over the minibatches,
             # reduce-scatter once (the VJP of the gather).
             full, pullback = jax.vjp(functools.partial(self._materialise, inputs), p)
-            grads, value, metrics, new_ms = run(loss_of, full)
-            (grads,) = pullback(grads)
+            out = run(loss_of, full)
+            (grads,) = pullback(out.grads)
         else:
-            grads, value, metrics, new_ms = run(
-                lambda q, *rest: loss_of(self._materialise(inputs, q), *rest), p
-            )
-        new_ms = eqx.filter(new_ms, is_array) if inputs.with_state else None
+            out = run(lambda q, *rest: loss_of(self._materialise(inputs, q), *rest), p)
+            grads = out.grads
+        grads = sync_gradients(grads, inputs.manual, axes)
+        grads, value = _over_devices(grads, out, axes, wants_value)
+        new_ms = eqx.filter(out.model_state, is_array) if inputs.with_state else None
         return (
-            sync_gradients(grads, inputs.manual, axes),
-            jax.lax.pmean(value, axes) if wants_value else None,
-            reduce_metrics(metrics, axes),
+            grads,
+            value,
+            reduce_metrics(out.metrics, axes),
             sync_model_state(new_ms, axes),
         )
+
+
+def _over_devices(
+    grads: Any, out: Accumulated, axes: tuple[str, ...], wants_value: bool
+) -> tuple[Any, Any]:
+    """Inside `shard_map`: the step's gradient and loss over every device, from
+    gradients already averaged over the devices (`sync_gradients`).
+
+    A `(loss_sum, weight)` loss divides by the global weight, found (with the
+    global loss sum) in one all-reduce of two scalars; a scalar loss needs one
+    only when the loss itself is wanted (`value`)."""
+    if out.weight is None:
+        return grads, jax.lax.pmean(out.loss, axes) if wants_value else None
+    weight, loss_sum = jax.lax.psum(jnp.stack([out.weight, out.loss]), axes)
+    devices = jax.lax.psum(1, axes)
+    return (
+        divide_by_weight(grads, weight / devices),
+        divide_by_weight(loss_sum, weight),
+    )
+
+
+def nonfinite(value: Any, grads: Any) -> Array:
+    """On global arrays: whether the step's loss or any gradient element is NaN
+    or infinite (the same answer on every device)."""
+    finite = [jnp.all(jnp.isfinite(g)) for g in jax.tree.leaves(grads)]
+    if value is not None:
+        finite.append(jnp.isfinite(value))
+    return jnp.logical_not(jnp.all(jnp.stack(finite)))
+
+
+def keep_if(skipped: Array, old: Any, new: Any) -> Any:
+    """`old` where `skipped`, else `new`, leaf by leaf (a select: the kept values
+    are bit-identical)."""
+
+    def pick(o: Any, n: Any) -> Any:
+        return jnp.where(skipped, o, n) if is_array(n) else n
+
+    return jax.tree.map(pick, old, new)
+
+
+def step_statistics(
+    grads: Any, updates: Any, params: Any, skipped: Array | None
+) -> dict[str, Array]:
+    """`step_info`'s norms, on the global (possibly sharded) arrays, so that XLA
+    adds up each sharded leaf's squares over the devices that hold its parts."""
+
+    def norm(tree: Any) -> Array:
+        value: Array = optax.tree.norm(tree).astype(jnp.float32)
+        return value
+
+    no = jnp.zeros((), jnp.float32)
+    update_norm = norm(updates)
+    if skipped is not None:
+        update_norm = jnp.where(skipped, no, update_norm)
+    return {
+        "grad_norm": norm(grads),
+        "update_norm": update_norm,
+        "param_norm": norm(params),
+        "skipped": no if skipped is None else skipped.astype(jnp.float32),
+    }
