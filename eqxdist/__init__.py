@@ -3,6 +3,7 @@
 The whole public API is importable from here (`import eqxdist as ed`).
 """
 
+from ._accumulate import accumulate_gradients as accumulate_gradients
 from ._checkpoint import (
     CheckpointManager as CheckpointManager,
     CheckpointNotFoundError as CheckpointNotFoundError,
@@ -109,11 +110,8 @@ from ._reductions import (
     reduce_sum as reduce_sum,
 )
 from ._rules import fsdp_specs as fsdp_specs
+from ._state import TrainState as TrainState
 from ._steps import TrainStep as TrainStep, make_train_step as make_train_step
-from ._train import (
-    TrainState as TrainState,
-    accumulate_gradients as accumulate_gradients,
-    fold_rng_over_axis as fold_rng_over_axis,
-)
+from ._train import fold_rng_over_axis as fold_rng_over_axis
 
 __version__ = "0.2.0"

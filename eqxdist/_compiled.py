@@ -16,7 +16,13 @@ import jax.numpy as jnp
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from ._data_parallel import place, shard_batch
-from ._utils import check_not_consumed, flatten_up_to, is_array_like
+from ._utils import (
+    check_not_consumed,
+    flatten_up_to,
+    is_array_like,
+    note_donated,
+    was_donated,
+)
 
 
 def _same(a: tuple[Any, ...], b: tuple[Any, ...]) -> bool:
@@ -282,7 +288,7 @@ class CompiledStep:
             updated, kept = self._last_arrays
             # Donation deletes every donated array at once: one look is enough to
             # catch a state that another step consumed since.
-            if updated and updated[0].is_deleted():
+            if updated and was_donated(updated[0]):
                 check_not_consumed(state, self.name)
         else:
             entry, state = self.entry(state, batch)
@@ -290,12 +296,15 @@ class CompiledStep:
             updated, kept = self._state_arrays(entry, state)
         batch_arrays = [batch_leaves[i] for i in entry.batch_arrays]
         if self.check_batch is not None:
-            shapes = [getattr(x, "shape", None) for x in batch_arrays]
+            # dtypes too: string labels after numeric ones of the same shape.
+            shapes = [(x.shape, x.dtype) for x in batch_arrays]
             if shapes != self._checked_shapes:
                 self.check_batch(batch)
                 self._checked_shapes = shapes
         batch_arrays = self._placed_batch(entry, batch_arrays, batch)
         new_arrays, aux, token = entry.fn(updated, kept, batch_arrays)
+        if self.donate and updated:
+            note_donated(updated[0])
         new_state = entry.state(new_arrays, kept)
         try:
             self._last_state = weakref.ref(new_state, self._forget)

@@ -2,6 +2,7 @@
 number of rows, padded and masked inside, reduced across devices like a training
 step's."""
 
+import functools
 import math
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -16,15 +17,16 @@ from ._compiled import CompiledStep
 from ._data_parallel import local_shard_count
 from ._layout import Layout
 from ._metrics.tree import check_metrics, reduce_metrics
-from ._train import TrainState, split_inputs, trainable_mask_tree
+from ._state import TrainState, trainable_mask_tree
+from ._train import StepInputs, step_layout
 from ._utils import (
     AxisName,
+    batch_rows,
     cast_floating,
     check_array_leaves,
     check_compute_dtype,
     flatten_up_to,
     is_array,
-    path_str,
     typecheck,
 )
 
@@ -51,41 +53,30 @@ class EvalMath(eqx.Module):
     compute_dtype: Any = eqx.field(static=True)
 
     def __call__(self, inputs: EvalInput, batch: Any) -> tuple[EvalInput, Any]:
-        layout = self.layout
         batch, mask = batch
-        plan = layout.plan(inputs.model)
-        manual = plan.manual
-        (
-            (trained, frozen, static),
-            (ms_arrays, ms_static),
-            (batch_arrays, batch_static),
-        ) = split_inputs(inputs.model, inputs.cast_mask(), inputs.model_state, batch)
-        batch_specs = layout.batch_specs(batch_arrays)
-        with_state = inputs.model_state is not None
-
-        def gather(tree: Any) -> Any:
-            return plan.gathered(tree)
-
-        def per_device(t: Any, f: Any, ms: Any, local: Any, local_mask: Any) -> Any:
-            model = eqx.combine(gather(cast_floating(t, self.compute_dtype)), gather(f))
-            model = eqx.combine(model, static)
-            local = eqx.combine(local, batch_static)
-            if with_state:
-                out = self.eval_fn(model, eqx.combine(ms, ms_static), local, local_mask)
-            else:
-                out = self.eval_fn(model, local, local_mask)
-            check_metrics(out, "eval_fn")
-            return reduce_metrics(out, layout.data_axes)
-
-        metrics = jax.shard_map(
-            per_device,
-            mesh=layout.mesh,
-            in_specs=(manual, manual, P(), batch_specs, layout.batch_spec),
-            out_specs=P(),
-            axis_names=frozenset(layout.data_axes),
-            check_vma=False,
-        )(trained, frozen, ms_arrays, batch_arrays, mask)
+        split = StepInputs.split(
+            self.layout, inputs.model, inputs.cast_mask(), inputs.model_state, batch
+        )
+        metrics = split.shard_map(
+            functools.partial(self._per_device, split),
+            (mask,),
+            (self.layout.batch_spec,),
+            P(),
+        )
         return inputs, metrics
+
+    def _per_device(
+        self, split: StepInputs, t: Any, f: Any, ms: Any, local: Any, mask: Any
+    ) -> Any:
+        trained = split.gather(cast_floating(t, self.compute_dtype))
+        model = split.model(trained, split.gather(f))
+        local = split.local_batch(local)
+        if split.with_state:
+            out = self.eval_fn(model, split.model_state(ms), local, mask)
+        else:
+            out = self.eval_fn(model, local, mask)
+        check_metrics(out, "eval_fn")
+        return reduce_metrics(out, self.layout.data_axes)
 
 
 def padded_rows(rows: int, shards: int) -> int:
@@ -142,22 +133,13 @@ class EvalStep:
 
     def _rows(self, batch: Any) -> int:
         check_array_leaves(batch, "eval step", "batch")
-        rows: dict[int, str] = {}
-        for path, leaf in jax.tree_util.tree_flatten_with_path(batch)[0]:
-            if is_array(leaf) and np.ndim(leaf) > 0:
-                rows.setdefault(np.shape(leaf)[0], path_str(path))
-        if len(rows) > 1:
-            found = ", ".join(f"{p}: {n}" for n, p in rows.items())
-            raise ValueError(
-                f"eval step: every batch leaf must have the same number of rows; got "
-                f"{found}."
-            )
-        if not rows:
+        rows = batch_rows(batch, "eval step")
+        if rows is None:
             raise ValueError(
                 "eval step: the batch has no array with rows (rank >= 1); pass the "
                 "examples to evaluate as arrays with a leading batch dimension."
             )
-        return next(iter(rows))
+        return rows
 
     def _inputs(self, state_or_model: Any) -> EvalInput:
         if isinstance(state_or_model, TrainState):
@@ -250,15 +232,6 @@ def make_eval_step(
         metrics = eval_step(state, {"x": x_test, "y": y_test})  # any number of rows
         ```
     """
-    layout = Layout(
-        mesh,
-        strategy=strategy,
-        data_axis=data_axis,
-        fsdp_axis=fsdp_axis,
-        min_weight_size=min_weight_size,
-        param_rules=param_rules,
-        fsdp_layout=fsdp_layout,
-        caller="make_eval_step",
-    )
+    layout = step_layout(mesh, "make_eval_step", locals())
     dtype = check_compute_dtype(compute_dtype, "make_eval_step")
     return EvalStep(EvalMath(eval_fn, layout, dtype))

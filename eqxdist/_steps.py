@@ -4,26 +4,24 @@
 from collections.abc import Callable, Sequence
 from typing import Any
 
+import equinox as eqx
 import jax
-import optax
-from jax.sharding import Mesh, PartitionSpec as P
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from jaxtyping import PyTree
 
+from ._accumulate import check_num_minibatches
 from ._compiled import CompiledStep
 from ._data_parallel import place
-from ._layout import Layout
-from ._train import (
-    FSDP_GATHERS,
-    StepMath,
-    TrainState,
-    check_num_minibatches,
-    check_train_state,
-)
+from ._state import TrainState, as_optimizer, check_train_state
+from ._train import FSDP_GATHERS, StepMath, step_layout
 from ._utils import (
     AxisName,
+    batch_rows,
     check_array_leaves,
     check_compute_dtype,
     check_not_consumed,
+    is_array,
+    is_array_like,
     state_like,
     typecheck,
 )
@@ -60,6 +58,11 @@ class TrainStep:
 
     def _check_batch(self, batch: Any) -> None:
         check_array_leaves(batch, "train step", "batch")
+        if batch_rows(batch, "train step") == 0:
+            raise ValueError(
+                "train step: the batch has 0 rows; a step needs at least one row per "
+                "device (the loss of an empty batch is 0/0). Skip empty batches."
+            )
         self.layout.check_rows(batch, self.math.num_minibatches)
 
     def model_specs(self, model: Any) -> Any:
@@ -118,9 +121,71 @@ class TrainStep:
 
         return step_cost(self, state, batch)
 
-    def __call__(self, state: TrainState, batch: PyTree[Any]) -> tuple[TrainState, Any]:
+    def _init(self, init_fn: Callable[..., Any], args: tuple[Any, ...]) -> Any:
+        """`init_fn` under `jax.jit`, its outputs placed by this step's state
+        specs (found from its abstract output), and the arguments to call it
+        with: the arrays of `args`."""
+        abstract = eqx.filter_eval_shape(init_fn, *args)
+        if not isinstance(abstract, TrainState):
+            raise TypeError(
+                "init_state: `init_fn(*args)` must return an eqxdist.TrainState "
+                f"(e.g. `lambda key: ed.TrainState.create(Net(key), optimizer, "
+                f"key)`); it returns {type(abstract).__name__}."
+            )
+        specs = self.state_specs(abstract)
+        shardings = jax.tree.map(
+            lambda x, s: NamedSharding(self.mesh, s) if is_array_like(x) else None,
+            abstract,
+            specs,
+            is_leaf=lambda x: x is None,
+        )
+        dynamic, static = eqx.partition(args, is_array)
+        _, state_static = eqx.partition(abstract, is_array_like)
+
+        def build(dynamic: Any) -> Any:
+            return eqx.filter(init_fn(*eqx.combine(dynamic, static)), is_array)
+
+        out_shardings = eqx.filter(shardings, lambda x: x is not None)
+        jitted = jax.jit(build, out_shardings=out_shardings)
+        return jitted, dynamic, state_static
+
+    def init_state(self, init_fn: Callable[..., Any], *args: Any) -> TrainState:
+        """A fresh state built straight into this step's layout: `init_fn(*args)`
+        (e.g. `lambda key: ed.TrainState.create(Net(key), optimizer, key)`) runs
+        under `jax.jit` with the step's state shardings as its output shardings,
+        so no device ever holds more than its share of the parameters and the
+        optimizer state. Use it for a model too large for one device.
+
+        The result equals `step.place_state(init_fn(*args))` leaf for leaf
+        (bit-identical for initialisers whose values do not change under `jit`,
+        such as Equinox's defaults) and is placed as `place_state` places it.
+        With `jax.config.jax_threefry_partitionable` off (it is on by default),
+        XLA cannot split random number generation over the devices, and builds
+        each random array whole before sharding it.
+
+        **Raises:**
+
+        `TypeError` if `init_fn(*args)` does not return a `TrainState`; the
+        errors of `state_specs` for a state this step cannot take.
+        """
+        jitted, dynamic, static = self._init(init_fn, args)
+        state: TrainState = eqx.combine(jitted(dynamic), static)
+        return state
+
+    def lower_init(self, init_fn: Callable[..., Any], *args: Any) -> Any:
+        """`jax.jit(...).lower` of `init_state(init_fn, *args)`, e.g. for
+        `.compile().memory_analysis()`: what each device holds while the state is
+        built."""
+        jitted, dynamic, _ = self._init(init_fn, args)
+        return jitted.lower(dynamic)
+
+    def __call__(self, state: TrainState, batch: PyTree[Any]) -> tuple[Any, ...]:
         """One training step; see `make_train_step`."""
-        return self._cache(state, batch)
+        new_state, aux = self._cache(state, batch)
+        if self.math.step_info:
+            metrics, info = aux
+            return new_state, metrics, info
+        return new_state, aux
 
 
 def _kept(state: TrainState) -> Any:
@@ -140,7 +205,7 @@ def _kept(state: TrainState) -> Any:
 @typecheck
 def make_train_step(
     loss_fn: Callable[..., Any],
-    optimizer: optax.GradientTransformation,
+    optimizer: Any,
     mesh: Mesh,
     *,
     strategy: str = "dp",
@@ -155,6 +220,8 @@ def make_train_step(
     fsdp_gather: str = "step",
     use_scan: bool = True,
     max_steps_in_flight: int | None = 8,
+    step_info: bool = False,
+    skip_nonfinite: bool = False,
 ) -> TrainStep:
     """Build a compiled, sharded training step `step(state, batch) -> (state,
     metrics)`.
@@ -205,8 +272,13 @@ def make_train_step(
 
     - `loss_fn`: see above.
     - `optimizer`: an Optax gradient transformation (the one the state was created
-      with). It runs on the sharded global arrays, so even whole-tree
-      transformations (e.g. global-norm clipping) see every parameter.
+      with), or any object with Optax's `init`/`update` (e.g. `optax.MultiSteps`).
+      It runs on the sharded global arrays, so even whole-tree transformations
+      (e.g. global-norm clipping) see every parameter. When its `update` takes
+      Optax's extra arguments and reads `value` (e.g.
+      `optax.contrib.reduce_on_plateau`), it gets the step's loss as `value`
+      (the mean over every device and minibatch); no other extra argument is
+      passed.
     - `mesh`: the device mesh.
     - `strategy`: `"dp"`, `"fsdp"` or `"zero1"`.
     - `data_axis`: the mesh axis, or tuple of axes, the batch is split over (rows
@@ -243,10 +315,32 @@ def make_train_step(
       minibatches (less memory, `num_minibatches` times the communication).
     - `use_scan`: see `accumulate_gradients`.
     - `max_steps_in_flight`: the bound on queued steps (`None`: unbounded).
+    - `step_info`: return `(state, metrics, info)`, `info` a dict of replicated
+      0-d float32 arrays: `"grad_norm"` (the global L2 norm of the averaged
+      gradient of the trained leaves, as `optax.global_norm` of the same gradient
+      on one device), `"update_norm"` (of the update applied: 0 for a skipped
+      step), `"param_norm"` (of the trained parameters after the step) and
+      `"skipped"` (1.0 for a skipped step, else 0.0).
+    - `skip_nonfinite`: a step whose loss or any gradient element is NaN or
+      infinite on any device leaves the parameters, optimizer state and model
+      state exactly as they were (decided identically on every device); the
+      step counter still advances. Without it, non-finite values propagate as in
+      plain Optax.
+
+    **Weighted losses.** `loss_fn` may return, in place of the scalar loss, a
+    pair `(loss_sum, weight)` of scalars: e.g. the summed loss of a minibatch's
+    real tokens and their number `mask.sum()`. The step then minimises
+    `sum(loss_sum) / sum(weight)` over every minibatch of every device, so the
+    gradient is the single-device gradient of the token-weighted mean over the
+    whole global batch, however unevenly the real tokens fall (one more
+    all-reduce, of two scalars). A global weight of 0 gives a zero gradient. A
+    scalar loss keeps its meaning: every minibatch and device weighs the same.
 
     **Returns:**
 
-    A `TrainStep`: call it as `step(state, batch)`. The metrics come back already
+    A `TrainStep`: call it as `step(state, batch)` (`-> (state, metrics)`, or
+    `(state, metrics, info)` with `step_info`); build a state straight into its
+    layout with `step.init_state(init_fn, *args)`. The metrics come back already
     reduced across devices (arrays and `(sum, count)` parts summed, `Metric`s
     `reduce`d). It also has `state_specs(state)`, `place_state(state)` and
     `lower(state, batch)` (for inspecting the compiled step).
@@ -275,6 +369,7 @@ def make_train_step(
         ```
     """
     check_num_minibatches(num_minibatches, "make_train_step")
+    optimizer = as_optimizer(optimizer, "make_train_step")
     if max_steps_in_flight is not None and max_steps_in_flight < 1:
         raise ValueError(
             "make_train_step: `max_steps_in_flight` must be >= 1 or None; got "
@@ -286,23 +381,15 @@ def make_train_step(
             "(gather once per step) or 'minibatch' (gather per minibatch: less "
             "memory, one all-gather and reduce-scatter per minibatch)."
         )
-    layout = Layout(
-        mesh,
-        strategy=strategy,
-        data_axis=data_axis,
-        fsdp_axis=fsdp_axis,
-        min_weight_size=min_weight_size,
-        param_rules=param_rules,
-        fsdp_layout=fsdp_layout,
-        caller="make_train_step",
-    )
     math = StepMath(
         loss_fn,
         optimizer,
-        layout,
+        step_layout(mesh, "make_train_step", locals()),
         num_minibatches,
         use_scan,
         check_compute_dtype(compute_dtype, "make_train_step"),
         fsdp_gather,
+        step_info=step_info,
+        skip_nonfinite=skip_nonfinite,
     )
     return TrainStep(math, donate=donate, max_steps_in_flight=max_steps_in_flight)

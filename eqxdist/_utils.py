@@ -1,5 +1,6 @@
 """Small helpers shared by every module: type checking, pytree walking, axis checks."""
 
+import weakref
 from collections.abc import Callable
 from typing import Any, TypeAlias, TypeVar
 
@@ -88,11 +89,42 @@ def check_axis_in_mesh(mesh: Mesh, axis: str, caller: str, argument: str) -> Non
         )
 
 
-def check_min_weight_size(min_weight_size: int, caller: str) -> None:
+def check_min_weight_size(min_weight_size: Any, caller: str) -> None:
+    if isinstance(min_weight_size, bool) or not isinstance(
+        min_weight_size, int | np.integer
+    ):
+        raise TypeError(
+            f"{caller}: `min_weight_size` must be an int (a number of elements); got "
+            f"{type(min_weight_size).__name__} {min_weight_size!r}."
+        )
     if min_weight_size < 0:
         raise ValueError(
             f"{caller}: `min_weight_size` must be >= 0; got {min_weight_size}."
         )
+
+
+# One array of every state a step donated, by `id` (the weak reference drops the
+# entry when the array dies, before its `id` can be reused).
+_donated: dict[int, "weakref.ref[Any]"] = {}
+
+
+def note_donated(array: jax.Array) -> None:
+    """Record that `array` (and the state it belongs to) was donated to a step.
+
+    An array whose host copy is still alive (`jax.device_get` on CPU can return a
+    view of the device buffer) reports `is_deleted() == False` after donation,
+    yet passing it to a compiled function crashes the process; this record is
+    what `deleted_leaf` sees instead."""
+    key = id(array)
+    _donated[key] = weakref.ref(array, lambda _: _donated.pop(key, None))
+
+
+def was_donated(array: Any) -> bool:
+    """`array` was donated: deleted, or recorded by `note_donated`."""
+    if not isinstance(array, jax.Array):
+        return False
+    ref = _donated.get(id(array))
+    return (ref is not None and ref() is array) or array.is_deleted()
 
 
 def deleted_leaf(tree: Any) -> str | None:
@@ -102,7 +134,7 @@ def deleted_leaf(tree: Any) -> str | None:
     JAX on CPU crashes the process when a compiled function receives such an array,
     so every entry point that takes a state checks this first."""
     for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
-        if isinstance(leaf, jax.Array) and leaf.is_deleted():
+        if was_donated(leaf):
             return path_str(path)
     return None
 
@@ -128,6 +160,22 @@ def check_rows(batch: Any, divisor: int, caller: str, why: str) -> None:
                 f"{np.shape(leaf)[0]}, which is not divisible by {why}; make the "
                 f"batch size a multiple of {divisor}."
             )
+
+
+def batch_rows(batch: Any, caller: str) -> int | None:
+    """The number of rows every array leaf of rank >= 1 of `batch` has (`None`
+    when there is none), or a `ValueError` naming the leaves that disagree."""
+    rows: dict[int, str] = {}
+    for path, leaf in jax.tree_util.tree_flatten_with_path(batch)[0]:
+        if is_array_like(leaf) and np.ndim(leaf) > 0:
+            rows.setdefault(np.shape(leaf)[0], path_str(path))
+    if len(rows) > 1:
+        found = ", ".join(f"{p}: {n}" for n, p in rows.items())
+        raise ValueError(
+            f"{caller}: every batch leaf must have the same number of rows; got "
+            f"{found}."
+        )
+    return next(iter(rows)) if rows else None
 
 
 def cast_floating(tree: Any, dtype: Any) -> Any:

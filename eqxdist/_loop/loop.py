@@ -15,8 +15,8 @@ import jax.numpy as jnp
 
 from .._checkpoint import CheckpointManager
 from .._eval import EvalStep
+from .._state import TrainState
 from .._steps import TrainStep
-from .._train import TrainState
 from .._utils import typecheck
 from .flops import mfu, peak_flops
 from .pieces import (

@@ -1,0 +1,153 @@
+"""What the step statistics, non-finite skipping and sharded initialisation cost.
+
+1. Step time of `make_train_step(..., step_info=True, skip_nonfinite=True)`
+   against the plain step (same model, optimizer and batch), for dp and fsdp.
+   Both run in one process, interleaved within each repeat, at most 4 steps in
+   flight; the ratio is taken per repeat, and the median and spread (min-max)
+   over repeats are printed. Goal: <= 1.03.
+2. `TrainStep.init_state` of an 8 x 1024^2 MLP (Adam) under FSDP: the compiled
+   init's per-device peak bytes (outputs + temporaries, from
+   `memory_analysis()`) against the per-device share of the state. Goal:
+   <= 1.25x. Building the state on one device and placing it holds the whole
+   state (8x the share) on that device.
+
+    python benchmarks/bench_step_info.py            # 8 x 1024^2, about a minute
+    python benchmarks/bench_step_info.py --quick    # 4 x 256^2, seconds
+
+The script sets up 8 simulated CPU devices itself (before JAX starts).
+"""
+
+import argparse
+import os
+import statistics
+import time
+from typing import Any
+
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+import eqxdist as ed
+
+ed.simulate_cpu_devices(8)  # before JAX starts its backend
+
+IN_FLIGHT = 4
+
+
+def mlp(width: int, depth: int, key: Any) -> eqx.nn.Sequential:
+    keys = jax.random.split(key, depth)
+    layers = []
+    for k in keys:
+        layers += [eqx.nn.Linear(width, width, key=k), eqx.nn.Lambda(jnp.tanh)]
+    return eqx.nn.Sequential(layers)
+
+
+def loss_fn(model: Any, batch: Any, key: Any) -> Any:
+    del key
+    out = jax.vmap(model)(batch["x"])
+    loss = jnp.mean((out - batch["y"]) ** 2)
+    return loss, {"loss": (loss, 1)}
+
+
+def time_steps(step: Any, state: Any, batch: Any, steps: int) -> tuple[Any, float]:
+    out = None
+    start = time.perf_counter()
+    for i in range(steps):
+        out = step(state, batch)
+        state = out[0]
+        if (i + 1) % IN_FLIGHT == 0:
+            jax.block_until_ready(state)
+    jax.block_until_ready(state)
+    return state, (time.perf_counter() - start) / steps
+
+
+def bench_overhead(args: argparse.Namespace) -> None:
+    mesh = ed.create_data_parallel_mesh()
+    optimizer = optax.adamw(1e-3)
+    rng = np.random.default_rng(0)
+    batch = {
+        "x": rng.normal(size=(args.batch, args.width)).astype(np.float32),
+        "y": rng.normal(size=(args.batch, args.width)).astype(np.float32),
+    }
+    for strategy in ("dp", "fsdp"):
+        kwargs = {"strategy": strategy, "min_weight_size": 2**14}
+        plain = ed.make_train_step(loss_fn, optimizer, mesh, **kwargs)
+        full = ed.make_train_step(
+            loss_fn, optimizer, mesh, step_info=True, skip_nonfinite=True, **kwargs
+        )
+        make = lambda: ed.TrainState.create(  # noqa: E731
+            mlp(args.width, args.depth, jax.random.key(0)),
+            optimizer,
+            jax.random.key(1),
+        )
+        states = {"plain": make(), "info": make()}
+        steps = {"plain": plain, "info": full}
+        for name in steps:  # compile and warm up
+            states[name], _ = time_steps(steps[name], states[name], batch, 4)
+        ratios, times = [], {"plain": [], "info": []}
+        for _ in range(args.repeats):
+            for name in ("plain", "info"):
+                states[name], t = time_steps(
+                    steps[name], states[name], batch, args.steps
+                )
+                times[name].append(t)
+            ratios.append(times["info"][-1] / times["plain"][-1])
+        print(
+            f"{strategy:5s} step_info+skip_nonfinite / plain: median "
+            f"{statistics.median(ratios):.3f} (spread {min(ratios):.3f}-"
+            f"{max(ratios):.3f}); plain {statistics.median(times['plain']) * 1e3:.2f}"
+            f" ms, with info {statistics.median(times['info']) * 1e3:.2f} ms"
+        )
+
+
+def bench_init(args: argparse.Namespace) -> None:
+    mesh = ed.create_data_parallel_mesh()
+    optimizer = optax.adam(1e-3)
+
+    def init_fn(key: Any) -> ed.TrainState:
+        return ed.TrainState.create(mlp(args.width, args.depth, key), optimizer, key)
+
+    step = ed.make_train_step(
+        loss_fn, optimizer, mesh, strategy="fsdp", min_weight_size=2**14
+    )
+    memory = step.lower_init(init_fn, jax.random.key(0)).compile().memory_analysis()
+    abstract = eqx.filter_eval_shape(init_fn, jax.random.key(0))
+    total = sum(
+        x.size * x.dtype.itemsize
+        for x in jax.tree.leaves(abstract)
+        if isinstance(x, jax.ShapeDtypeStruct)
+        and not jnp.issubdtype(x.dtype, jax.dtypes.prng_key)
+    )
+    share = total / len(jax.devices())
+    peak = memory.output_size_in_bytes + memory.temp_size_in_bytes
+    mib = 2**20
+    print(
+        f"init_state {args.depth} x {args.width}^2 fsdp: state {total / mib:.1f} MiB, "
+        f"per-device share {share / mib:.2f} MiB; compiled init per device: outputs "
+        f"{memory.output_size_in_bytes / mib:.2f} MiB, temporaries "
+        f"{memory.temp_size_in_bytes / mib:.2f} MiB, peak {peak / share:.2f}x the "
+        f"share (unsharded create + place_state: {total / share:.0f}x)"
+    )
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--quick", action="store_true", help="small model, seconds")
+    parser.add_argument("--width", type=int, default=1024)
+    parser.add_argument("--depth", type=int, default=8)
+    parser.add_argument("--batch", type=int, default=128)
+    parser.add_argument("--steps", type=int, default=8)
+    parser.add_argument("--repeats", type=int, default=7)
+    args = parser.parse_args()
+    if args.quick:
+        args.width, args.depth, args.steps, args.repeats = 256, 4, 4, 3
+    bench_overhead(args)
+    bench_init(args)
+
+
+if __name__ == "__main__":
+    main()

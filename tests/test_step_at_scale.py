@@ -1,0 +1,396 @@
+"""A step that holds at scale: token-weighted losses, step statistics, skipping
+non-finite steps and sharded initialisation, each against plain single-device
+JAX/Optax on the same global data, on 8 simulated devices."""
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from jax.sharding import PartitionSpec as P
+
+import eqxdist as ed
+
+T = 6  # tokens per row
+ROWS = 32  # 4 rows per device
+
+# name: (mesh shape, data axes, strategy, param_rules)
+SETUPS = {
+    "dp": ({"data": 8}, "data", "dp", ()),
+    "fsdp": ({"data": 8}, "data", "fsdp", ()),
+    "hsdp": ({"replica": 2, "data": 4}, ("replica", "data"), "fsdp", ()),
+    "fsdp_tp": (
+        {"data": 4, "model": 2},
+        "data",
+        "fsdp",
+        (
+            (r"layers\[0\]\.weight", P("model", None)),
+            (r"layers\[1\]\.weight", P(None, "model")),
+        ),
+    ),
+}
+
+
+def make_step(setup, loss_fn, optimizer, **kwargs):
+    shape, axes, strategy, rules = SETUPS[setup]
+    return ed.make_train_step(
+        loss_fn,
+        optimizer,
+        ed.create_device_mesh(shape),
+        strategy=strategy,
+        data_axis=axes,
+        param_rules=rules,
+        min_weight_size=16,
+        **kwargs,
+    )
+
+
+def mlp(key=0):
+    return eqx.nn.MLP(4, 3, 32, 1, key=jax.random.key(key))
+
+
+def token_batch(seed, empty=(0,), full=(3,)):
+    """Rows of T tokens, a random number of them real; every row of the devices
+    in `empty` has none, every row of those in `full` all T."""
+    rng = np.random.default_rng(seed)
+    lengths = rng.integers(0, T + 1, size=ROWS)
+    lengths[:ROWS:4] = rng.integers(0, 2, size=ROWS // 4)  # very uneven minibatches
+    for d in empty:
+        lengths[4 * d : 4 * d + 4] = 0
+    for d in full:
+        lengths[4 * d : 4 * d + 4] = T
+    return {
+        "x": rng.normal(size=(ROWS, T, 4)).astype(np.float32),
+        "y": rng.integers(0, 3, size=(ROWS, T)).astype(np.int32),
+        "mask": np.arange(T)[None, :] < lengths[:, None],
+    }
+
+
+def token_losses(model, batch):
+    logits = jax.vmap(jax.vmap(model))(batch["x"])
+    return optax.softmax_cross_entropy_with_integer_labels(logits, batch["y"])
+
+
+def weighted_loss(model, batch, key):
+    del key
+    mask = batch["mask"]
+    loss_sum = jnp.sum(jnp.where(mask, token_losses(model, batch), 0.0))
+    return (loss_sum, mask.sum()), {"tokens": mask.sum()}
+
+
+def reference_token_mean(model, data, optimizer):
+    """Single-device training on the token-weighted mean of the global batch."""
+    params, static = eqx.partition(model, eqx.is_inexact_array)
+    opt_state = optimizer.init(params)
+
+    def loss(p, batch):
+        losses = token_losses(eqx.combine(p, static), batch)
+        mask = batch["mask"]
+        return jnp.sum(jnp.where(mask, losses, 0.0)) / jnp.maximum(mask.sum(), 1)
+
+    for batch in data:
+        grads = jax.grad(loss)(params, batch)
+        updates, opt_state = optimizer.update(grads, opt_state, params)
+        params = eqx.apply_updates(params, updates)
+    return eqx.combine(params, static)
+
+
+def max_diff(a, b):
+    la = jax.tree.leaves(eqx.filter(a, eqx.is_array))
+    lb = jax.tree.leaves(eqx.filter(b, eqx.is_array))
+    assert len(la) == len(lb)
+    return max(
+        float(np.max(np.abs(np.asarray(x) - np.asarray(y))))
+        for x, y in zip(la, lb, strict=True)
+    )
+
+
+# -- weighted losses ---------------------------------------------------------------
+
+
+@pytest.mark.parametrize("n", [1, 4])
+@pytest.mark.parametrize("setup", ["dp", "fsdp", "hsdp"])
+def test_token_weighted_loss_matches_single_device(setup, n):
+    optimizer = optax.sgd(0.5)
+    data = [token_batch(0), token_batch(1, empty=(5,), full=(0, 1))]
+    want = reference_token_mean(mlp(), data, optimizer)
+    step = make_step(setup, weighted_loss, optimizer, num_minibatches=n)
+    state = ed.TrainState.create(mlp(), optimizer, jax.random.key(0))
+    for batch in data:
+        state, metrics = step(state, batch)
+    assert max_diff(state.model, want) < 1e-6
+    assert int(metrics["tokens"]) == int(data[-1]["mask"].sum())
+    assert max_diff(state.model, mlp()) > 1e-3  # it trained
+
+
+def test_a_batch_without_tokens_gives_a_zero_gradient(mesh8):
+    optimizer = optax.sgd(0.5)
+    step = ed.make_train_step(weighted_loss, optimizer, mesh8, step_info=True)
+    state = ed.TrainState.create(mlp(), optimizer, jax.random.key(0))
+    batch = token_batch(0, empty=range(8), full=())
+    state, metrics, info = step(state, batch)
+    assert float(info["grad_norm"]) == 0.0
+    assert max_diff(state.model, mlp()) == 0.0
+    assert int(metrics["tokens"]) == 0
+
+
+def test_accumulate_gradients_weighted(rng):
+    batch = token_batch(2, empty=(1,))
+    model = mlp()
+    grads, _ = ed.accumulate_gradients(weighted_loss, model, batch, None, 4)
+    want = eqx.filter_grad(
+        lambda m: (
+            jnp.sum(jnp.where(batch["mask"], token_losses(m, batch), 0.0))
+            / batch["mask"].sum()
+        )
+    )(model)
+    assert max_diff(grads, want) < 1e-6
+
+
+def test_weighted_loss_mistakes(mesh8):
+    state = ed.TrainState.create(mlp(), optax.sgd(0.1), jax.random.key(0))
+    batch = token_batch(0)
+
+    def three(model, batch, key):
+        return (jnp.float32(1), jnp.float32(1), jnp.float32(1)), {}
+
+    def vector_weight(model, batch, key):
+        return (jnp.float32(1), batch["mask"].sum(axis=1)), {}
+
+    def bool_weight(model, batch, key):
+        return (jnp.sum(token_losses(model, batch)), jnp.bool_(True)), {}
+
+    for fn, kind, pattern in [
+        (three, TypeError, "a pair `\\(loss_sum, weight\\)`; got a tuple of length 3"),
+        (vector_weight, ValueError, "a scalar `weight`"),
+        (bool_weight, TypeError, "floating-point or integer scalar"),
+    ]:
+        step = ed.make_train_step(fn, optax.sgd(0.1), mesh8)
+        with pytest.raises(kind, match=pattern):
+            step(state, batch)
+
+
+# -- step statistics -----------------------------------------------------------------
+
+
+def mean_loss(model, batch, key):
+    del key
+    losses = token_losses(model, batch).mean(axis=1)
+    return losses.mean(), {"loss": ed.Mean().update(losses)}
+
+
+@pytest.mark.parametrize("setup", sorted(SETUPS))
+def test_step_info_norms_match_single_device(setup):
+    optimizer = optax.adamw(1e-2, weight_decay=0.1)
+    batch = token_batch(3, empty=())
+    model = mlp()
+    params = eqx.filter(model, eqx.is_inexact_array)
+    grads = eqx.filter_grad(lambda m: mean_loss(m, batch, None)[0])(model)
+    updates, _ = optimizer.update(grads, optimizer.init(params), params)
+    new_params = eqx.apply_updates(params, updates)
+
+    step = make_step(setup, mean_loss, optimizer, step_info=True)
+    state = ed.TrainState.create(model, optimizer, jax.random.key(0))
+    state, _, info = step(state, batch)
+    assert sorted(info) == ["grad_norm", "param_norm", "skipped", "update_norm"]
+    for value in info.values():
+        assert value.shape == () and value.dtype == jnp.float32
+        assert value.sharding.is_fully_replicated
+    np.testing.assert_allclose(info["grad_norm"], optax.tree.norm(grads), rtol=1e-5)
+    np.testing.assert_allclose(info["update_norm"], optax.tree.norm(updates), rtol=1e-5)
+    np.testing.assert_allclose(
+        info["param_norm"], optax.tree.norm(new_params), rtol=1e-6
+    )
+    assert float(info["skipped"]) == 0.0
+    if setup != "dp":  # the norms of sharded leaves are global
+        assert not state.model.layers[0].weight.sharding.is_fully_replicated
+
+
+# -- skipping non-finite steps ------------------------------------------------------
+
+
+@jax.custom_jvp
+def zero_with_gradient(w, scale):
+    """0, with gradient `scale` everywhere: an Inf gradient of a finite loss."""
+    del scale
+    return jnp.zeros((), w.dtype)
+
+
+@zero_with_gradient.defjvp
+def _zero_with_gradient_jvp(primals, tangents):
+    w, scale = primals
+    return jnp.zeros((), w.dtype), jnp.sum(tangents[0]) * scale
+
+
+def stateful_loss(model, model_state, batch, key):
+    del key
+    losses = token_losses(model, batch).mean(axis=1)
+    spike = zero_with_gradient(model.layers[0].weight, jnp.max(batch["spike"]))
+    loss = losses.mean() + spike
+    return loss, {"loss": ed.Mean().update(losses)}, {"seen": model_state["seen"] + 1}
+
+
+def spiked_batch(kind):
+    batch = token_batch(4, empty=())
+    batch["spike"] = np.zeros(ROWS, np.float32)
+    if kind == "nan_row":
+        batch["x"][9, 2, 1] = np.nan  # one row of device 2
+    else:
+        batch["spike"][4 * 6] = np.inf  # device 6: Inf gradient, finite loss
+    return batch
+
+
+@pytest.mark.parametrize("kind", ["nan_row", "inf_grad"])
+@pytest.mark.parametrize("setup", ["dp", "fsdp", "hsdp"])
+def test_skip_nonfinite_leaves_the_state_bit_identical(setup, kind):
+    optimizer = optax.adam(1e-2)
+    step = make_step(
+        setup, stateful_loss, optimizer, step_info=True, skip_nonfinite=True
+    )
+    state = ed.TrainState.create(
+        mlp(), optimizer, jax.random.key(0), model_state={"seen": jnp.float32(0)}
+    )
+    good = token_batch(5, empty=())
+    good["spike"] = np.zeros(ROWS, np.float32)
+    state, _, info = step(state, good)
+    assert float(info["skipped"]) == 0.0 and float(state.model_state["seen"]) == 1
+    before = jax.device_get((state.model, state.opt_state, state.model_state))
+
+    state, metrics, info = step(state, spiked_batch(kind))
+    assert float(info["skipped"]) == 1.0
+    assert float(info["update_norm"]) == 0.0
+    assert int(state.step) == 2
+    after = jax.device_get((state.model, state.opt_state, state.model_state))
+    for x, y in zip(jax.tree.leaves(before), jax.tree.leaves(after), strict=True):
+        assert np.array_equal(np.asarray(x), np.asarray(y))
+    loss = float(metrics["loss"].compute())
+    assert np.isnan(loss) if kind == "nan_row" else np.isfinite(loss)
+
+    state, _, info = step(state, good)  # training goes on
+    assert float(info["skipped"]) == 0.0 and int(state.step) == 3
+    assert np.isfinite(float(info["param_norm"]))
+
+
+def test_without_skipping_nonfinite_values_propagate(mesh8):
+    optimizer = optax.adam(1e-2)
+    step = ed.make_train_step(stateful_loss, optimizer, mesh8, step_info=True)
+    state = ed.TrainState.create(
+        mlp(), optimizer, jax.random.key(0), model_state={"seen": jnp.float32(0)}
+    )
+    state, _, info = step(state, spiked_batch("inf_grad"))
+    assert float(info["skipped"]) == 0.0
+    assert not np.isfinite(float(info["grad_norm"]))
+    assert not np.all(np.isfinite(np.asarray(state.model.layers[0].weight)))
+
+
+# -- sharded initialisation -----------------------------------------------------------
+
+
+class Block(eqx.Module):
+    linear: eqx.nn.Linear
+
+    def __init__(self, key):
+        self.linear = eqx.nn.Linear(16, 16, key=key)
+
+    def __call__(self, x):
+        return jnp.tanh(self.linear(x))
+
+
+class Deep(eqx.Module):
+    body: eqx.Module
+    head: eqx.nn.Linear
+
+    def __call__(self, x):
+        return self.head(self.body(x))
+
+
+def init_models(setup, mesh):
+    """A model builder per kind of model the layouts treat apart."""
+    if setup == "stacked":
+        return lambda key: Deep(
+            ed.Stacked([Block(k) for k in jax.random.split(key, 3)]),
+            eqx.nn.Linear(16, 2, key=key),
+        )
+    if setup == "fsdp_module":
+        return lambda key: Deep(
+            ed.FSDP(Block(key), mesh, min_weight_size=16),
+            eqx.nn.Linear(16, 2, key=key),
+        )
+    return lambda key: eqx.nn.MLP(4, 3, 32, 1, key=key)
+
+
+@pytest.mark.parametrize(
+    "setup", ["dp", "fsdp", "hsdp", "fsdp_tp", "stacked", "fsdp_module"]
+)
+def test_init_state_equals_place_state(setup):
+    layout = setup if setup in SETUPS else "fsdp"
+    mesh = ed.create_device_mesh(SETUPS[layout][0])
+    optimizer = optax.adam(1e-2)
+    step = make_step(layout, mean_loss, optimizer)
+    build = init_models(setup, mesh)
+
+    def init_fn(key):
+        model = build(key)
+        trainable = jax.tree.map(lambda _: True, model)
+        if setup == "dp":  # a frozen part and a model state
+            trainable = eqx.tree_at(lambda m: m.layers[0], trainable, False)
+        return ed.TrainState.create(
+            model,
+            optimizer,
+            key,
+            model_state={"seen": jnp.zeros((3,))},
+            trainable=trainable,
+        )
+
+    key = jax.random.key(7)
+    got = step.init_state(init_fn, key)
+    want = step.place_state(init_fn(key))
+    assert jax.tree.structure(got) == jax.tree.structure(want)
+    assert got.trainable == want.trainable
+    leaves = zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True)
+    for x, y in leaves:
+        if not eqx.is_array(x):
+            assert x is y or x == y
+            continue
+        if jnp.issubdtype(x.dtype, jax.dtypes.prng_key):
+            x, y = jax.random.key_data(x), jax.random.key_data(y)
+        assert x.sharding.is_equivalent_to(y.sharding, x.ndim)
+        assert np.array_equal(np.asarray(x), np.asarray(y))
+    if setup != "dp":
+        sharded = [x for x in jax.tree.leaves(got) if eqx.is_array(x) and x.size >= 64]
+        assert any(not x.sharding.is_fully_replicated for x in sharded)
+
+
+def test_init_state_no_device_holds_a_full_copy(mesh8):
+    """8 x 1024^2 under FSDP: the compiled init holds about one device's share."""
+    optimizer = optax.adam(1e-3)
+    width, depth = 1024, 8
+
+    def init_fn(key):
+        keys = jax.random.split(key, depth)
+        layers = [eqx.nn.Linear(width, width, key=k) for k in keys]
+        return ed.TrainState.create(eqx.nn.Sequential(layers), optimizer, key)
+
+    step = ed.make_train_step(mean_loss, optimizer, mesh8, strategy="fsdp")
+    memory = step.lower_init(init_fn, jax.random.key(0)).compile().memory_analysis()
+    abstract = eqx.filter_eval_shape(init_fn, jax.random.key(0))
+    total = sum(
+        x.size * x.dtype.itemsize
+        for x in jax.tree.leaves(abstract)
+        if isinstance(x, jax.ShapeDtypeStruct)
+        and not jnp.issubdtype(x.dtype, jax.dtypes.prng_key)
+    )
+    share = total / 8  # the biases (replicated) add 0.1%
+    # Each device's outputs are its share; its temporaries (random bits being
+    # drawn) a fraction of it; a full copy of the parameters alone would be 8/3
+    # of the share, of the whole state 8 times.
+    assert memory.output_size_in_bytes <= 1.01 * share
+    peak = memory.temp_size_in_bytes + memory.output_size_in_bytes
+    assert peak <= 1.5 * share, (peak, share)
+
+
+def test_init_state_mistakes(mesh8):
+    step = ed.make_train_step(mean_loss, optax.sgd(0.1), mesh8)
+    with pytest.raises(TypeError, match="init_state: `init_fn\\(\\*args\\)` must"):
+        step.init_state(lambda key: mlp(), jax.random.key(0))
