@@ -2,6 +2,7 @@
 
 import weakref
 from collections.abc import Callable
+from types import TracebackType
 from typing import Any, TypeAlias, TypeVar
 
 import equinox as eqx
@@ -282,3 +283,25 @@ def _short(x: Any) -> str:
         np.asarray(x).ravel()[:3], separator=", ", max_line_width=10**6
     )
     return text if x.size <= 3 else text[:-1] + ", ...]"
+
+
+_Closing = TypeVar("_Closing", bound="Closing")
+
+
+class Closing:
+    """Mixin for objects that hold threads or files: `with obj:` closes it on
+    leaving the block, as `obj.close()` does."""
+
+    def close(self) -> None:
+        raise NotImplementedError
+
+    def __enter__(self: _Closing) -> _Closing:
+        return self
+
+    def __exit__(
+        self,
+        kind: type[BaseException] | None,
+        error: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.close()

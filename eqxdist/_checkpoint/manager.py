@@ -5,13 +5,13 @@ import os
 import signal
 import threading
 from pathlib import Path
-from types import FrameType, TracebackType
+from types import FrameType
 from typing import Any
 
 import jax
 from jaxtyping import PyTree
 
-from .._utils import check_not_consumed, typecheck
+from .._utils import Closing, check_not_consumed, typecheck
 from . import files
 from .api import CheckpointNotFoundError, latest_step, restore_checkpoint
 from .writer import Writer, check_step, orbax
@@ -23,7 +23,7 @@ def _uses_jax_preemption_service() -> bool:
     return bool(jax.distributed.is_initialized())
 
 
-class CheckpointManager:
+class CheckpointManager(Closing):
     """Checkpoints for a training loop: saves every `save_interval_steps` steps,
     keeps the newest `max_to_keep`, optionally writes in the background, and saves
     and stops cleanly when the job is preempted (SIGTERM). Built on Orbax's
@@ -272,14 +272,3 @@ class CheckpointManager:
             self._writer.close()
             if self._previous_handler is not None:
                 signal.signal(signal.SIGTERM, self._previous_handler)
-
-    def __enter__(self) -> "CheckpointManager":
-        return self
-
-    def __exit__(
-        self,
-        kind: type[BaseException] | None,
-        error: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        self.close()

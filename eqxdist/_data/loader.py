@@ -5,7 +5,6 @@ import itertools
 import math
 import threading
 from collections.abc import Iterator
-from types import TracebackType
 from typing import Any
 
 import jax
@@ -14,7 +13,7 @@ from jax.sharding import Mesh, NamedSharding
 from jaxtyping import PyTree
 
 from .._data_parallel import create_data_parallel_sharding
-from .._utils import AxisName, axis_names, typecheck
+from .._utils import AxisName, Closing, axis_names, typecheck
 from .reader import Reader
 from .sources import as_source, check_read
 
@@ -67,7 +66,7 @@ def _check_step(step: Any, caller: str) -> None:
         raise ValueError(f"{caller}: `step` must be >= 0; got {step}.")
 
 
-class BatchLoader:
+class BatchLoader(Closing):
     """Batches of a map-style data set for a step on `mesh`, each process reading
     only the rows its own devices hold.
 
@@ -247,14 +246,3 @@ class BatchLoader:
         itself stays usable."""
         while self._readers:
             self._readers.pop().close()
-
-    def __enter__(self) -> "BatchLoader":
-        return self
-
-    def __exit__(
-        self,
-        kind: type[BaseException] | None,
-        error: BaseException | None,
-        traceback: TracebackType | None,
-    ) -> None:
-        self.close()

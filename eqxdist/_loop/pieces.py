@@ -9,7 +9,6 @@ import threading
 import time
 from collections.abc import Mapping
 from pathlib import Path
-from types import TracebackType
 from typing import Any
 
 import jax
@@ -17,7 +16,7 @@ import numpy as np
 import optax
 
 from .._metrics import Metric
-from .._utils import typecheck
+from .._utils import Closing, typecheck
 
 
 class Progress:
@@ -86,7 +85,7 @@ class Progress:
             self._bar = None
 
 
-class Watchdog:
+class Watchdog(Closing):
     """Ends the process when the run stops making progress: if `beat()` is not
     called for `timeout` seconds, it prints every thread's stack
     (`faulthandler.dump_traceback(all_threads=True)`) to standard error and exits
@@ -140,17 +139,6 @@ class Watchdog:
         """Stop watching."""
         self._stop.set()
         self._thread.join()
-
-    def __enter__(self) -> "Watchdog":
-        return self
-
-    def __exit__(
-        self,
-        kind: type[BaseException] | None,
-        error: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        self.close()
 
 
 def learning_rate(opt_state: Any) -> Any:

@@ -11,13 +11,12 @@ import json
 import os
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from types import TracebackType
 from typing import Any
 
 import jax
 import numpy as np
 
-from .._utils import typecheck
+from .._utils import Closing, typecheck
 
 
 def _check_values(values: Any, caller: str) -> dict[str, Any]:
@@ -57,7 +56,7 @@ def _plain(value: Any) -> Any:
     return array.tolist()
 
 
-class Writer:
+class Writer(Closing):
     """The writers' common part: argument checks, process 0 only, deferred fetch,
     write-after-close errors and the context manager. Subclasses implement
     `_emit(step, host_values)` and `_flush_file()` / `_close_file()`."""
@@ -135,17 +134,6 @@ class Writer:
 
     def _close_file(self) -> None:
         raise NotImplementedError
-
-    def __enter__(self) -> "Writer":
-        return self
-
-    def __exit__(
-        self,
-        kind: type[BaseException] | None,
-        error: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        self.close()
 
 
 def _open(path: str | os.PathLike[str], mode: str, caller: str) -> Any:

@@ -31,6 +31,7 @@ from .aggregation import Mean
 from .base import Metric
 from .inputs import (
     as_array,
+    binned_scores,
     check_range,
     class_predictions,
     count_dtype,
@@ -257,29 +258,10 @@ class AUROC(Metric):
         for shapes that differ, or values out of range known at trace time.
         """
         caller = "AUROC.update"
-        scores = as_array(scores, caller, "scores", wide_to_float=True)
-        if not jnp.issubdtype(scores.dtype, jnp.floating):
-            raise TypeError(
-                f"{caller}: `scores` must be floats in [0, 1], got dtype "
-                f"{scores.dtype}."
-            )
-        labels = integer_labels(labels, caller)
-        if scores.shape != labels.shape:
-            raise ValueError(
-                f"{caller}: `scores` of shape {scores.shape} and `labels` of shape "
-                f"{labels.shape} must have the same shape (one score per label)."
-            )
-        counted = counted_mask(mask, labels.shape, caller, has_weights=True)
-        w = example_weights(weights, labels.shape, caller)
-        fix = "pass probabilities (e.g. jax.nn.sigmoid of logits)."
-        check_range(scores, counted, 0, 1, caller, "scores", fix)
-        check_range(labels, counted, 0, 1, caller, "labels", "labels must be 0 or 1.")
         t = self.num_thresholds
-        valid = counted & ~jnp.isnan(scores) & ((labels == 0) | (labels == 1))
-        bins = jnp.clip(jnp.floor(jnp.nan_to_num(scores) * t), 0, t - 1).astype(
-            jnp.int32
-        )
-        cell = jnp.where(valid, labels.astype(jnp.int32) * t + bins, 0).ravel()
+        valid, cell = binned_scores(scores, labels, mask, t, caller)
+        w = example_weights(weights, valid.shape, caller)
+        cell = cell.ravel()
         if w is None:
             batch = jnp.zeros(2 * t, count_dtype()).at[cell].add(valid.ravel())
             return self._with_children(

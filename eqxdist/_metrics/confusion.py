@@ -316,15 +316,7 @@ class Recall(_AveragedScore):
     """Recall, `tp / (tp + fn)`: of the examples of a class, the fraction predicted
     as it; scikit-learn's `recall_score(..., labels=range(num_classes),
     zero_division=0)`. Macro recall is balanced accuracy over all classes.
-
-    A view of the confusion-matrix counts (see `ConfusionMatrix`).
-
-    **Arguments:**
-
-    - `num_classes`: the number of classes (>= 2).
-    - `average`: as `FBetaScore`'s (default `"macro"`).
-
-    `compute()` is a float scalar, or a `(num_classes,)` vector for `average=None`.
+    Arguments, counts and `compute()` as `Precision`'s.
 
     !!! Example
 

@@ -252,3 +252,37 @@ def class_predictions(
 
 def count_true(x: Array, where: Array | None = None) -> Array:
     return jnp.sum(x if where is None else x & where, dtype=count_dtype())
+
+
+def binned_scores(
+    scores: ArrayLike,
+    labels: ArrayLike,
+    mask: ArrayLike | None,
+    num_thresholds: int,
+    caller: str,
+) -> tuple[Array, Array]:
+    """The binary ranking metrics' histogram cells (`AUROC`, `AveragePrecision`):
+    `(valid, cell)`, where `cell = label * num_thresholds + bin` of each counted
+    example with a score in [0, 1] and a 0/1 label (`valid`), the scores cut into
+    `num_thresholds` equal-width bins. Checks the inputs as those metrics take
+    them."""
+    scores = as_array(scores, caller, "scores", wide_to_float=True)
+    if not jnp.issubdtype(scores.dtype, jnp.floating):
+        raise TypeError(
+            f"{caller}: `scores` must be floats in [0, 1], got dtype {scores.dtype}."
+        )
+    labels = integer_labels(labels, caller)
+    if scores.shape != labels.shape:
+        raise ValueError(
+            f"{caller}: `scores` of shape {scores.shape} and `labels` of shape "
+            f"{labels.shape} must have the same shape (one score per label)."
+        )
+    counted = counted_mask(mask, labels.shape, caller, has_weights=True)
+    fix = "pass probabilities (e.g. jax.nn.sigmoid of logits)."
+    check_range(scores, counted, 0, 1, caller, "scores", fix)
+    check_range(labels, counted, 0, 1, caller, "labels", "labels must be 0 or 1.")
+    t = num_thresholds
+    valid = counted & ~jnp.isnan(scores) & ((labels == 0) | (labels == 1))
+    bins = jnp.clip(jnp.floor(jnp.nan_to_num(scores) * t), 0, t - 1)
+    cell = jnp.where(valid, labels.astype(jnp.int32) * t + bins.astype(jnp.int32), 0)
+    return valid, cell

@@ -7,8 +7,8 @@ from jaxtyping import Array, ArrayLike
 
 from .accumulator import MetricAccumulator
 from .base import Metric
-from .checks import positive_int, same_shape, weights_for
-from .inputs import as_array, check_range, counted_mask, float_dtype, integer_labels
+from .checks import positive_int, weights_for
+from .inputs import binned_scores, float_dtype
 
 
 class AveragePrecision(Metric):
@@ -78,27 +78,9 @@ class AveragePrecision(Metric):
         out of range known at trace time.
         """
         caller = "AveragePrecision.update"
-        scores = as_array(scores, caller, "scores")
-        if not jnp.issubdtype(scores.dtype, jnp.floating):
-            raise TypeError(
-                f"{caller}: `scores` must be floats in [0, 1], got dtype "
-                f"{scores.dtype}."
-            )
-        labels = integer_labels(labels, caller)
-        same_shape(scores, labels, caller, ("scores", "labels"), "one per label")
-        counted = counted_mask(
-            mask, labels.shape, caller, has_weights=True, target="the rows"
-        )
-        w = weights_for(weights, labels.shape, caller, "`labels`")
-        fix = "pass probabilities (e.g. jax.nn.sigmoid of logits)."
-        check_range(scores, counted, 0, 1, caller, "scores", fix)
-        check_range(labels, counted, 0, 1, caller, "labels", "labels must be 0 or 1.")
         t = self.num_thresholds
-        valid = counted & ~jnp.isnan(scores) & ((labels == 0) | (labels == 1))
-        bins = jnp.clip(jnp.floor(jnp.nan_to_num(scores) * t), 0, t - 1)
-        cell = jnp.where(
-            valid, labels.astype(jnp.int32) * t + bins.astype(jnp.int32), 0
-        )
+        valid, cell = binned_scores(scores, labels, mask, t, caller)
+        w = weights_for(weights, valid.shape, caller, "`labels`")
         dtype = self.histograms.local.dtype
         added = jnp.where(valid, w, 0).astype(dtype).ravel()
         batch = jnp.zeros(2 * t, dtype).at[cell.ravel()].add(added)
