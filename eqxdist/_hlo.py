@@ -1,7 +1,10 @@
-"""Reading a compiled step: how many collectives of each kind it executes."""
+"""Reading a compiled step: how many collectives of each kind it executes, and
+XLA's cost analysis of it."""
 
 import re
 from typing import Any
+
+import jax
 
 from ._utils import typecheck
 
@@ -70,3 +73,19 @@ def count_collectives(compiled: Any) -> dict[str, int]:
             if op:
                 counts[op.group(1)] += trips.get(name, 1)
     return counts
+
+
+def compiled_cost(lowered: Any, devices: int) -> dict[str, float]:
+    """XLA's cost analysis of a lowered step, as totals over its `devices` (XLA
+    reports one device's partitioned program): `TrainStep.cost`."""
+    compiled = lowered.compile()
+    analysis = compiled.cost_analysis()
+    if isinstance(analysis, list | tuple):  # one entry per program on older JAX
+        analysis = analysis[0] if analysis else {}
+    cost = {k: float(v) * devices for k, v in (analysis or {}).items()}
+    if "flops" not in cost:
+        raise ValueError(
+            "TrainStep.cost: XLA's cost analysis of this step has no 'flops' entry "
+            f"on {jax.default_backend()}; count the FLOPs analytically instead."
+        )
+    return cost

@@ -12,6 +12,7 @@ from jaxtyping import PyTree
 from ._accumulate import check_num_minibatches
 from ._compiled import CompiledStep
 from ._data_parallel import place
+from ._hlo import compiled_cost
 from ._state import TrainState, as_optimizer, check_train_state
 from ._train import FSDP_GATHERS, StepMath, step_layout
 from ._utils import (
@@ -117,9 +118,7 @@ class TrainStep:
         """XLA's cost analysis of the compiled step for these arguments, totalled
         over the mesh's devices: at least `"flops"` (per step, all devices), for
         `ed.mfu`. `state` may be abstract, as for `lower`."""
-        from ._loop.flops import step_cost  # the loop sits above the step
-
-        return step_cost(self, state, batch)
+        return compiled_cost(self.lower(state, batch), self.mesh.size)
 
     def _init(self, init_fn: Callable[..., Any], args: tuple[Any, ...]) -> Any:
         """`init_fn` under `jax.jit`, its outputs placed by this step's state

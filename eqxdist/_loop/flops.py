@@ -89,21 +89,3 @@ def mfu(
     if any(p is None for p in peaks):
         return None
     return float(flops_per_step / seconds_per_step / sum(p for p in peaks if p))
-
-
-def step_cost(step: Any, state: Any, batch: Any) -> dict[str, float]:
-    """XLA's cost analysis of `step`'s compiled program for these arguments, as
-    totals over the devices of its mesh (XLA reports one device's partitioned
-    program)."""
-    compiled = step.lower(state, batch).compile()
-    analysis = compiled.cost_analysis()
-    if isinstance(analysis, list | tuple):  # one entry per program on older JAX
-        analysis = analysis[0] if analysis else {}
-    devices = step.mesh.size
-    cost = {k: float(v) * devices for k, v in (analysis or {}).items()}
-    if "flops" not in cost:
-        raise ValueError(
-            "TrainStep.cost: XLA's cost analysis of this step has no 'flops' entry "
-            f"on {jax.default_backend()}; count the FLOPs analytically instead."
-        )
-    return cost
