@@ -1,4 +1,4 @@
-"""Training-step speed: eqxdist's DP and FSDP steps against hand-written, GSPMD and Flax ones.
+"""Training-step speed: eqxdist against hand-written, GSPMD and Flax steps.
 
 For the UvA tutorial's classifier (784 -> 512 -> 10, bf16 compute, dropout, batch
 128 in 4 minibatches, adamw) and a tiny, dispatch-bound MLP (batch 64, one
