@@ -18,7 +18,11 @@ Each layout runs two ways, side by side in this process:
 - `hand-written`: `jax.jit` of `jax.value_and_grad` on global arrays plus the optax
   update, with explicit `in_shardings`/`out_shardings` (`NamedSharding`s of the same
   `PartitionSpec`s, taken from `step.state_specs`) and the same donation: the step
-  a user writes for XLA's partitioner, and the reference of the ratios.
+  a user writes for XLA's partitioner, and the reference of the ratios;
+- `gspmd` (dp and fsdp only): Equinox's own route, `eqx.filter_jit` on global
+  arrays with the parameters placed by `eqx.filter_shard` (replicated, or split over
+  "data" on their largest divisible dimension, not eqxdist's specs) and the
+  optimizer state placed like them (`optax.tree_map_params`).
 
 Timing is interleaved: every repeat times each variant for `--steps` steps, the
 variants of a layout back to back (their order rotating), blocking every 8 steps;

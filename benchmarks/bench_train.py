@@ -1,8 +1,9 @@
 """Training-step speed: eqxdist against hand-written, GSPMD and Flax steps.
 
 For the UvA tutorial's classifier (784 -> 512 -> 10, bf16 compute, dropout, batch
-128 in 4 minibatches, adamw) and a tiny, dispatch-bound MLP (batch 64, one
-minibatch), on 8 simulated CPU devices, one process, side by side:
+128 in 4 minibatches, adamw), a tiny, dispatch-bound MLP (batch 64, one
+minibatch) and a deep MLP (8 x 1024^2 `eqx.nn.Linear` + gelu blocks, batch 128,
+one minibatch, adamw), on 8 simulated CPU devices, one process, side by side:
 
 - `eqxdist dp` / `eqxdist fsdp`: `eqxdist.make_train_step(..., strategy=...)`
   (FSDP with the tutorial's `min_weight_size=2**4`).
@@ -14,11 +15,19 @@ minibatch), on 8 simulated CPU devices, one process, side by side:
   Python-loop gradient accumulation, metrics summed into the carried metrics), on
   current JAX (`jax.shard_map`, `check_vma=False`).
 - `naive eqx`: `eqx.filter_jit` around `jax.shard_map` with JAX's default
-  `check_vma=True`, filtering the state on every call: what one writes first.
+  `check_vma=True`, filtering the state on every call.
+- `gspmd dp` / `gspmd fsdp`: Equinox's own route, no `shard_map`:
+  `eqx.filter_jit` over the global batch, parameters placed by `eqx.filter_shard`
+  (replicated, or split over "data" on their largest divisible dimension) and the
+  optimizer state placed like them (`optax.tree_map_params`); XLA's GSPMD
+  partitions the step.
+
+The Flax and naive variants run on the tutorial and tiny models only. Each row
+also gives the ratio to the faster baseline of that model (hand-written or GSPMD).
 
 Timing is interleaved: every repeat times each variant for `--steps` steps (the
 order rotating), each with at most 8 steps in flight, and the table gives median
-milliseconds per step and the median of the per-repeat ratios.
+milliseconds per step and the median (min-max) of the per-repeat ratios.
 
     python benchmarks/bench_train.py [--repeats 7] [--steps 40]
 
