@@ -88,6 +88,14 @@ LAYOUTS: dict[str, dict[str, Any]] = {
         "data_axis": ("replica", "data"),
     },
 }
+DEFAULT_CONFIG = {
+    "vocab": 72,
+    "d_model": 128,
+    "heads": 4,
+    "layers": 2,
+    "seq_len": 64,
+    "batch": 32,
+}
 COLLECTIVES = (
     "all-gather",
     "all-reduce",
@@ -378,15 +386,7 @@ def run(
     *, repeats: int = 9, steps: int = 8, config: dict[str, Any] | None = None
 ) -> list[dict[str, Any]]:
     """One row per layout: timings, ratios, memory and collectives."""
-    config = config or {
-        "vocab": 72,
-        "d_model": 128,
-        "heads": 4,
-        "layers": 2,
-        "seq_len": 64,
-        "batch": 32,
-    }
-    setup = _setup(config)
+    setup = _setup(config or DEFAULT_CONFIG)
     variants: dict[tuple[str, str], dict[str, Any]] = {}
     for name, layout in LAYOUTS.items():
         ours = _eqxdist(setup, layout)
