@@ -1,8 +1,9 @@
-"""Training-step speed: eqxdist's DP and FSDP steps against hand-written and Flax ones.
+"""Training-step speed: eqxdist against hand-written, GSPMD and Flax steps.
 
 For the UvA tutorial's classifier (784 -> 512 -> 10, bf16 compute, dropout, batch
-128 in 4 minibatches, adamw) and a tiny, dispatch-bound MLP (batch 64, one
-minibatch), on 8 simulated CPU devices, one process, side by side:
+128 in 4 minibatches, adamw), a tiny, dispatch-bound MLP (batch 64, one
+minibatch) and a deep MLP (8 x 1024^2 `eqx.nn.Linear` + gelu blocks, batch 128,
+one minibatch, adamw), on 8 simulated CPU devices, one process, side by side:
 
 - `eqxdist dp` / `eqxdist fsdp`: `eqxdist.make_train_step(..., strategy=...)`
   (FSDP with the tutorial's `min_weight_size=2**4`).
@@ -14,11 +15,19 @@ minibatch), on 8 simulated CPU devices, one process, side by side:
   Python-loop gradient accumulation, metrics summed into the carried metrics), on
   current JAX (`jax.shard_map`, `check_vma=False`).
 - `naive eqx`: `eqx.filter_jit` around `jax.shard_map` with JAX's default
-  `check_vma=True`, filtering the state on every call: what one writes first.
+  `check_vma=True`, filtering the state on every call.
+- `gspmd dp` / `gspmd fsdp`: Equinox's own route, no `shard_map`:
+  `eqx.filter_jit` over the global batch, parameters placed by `eqx.filter_shard`
+  (replicated, or split over "data" on their largest divisible dimension) and the
+  optimizer state placed like them (`optax.tree_map_params`); XLA's GSPMD
+  partitions the step.
+
+The Flax and naive variants run on the tutorial and tiny models only. Each row
+also gives the ratio to the faster baseline of that model (hand-written or GSPMD).
 
 Timing is interleaved: every repeat times each variant for `--steps` steps (the
 order rotating), each with at most 8 steps in flight, and the table gives median
-milliseconds per step and the median of the per-repeat ratios.
+milliseconds per step and the median (min-max) of the per-repeat ratios.
 
     python benchmarks/bench_train.py [--repeats 7] [--steps 40]
 
@@ -51,11 +60,17 @@ import eqxdist as ed
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
 import _tutorial
+import bench_fsdp_layout as _deep
+import numpy as np
 
 ed.simulate_cpu_devices(8)  # before JAX starts its backend
 
 IN_FLIGHT = 8
 TINY = {"batch": 64, "input": 32, "hidden": 32, "classes": 4, "minibatches": 1}
+DEEP = {"depth": 8, "width": 1024, "batch": 128}
+MODELS = ("tutorial", "tiny", "deep")
+# Leaves smaller than this stay replicated under every FSDP variant.
+MIN_WEIGHT_SIZE = 2**4
 
 
 # -- the models -------------------------------------------------------------------
@@ -119,6 +134,14 @@ def _cases() -> dict[str, dict[str, Any]]:
             ),
             "batch": _tutorial.make_batch(jax.random.key(2)),
             "minibatches": _tutorial.NUM_MINIBATCHES,
+            "loss": _tutorial.loss_fn,
+        },
+        "deep": {
+            "model": _deep.Chain(tuple(_deep._blocks(DEEP["depth"], DEEP["width"]))),
+            "flax": None,
+            "batch": _deep._batch(DEEP["width"], DEEP["batch"]),
+            "minibatches": 1,
+            "loss": _deep._loss_fn,
         },
         "tiny": {
             "model": TinyMLP(key),
@@ -132,6 +155,7 @@ def _cases() -> dict[str, dict[str, Any]]:
                 ),
             },
             "minibatches": TINY["minibatches"],
+            "loss": _tutorial.loss_fn,
         },
     }
 
@@ -142,12 +166,12 @@ def _cases() -> dict[str, dict[str, Any]]:
 def _eqxdist(case: dict[str, Any], mesh: Any, strategy: str) -> Callable[[], Any]:
     optimizer = optax.adamw(_tutorial.LEARNING_RATE)
     step = ed.make_train_step(
-        _tutorial.loss_fn,
+        case["loss"],
         optimizer,
         mesh,
         strategy=strategy,
         num_minibatches=case["minibatches"],
-        min_weight_size=2**4,
+        min_weight_size=MIN_WEIGHT_SIZE,
         max_steps_in_flight=IN_FLIGHT,
     )
     state = ed.TrainState.create(case["model"], optimizer, jax.random.key(3))
@@ -168,7 +192,7 @@ def _hand_written(case: dict[str, Any], mesh: Any) -> Callable[[], Any]:
     num_minibatches = case["minibatches"]
 
     def loss(model: Any, batch: Any, key: Any) -> Any:
-        return _tutorial.loss_fn(model, batch, jax.random.fold_in(key, _index()))
+        return case["loss"](model, batch, jax.random.fold_in(key, _index()))
 
     def step(params: Any, opt_state: Any, step: Any, key: Any, batch: Any) -> Any:
         # The same randomness as eqxdist's step: fold_in(key, step), per
@@ -313,7 +337,7 @@ def _naive(case: dict[str, Any], mesh: Any) -> Callable[[], Any]:
     size = mesh.shape["data"]
 
     def loss(model: Any, batch: Any, key: Any) -> Any:
-        return _tutorial.loss_fn(model, batch, jax.random.fold_in(key, _index()))
+        return case["loss"](model, batch, jax.random.fold_in(key, _index()))
 
     @eqx.filter_jit(donate="all-except-first")
     def step(batch: Any, state: ed.TrainState) -> Any:
@@ -346,13 +370,104 @@ def _naive(case: dict[str, Any], mesh: Any) -> Callable[[], Any]:
     return call
 
 
+def largest_dim_spec(x: Any, size: int, min_size: int = MIN_WEIGHT_SIZE) -> P:
+    """FSDP as a GSPMD user writes it: the largest dimension divisible by `size`
+    split over "data" (replicated if none, or if the leaf is small)."""
+    if x.size < min_size:
+        return P()
+    for dim in sorted(range(x.ndim), key=lambda d: -x.shape[d]):
+        if x.shape[dim] % size == 0:
+            return P(*([None] * dim), "data")
+    return P()
+
+
+def gspmd_shardings(
+    optimizer: Any, params: Any, mesh: Any, *, fsdp: bool
+) -> tuple[Any, Any]:
+    """NamedShardings of the parameters (replicated, or `largest_dim_spec`) and of
+    the optimizer state, laid out like its parameters (`optax.tree_map_params`)."""
+    size = mesh.shape["data"]
+    params_sh = jax.tree.map(
+        lambda x: NamedSharding(mesh, largest_dim_spec(x, size) if fsdp else P()),
+        params,
+    )
+    replicated = NamedSharding(mesh, P())
+    opt_sh = optax.tree_map_params(
+        optimizer,
+        lambda _, sharding: sharding,
+        optimizer.init(params),
+        params_sh,
+        transform_non_params=lambda _: replicated,
+    )
+    return params_sh, opt_sh
+
+
+def _gspmd(case: dict[str, Any], mesh: Any, *, fsdp: bool) -> Callable[[], Any]:
+    """Equinox's own route: `eqx.filter_jit` over the global batch, parameters and
+    optimizer state placed by `eqx.filter_shard`, no `shard_map`: XLA's GSPMD
+    partitions the computation. Minibatch `i` is rows `i::num_minibatches`, so that
+    every minibatch stays split over all devices."""
+    optimizer = optax.adamw(_tutorial.LEARNING_RATE)
+    num_minibatches = case["minibatches"]
+    # From host copies, so donation cannot delete the model the others start from.
+    params, static = eqx.partition(case["model"], eqx.is_array)
+    params = jax.tree.map(np.asarray, params)
+    params_sh, opt_sh = gspmd_shardings(optimizer, params, mesh, fsdp=fsdp)
+    grad_fn = jax.value_and_grad(
+        lambda p, b, k: case["loss"](eqx.combine(p, static), b, k), has_aux=True
+    )
+
+    @eqx.filter_jit(donate="all-except-first")
+    def step(batch: Any, params: Any, opt_state: Any, step: Any, key: Any) -> Any:
+        minibatches = jax.tree.map(
+            lambda x: jnp.swapaxes(x.reshape(-1, num_minibatches, *x.shape[1:]), 0, 1),
+            batch,
+        )
+        key = jax.random.fold_in(key, step)
+
+        def one(grads: Any, xs: Any) -> Any:
+            i, minibatch = xs
+            (_, metrics), g = grad_fn(params, minibatch, jax.random.fold_in(key, i))
+            return jax.tree.map(jnp.add, grads, g), metrics
+
+        zeros = jax.tree.map(jnp.zeros_like, params)
+        grads, metrics = jax.lax.scan(
+            one, zeros, (jnp.arange(num_minibatches), minibatches)
+        )
+        grads = jax.tree.map(lambda g: g / num_minibatches, grads)
+        updates, opt_state = optimizer.update(grads, opt_state, params)
+        params = eqx.filter_shard(eqx.apply_updates(params, updates), params_sh)
+        opt_state = eqx.filter_shard(opt_state, opt_sh)
+        metrics = jax.tree.map(lambda m: m.sum(0), metrics)
+        return params, opt_state, step + 1, metrics
+
+    params = eqx.filter_shard(params, params_sh)
+    holder = [
+        params,
+        eqx.filter_shard(optimizer.init(params), opt_sh),
+        _replicate(jnp.zeros((), jnp.int32), mesh),
+    ]
+    key = _replicate(jax.random.key(3), mesh)
+    batch = ed.shard_batch(case["batch"], ed.create_data_parallel_sharding(mesh))
+
+    def call() -> Any:
+        *holder[:], metrics = step(batch, *holder, key)
+        return metrics["loss"][0]
+
+    return call
+
+
 VARIANTS: dict[str, Callable[[dict[str, Any], Any], Callable[[], Any]]] = {
     "hand-written": _hand_written,
     "eqxdist dp": functools.partial(_eqxdist, strategy="dp"),
     "eqxdist fsdp": functools.partial(_eqxdist, strategy="fsdp"),
     "flax tutorial": _flax_tutorial,
     "naive eqx": _naive,
+    "gspmd dp": functools.partial(_gspmd, fsdp=False),
+    "gspmd fsdp": functools.partial(_gspmd, fsdp=True),
 }
+# Variants that only exist for some models (the Flax model is written for those).
+ONLY = {"flax tutorial": ("tutorial", "tiny"), "naive eqx": ("tutorial", "tiny")}
 
 
 def _time(call: Callable[[], Any], steps: int) -> float:
@@ -369,14 +484,23 @@ def _time(call: Callable[[], Any], steps: int) -> float:
     return (time.perf_counter() - start) / steps
 
 
+BASELINES = ("hand-written", "gspmd dp", "gspmd fsdp")
+
+
+def _ratios(times: dict[str, list[float]], label: str, ref: str) -> list[float]:
+    return [a / b for a, b in zip(times[label], times[ref], strict=True)]
+
+
 def run(
     *,
-    models: tuple[str, ...] = ("tutorial", "tiny"),
+    models: tuple[str, ...] = MODELS,
     repeats: int = 7,
     steps: int = 40,
 ) -> list[dict[str, Any]]:
     """Time every variant on every model; one row per (model, variant) with the
-    median ms/step and the median ratios to `hand-written` and `flax tutorial`."""
+    median ms/step, and the median (min-max) of the per-repeat ratios to
+    `hand-written`, to `flax tutorial` (where it runs) and to `best`: the baseline
+    (hand-written or GSPMD) with the lowest median on that model."""
     if len(jax.devices()) < 8:
         raise RuntimeError(
             "bench_train needs 8 devices; set XLA_FLAGS="
@@ -386,7 +510,11 @@ def run(
     cases = _cases()
     rows = []
     for name in models:
-        calls = {label: make(cases[name], mesh) for label, make in VARIANTS.items()}
+        calls = {
+            label: make(cases[name], mesh)
+            for label, make in VARIANTS.items()
+            if name in ONLY.get(label, (name,))
+        }
         for call in calls.values():  # compile and warm up
             _time(call, IN_FLIGHT + 2)
         times: dict[str, list[float]] = {label: [] for label in calls}
@@ -394,26 +522,24 @@ def run(
         for r in range(repeats):
             for label in labels[r % len(labels) :] + labels[: r % len(labels)]:
                 times[label].append(_time(calls[label], steps))
+        best = min(BASELINES, key=lambda b: statistics.median(times[b]))
         for label in labels:
-            rows.append(
-                {
-                    "model": name,
-                    "variant": label,
-                    "ms_per_step": 1e3 * statistics.median(times[label]),
-                    "vs_hand_written": statistics.median(
-                        a / b
-                        for a, b in zip(
-                            times[label], times["hand-written"], strict=True
-                        )
-                    ),
-                    "vs_flax": statistics.median(
-                        a / b
-                        for a, b in zip(
-                            times[label], times["flax tutorial"], strict=True
-                        )
-                    ),
-                }
-            )
+            row = {
+                "model": name,
+                "variant": label,
+                "ms_per_step": 1e3 * statistics.median(times[label]),
+                "best": best,
+            }
+            for key, ref in (
+                ("vs_hand_written", "hand-written"),
+                ("vs_flax", "flax tutorial"),
+                ("vs_best", best),
+            ):
+                if ref in times:
+                    ratios = _ratios(times, label, ref)
+                    row[key] = statistics.median(ratios)
+                    row[f"{key}_spread"] = (min(ratios), max(ratios))
+            rows.append(row)
     return rows
 
 
@@ -424,21 +550,20 @@ def main() -> None:
     )
     parser.add_argument("--repeats", type=int, default=7, help="interleaved repeats")
     parser.add_argument("--steps", type=int, default=40, help="steps per timing")
-    parser.add_argument(
-        "--models",
-        nargs="+",
-        default=["tutorial", "tiny"],
-        choices=["tutorial", "tiny"],
-    )
+    parser.add_argument("--models", nargs="+", default=list(MODELS), choices=MODELS)
     args = parser.parse_args()
     rows = run(models=tuple(args.models), repeats=args.repeats, steps=args.steps)
     print(
-        f"{'model':9} {'variant':14} {'ms/step':>8} {'/hand-written':>14} {'/flax':>7}"
+        f"{'model':9} {'variant':14} {'ms/step':>9} {'/hand-written':>14} "
+        f"{'/flax':>7}  /best (min-max)"
     )
     for row in rows:
+        flax = f"{row['vs_flax']:7.3f}" if "vs_flax" in row else f"{'-':>7}"
+        low, high = row["vs_best_spread"]
         print(
-            f"{row['model']:9} {row['variant']:14} {row['ms_per_step']:8.3f} "
-            f"{row['vs_hand_written']:14.3f} {row['vs_flax']:7.3f}"
+            f"{row['model']:9} {row['variant']:14} {row['ms_per_step']:9.3f} "
+            f"{row['vs_hand_written']:14.3f} {flax}  {row['vs_best']:.3f} "
+            f"({low:.2f}-{high:.2f}) of {row['best']}"
         )
 
 
