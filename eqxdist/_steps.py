@@ -302,10 +302,9 @@ def make_train_step(
       free over `fsdp_axis`.
     - `fsdp_layout`: which dimension the FSDP rule shards: `"leading"` (the
       default: the first divisible dimension, so each shard is one contiguous
-      block and gathers need no transposing copies; measured 0.3-0.45x the step
-      time of `"largest"` on a deep MLP on CPU, `benchmarks/bench_fsdp_layout.py`)
-      or `"largest"` (the UvA tutorial's rule, `fsdp_specs`' default). Both
-      shard the same leaves, so memory is the same.
+      block and gathers need no transposing copies; docs/benchmarks.md compares
+      the two) or `"largest"` (`fsdp_specs`' default rule). Both shard the same
+      leaves, so memory is the same.
     - `fsdp_gather`: with `num_minibatches > 1` under `"fsdp"`: `"step"` (the
       default) gathers every parameter once per step and reduce-scatters its
       gradient once per step, holding the full parameters and one full-size
