@@ -114,4 +114,4 @@ from ._state import TrainState as TrainState
 from ._steps import TrainStep as TrainStep, make_train_step as make_train_step
 from ._train import fold_rng_over_axis as fold_rng_over_axis
 
-__version__ = "0.2.0"
+__version__ = "0.3.0"
