@@ -338,182 +338,202 @@ class Stacked(SelfGathering):
             leaves = [*leaves, jax.random.split(key, self.num_layers)]
             plan = [*plan, None]
         if all(d is None for d in plan):
-            return self._scan_plain(layer, leaves, x)
+            return _scan_plain(layer, leaves, x, remat=self.remat)
         if self.prefetch:
-            return self._scan_prefetch(layer, leaves, plan, x)
-        return self._scan_gather(layer, leaves, plan, x)
-
-    def _scan_plain(self, layer: Callable[..., Any], leaves: list[Any], x: Any) -> Any:
-        def body(x: Any, layer_leaves: list[Any]) -> tuple[Any, None]:
-            return layer(layer_leaves, x), None
-
-        if self.remat:
-            body = jax.checkpoint(body, policy=REMAT_POLICY)
-        x, _ = jax.lax.scan(body, x, leaves)
-        return x
-
-    def _gather(self, shards: list[Any], dims: list[int], *, grad: bool) -> list[Any]:
-        if grad:
-            return [
-                gather_leaf(s, d, self.axis_name)
-                for s, d in zip(shards, dims, strict=True)
-            ]
-        # A prefetched copy: its gradient reaches the shards another way.
-        return [
-            jax.lax.stop_gradient(
-                jax.lax.all_gather(s, self.axis_name, axis=d, tiled=True)
+            return _scan_prefetch(
+                layer,
+                leaves,
+                plan,
+                x,
+                axis_name=self.axis_name,
+                remat=self.remat,
+                num_layers=self.num_layers,
             )
+        return _scan_gather(
+            layer, leaves, plan, x, axis_name=self.axis_name, remat=self.remat
+        )
+
+
+# The scans `Stacked.__call__` chooses between. `layer(layer_leaves, x)` runs one
+# layer on its (full) leaves; `plan` gives, per leaf, the dimension to gather over
+# `axis_name`, or `None` for a leaf used as it arrives.
+
+
+def _scan_plain(
+    layer: Callable[..., Any], leaves: list[Any], x: Any, *, remat: bool
+) -> Any:
+    def body(x: Any, layer_leaves: list[Any]) -> tuple[Any, None]:
+        return layer(layer_leaves, x), None
+
+    if remat:
+        body = jax.checkpoint(body, policy=REMAT_POLICY)
+    x, _ = jax.lax.scan(body, x, leaves)
+    return x
+
+
+def _gather(
+    shards: list[Any], dims: list[int], axis_name: str, *, grad: bool
+) -> list[Any]:
+    if grad:
+        return [gather_leaf(s, d, axis_name) for s, d in zip(shards, dims, strict=True)]
+    # A prefetched copy: its gradient reaches the shards another way.
+    return [
+        jax.lax.stop_gradient(jax.lax.all_gather(s, axis_name, axis=d, tiled=True))
+        for s, d in zip(shards, dims, strict=True)
+    ]
+
+
+def _scan_gather(
+    layer: Callable[..., Any],
+    leaves: list[Any],
+    plan: list[Any],
+    x: Any,
+    *,
+    axis_name: str,
+    remat: bool,
+) -> Any:
+    """Each layer gathers its own slice once its input exists (no prefetch)."""
+    dims = [d for d in plan if d is not None]
+
+    def body(x: Any, layer_leaves: list[Any]) -> tuple[Any, None]:
+        shards = [s for s, d in zip(layer_leaves, plan, strict=True) if d is not None]
+        shards, x = jax.lax.optimization_barrier((shards, x))
+        full = iter(_gather(shards, dims, axis_name, grad=True))
+        merged = [
+            s if d is None else next(full)
+            for s, d in zip(layer_leaves, plan, strict=True)
+        ]
+        return layer(merged, x), None
+
+    if remat:
+        body = jax.checkpoint(body, policy=REMAT_POLICY)
+    x, _ = jax.lax.scan(body, x, leaves)
+    return x
+
+
+def _scan_prefetch(
+    layer: Callable[..., Any],
+    leaves: list[Any],
+    plan: list[Any],
+    x: Any,
+    *,
+    axis_name: str,
+    remat: bool,
+    num_layers: int,
+) -> Any:
+    """Layer i runs on parameters gathered during layer i - 1 (the scan's
+    carry); layer 0's are gathered before the scan, once its input exists, and
+    the last layer runs after it on the last carry."""
+    gathered = [i for i, d in enumerate(plan) if d is not None]
+    dims = [plan[i] for i in gathered]
+    rest = [i for i, d in enumerate(plan) if d is None]
+
+    def merge(full: list[Any], rest_leaves: list[Any]) -> list[Any]:
+        out: list[Any] = [None] * len(plan)
+        for i, f in zip(gathered, full, strict=True):
+            out[i] = f
+        for i, r in zip(rest, rest_leaves, strict=True):
+            out[i] = r
+        return out
+
+    def run(shards: list[Any], full: list[Any], rest_leaves: list[Any], x: Any) -> Any:
+        if not remat:
+            return layer(merge(full, rest_leaves), x)
+        run_remat = _remat_layer(layer, merge, dims, axis_name)
+        return run_remat(shards, full, rest_leaves, x)
+
+    def slice_of(i: int | slice, which: list[int]) -> list[Any]:
+        return [leaves[j][i] for j in which]
+
+    first = slice_of(0, gathered)
+    first, x = jax.lax.optimization_barrier((first, x))
+    full = _gather(first, dims, axis_name, grad=not remat)
+    if num_layers > 1:
+
+        def body(carry: Any, xs: Any) -> tuple[Any, None]:
+            x, full = carry
+            shards, rest_leaves, next_shards = xs
+            # Layer i+1's shards wait for layer i's input, not its output.
+            next_shards, x = jax.lax.optimization_barrier((next_shards, x))
+            nxt = _gather(next_shards, dims, axis_name, grad=not remat)
+            return (run(shards, full, rest_leaves, x), nxt), None
+
+        xs = (
+            # Only remat's backward pass needs this layer's shards again.
+            slice_of(slice(0, -1), gathered) if remat else [],
+            slice_of(slice(0, -1), rest),
+            slice_of(slice(1, None), gathered),
+        )
+        (x, full), _ = jax.lax.scan(body, (x, full), xs)
+    last = num_layers - 1
+    return run(slice_of(last, gathered), full, slice_of(last, rest), x)
+
+
+def _remat_layer(
+    layer: Callable[..., Any],
+    merge: Callable[[list[Any], list[Any]], list[Any]],
+    dims: list[Any],
+    axis: str,
+) -> Callable[..., Any]:
+    """One layer on prefetched parameters `full` whose backward pass keeps only
+    the shards, the other leaves and the input: it re-gathers the parameters
+    and recomputes the layer.
+
+    The parameters' gradient leaves through `port`, a stand-in of their full
+    shape whose own backward pass reduce-scatters it onto the shards (the mean
+    over the axis). Under `jax.vmap(model)` the layer's backward pass is
+    batched, but the gradient reaching `port` is already summed over the
+    batch: one reduce-scatter per parameter, not one per example. `full`'s
+    own gradient is zero: it is a copy of the shards."""
+
+    @jax.custom_vjp
+    def port(shards: Any) -> Any:
+        size = jax.lax.axis_size(axis)
+        return [
+            jnp.zeros((*s.shape[:d], s.shape[d] * size, *s.shape[d + 1 :]), s.dtype)
             for s, d in zip(shards, dims, strict=True)
         ]
 
-    def _scan_gather(
-        self, layer: Callable[..., Any], leaves: list[Any], plan: list[Any], x: Any
-    ) -> Any:
-        """Each layer gathers its own slice once its input exists (no prefetch)."""
-        dims = [d for d in plan if d is not None]
+    def port_fwd(shards: Any) -> Any:
+        return port(shards), None
 
-        def body(x: Any, layer_leaves: list[Any]) -> tuple[Any, None]:
-            shards = [
-                s for s, d in zip(layer_leaves, plan, strict=True) if d is not None
-            ]
-            shards, x = jax.lax.optimization_barrier((shards, x))
-            full = iter(self._gather(shards, dims, grad=True))
-            merged = [
-                s if d is None else next(full)
-                for s, d in zip(layer_leaves, plan, strict=True)
-            ]
-            return layer(merged, x), None
+    def port_bwd(_: None, g: Any) -> Any:
+        size = jax.lax.axis_size(axis)
+        return (
+            [
+                jax.lax.psum_scatter(gi, axis, scatter_dimension=d, tiled=True) / size
+                for gi, d in zip(g, dims, strict=True)
+            ],
+        )
 
-        if self.remat:
-            body = jax.checkpoint(body, policy=REMAT_POLICY)
-        x, _ = jax.lax.scan(body, x, leaves)
-        return x
+    port.defvjp(port_fwd, port_bwd)
 
-    def _scan_prefetch(
-        self, layer: Callable[..., Any], leaves: list[Any], plan: list[Any], x: Any
-    ) -> Any:
-        """Layer i runs on parameters gathered during layer i - 1 (the scan's
-        carry); layer 0's are gathered before the scan, once its input exists, and
-        the last layer runs after it on the last carry."""
-        gathered = [i for i, d in enumerate(plan) if d is not None]
-        dims = [plan[i] for i in gathered]
-        rest = [i for i, d in enumerate(plan) if d is None]
-        remat = self.remat
+    @jax.custom_vjp
+    def apply(grad_port: Any, shards: Any, full: Any, rest_leaves: Any, x: Any) -> Any:
+        return layer(merge(full, rest_leaves), x)
 
-        def merge(full: list[Any], rest_leaves: list[Any]) -> list[Any]:
-            out: list[Any] = [None] * len(plan)
-            for i, f in zip(gathered, full, strict=True):
-                out[i] = f
-            for i, r in zip(rest, rest_leaves, strict=True):
-                out[i] = r
-            return out
+    def fwd(grad_port: Any, shards: Any, full: Any, rest_leaves: Any, x: Any) -> Any:
+        out = apply(grad_port, shards, full, rest_leaves, x)
+        return out, (shards, rest_leaves, x)
 
-        def run(
-            shards: list[Any], full: list[Any], rest_leaves: list[Any], x: Any
-        ) -> Any:
-            if not remat:
-                return layer(merge(full, rest_leaves), x)
-            return self._remat_layer(layer, merge, dims)(shards, full, rest_leaves, x)
+    def bwd(res: Any, g: Any) -> Any:
+        shards, rest_leaves, x = res
+        full = [
+            jax.lax.all_gather(s, axis, axis=d, tiled=True)
+            for s, d in zip(shards, dims, strict=True)
+        ]
+        _, vjp = jax.vjp(lambda f, r, x: layer(merge(f, r), x), full, rest_leaves, x)
+        d_full, d_rest, d_x = vjp(g)
+        no_shards = [_zero_cotangent(s) for s in shards]
+        no_full = [_zero_cotangent(f) for f in full]
+        return d_full, no_shards, no_full, d_rest, d_x
 
-        def slice_of(i: int | slice, which: list[int]) -> list[Any]:
-            return [leaves[j][i] for j in which]
+    apply.defvjp(fwd, bwd)
 
-        first = slice_of(0, gathered)
-        first, x = jax.lax.optimization_barrier((first, x))
-        full = self._gather(first, dims, grad=not remat)
-        if self.num_layers > 1:
+    def run(shards: Any, full: Any, rest_leaves: Any, x: Any) -> Any:
+        return apply(port(shards), shards, full, rest_leaves, x)
 
-            def body(carry: Any, xs: Any) -> tuple[Any, None]:
-                x, full = carry
-                shards, rest_leaves, next_shards = xs
-                # Layer i+1's shards wait for layer i's input, not its output.
-                next_shards, x = jax.lax.optimization_barrier((next_shards, x))
-                nxt = self._gather(next_shards, dims, grad=not remat)
-                return (run(shards, full, rest_leaves, x), nxt), None
-
-            xs = (
-                # Only remat's backward pass needs this layer's shards again.
-                slice_of(slice(0, -1), gathered) if remat else [],
-                slice_of(slice(0, -1), rest),
-                slice_of(slice(1, None), gathered),
-            )
-            (x, full), _ = jax.lax.scan(body, (x, full), xs)
-        last = self.num_layers - 1
-        return run(slice_of(last, gathered), full, slice_of(last, rest), x)
-
-    def _remat_layer(
-        self,
-        layer: Callable[..., Any],
-        merge: Callable[[list[Any], list[Any]], list[Any]],
-        dims: list[Any],
-    ) -> Callable[..., Any]:
-        """One layer on prefetched parameters `full` whose backward pass keeps only
-        the shards, the other leaves and the input: it re-gathers the parameters
-        and recomputes the layer.
-
-        The parameters' gradient leaves through `port`, a stand-in of their full
-        shape whose own backward pass reduce-scatters it onto the shards (the mean
-        over the axis). Under `jax.vmap(model)` the layer's backward pass is
-        batched, but the gradient reaching `port` is already summed over the
-        batch: one reduce-scatter per parameter, not one per example. `full`'s
-        own gradient is zero: it is a copy of the shards."""
-        axis = self.axis_name
-
-        @jax.custom_vjp
-        def port(shards: Any) -> Any:
-            size = jax.lax.axis_size(axis)
-            return [
-                jnp.zeros((*s.shape[:d], s.shape[d] * size, *s.shape[d + 1 :]), s.dtype)
-                for s, d in zip(shards, dims, strict=True)
-            ]
-
-        def port_fwd(shards: Any) -> Any:
-            return port(shards), None
-
-        def port_bwd(_: None, g: Any) -> Any:
-            size = jax.lax.axis_size(axis)
-            return (
-                [
-                    jax.lax.psum_scatter(gi, axis, scatter_dimension=d, tiled=True)
-                    / size
-                    for gi, d in zip(g, dims, strict=True)
-                ],
-            )
-
-        port.defvjp(port_fwd, port_bwd)
-
-        @jax.custom_vjp
-        def apply(
-            grad_port: Any, shards: Any, full: Any, rest_leaves: Any, x: Any
-        ) -> Any:
-            return layer(merge(full, rest_leaves), x)
-
-        def fwd(
-            grad_port: Any, shards: Any, full: Any, rest_leaves: Any, x: Any
-        ) -> Any:
-            out = apply(grad_port, shards, full, rest_leaves, x)
-            return out, (shards, rest_leaves, x)
-
-        def bwd(res: Any, g: Any) -> Any:
-            shards, rest_leaves, x = res
-            full = [
-                jax.lax.all_gather(s, axis, axis=d, tiled=True)
-                for s, d in zip(shards, dims, strict=True)
-            ]
-            _, vjp = jax.vjp(
-                lambda f, r, x: layer(merge(f, r), x), full, rest_leaves, x
-            )
-            d_full, d_rest, d_x = vjp(g)
-            no_shards = [_zero_cotangent(s) for s in shards]
-            no_full = [_zero_cotangent(f) for f in full]
-            return d_full, no_shards, no_full, d_rest, d_x
-
-        apply.defvjp(fwd, bwd)
-
-        def run(shards: Any, full: Any, rest_leaves: Any, x: Any) -> Any:
-            return apply(port(shards), shards, full, rest_leaves, x)
-
-        return run
+    return run
 
 
 def _stack(blocks: Sequence[Any]) -> Any:

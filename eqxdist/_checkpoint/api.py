@@ -1,6 +1,6 @@
 """Saving and restoring sharded state (a `TrainState`, a model, any pytree of arrays),
 from one process or many, through Orbax. The on-disk format is described in
-`_checkpoint_files`; `CheckpointManager` (`_checkpoint_manager`) writes the same."""
+`files`; `CheckpointManager` (`manager`) writes the same."""
 
 import os
 from pathlib import Path
@@ -184,6 +184,37 @@ def restore_checkpoint(
     ocp = orbax()
     root = Path(directory).absolute()
     files.check_root(root, "restore_checkpoint")
+    step = _find_step(root, step)
+    location = root / str(step)
+    metadata = files.read_marker(location, step, "restore_checkpoint")
+    saved = {
+        entry["path"]: (f"leaf{i}", entry) for i, entry in enumerate(metadata["leaves"])
+    }
+    leaves, treedef = jax.tree_util.tree_flatten_with_path(target)
+    wanted = _match_leaves(leaves, saved, location)
+    restore_args = _restore_args(ocp, leaves, wanted, saved, location)
+    # Before Orbax reads anything: corrupted bytes would restore as wrong values.
+    files.verify(location, metadata, step, "restore_checkpoint")
+    try:
+        with ocp.Checkpointer(ocp.PyTreeCheckpointHandler()) as checkpointer:
+            restored = checkpointer.restore(
+                files.item_directory(location, metadata),
+                args=ocp.args.PyTreeRestore(restore_args=restore_args),
+            )
+        out = _place(restored, leaves, wanted, saved)
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        # Files removed or changed where no checksum guards them (a v0.1
+        # checkpoint), or a marker whose key description is not JAX's.
+        raise ValueError(
+            f"restore_checkpoint: checkpoint step {step} in {str(root)!r} is "
+            f"corrupted: it cannot be read ({type(e).__name__}: {e}). Restore "
+            "another step (`step=`) or save again."
+        ) from e
+    return jax.tree_util.tree_unflatten(treedef, out)
+
+
+def _find_step(root: Path, step: int | None) -> int:
+    """`step` if it is a complete checkpoint in `root`; by default the latest."""
     if not root.is_dir():
         raise CheckpointNotFoundError(
             f"restore_checkpoint: checkpoint directory {str(root)!r} does not exist."
@@ -196,8 +227,8 @@ def restore_checkpoint(
                 "step directory without its eqxdist_checkpoint.json is an "
                 "interrupted save)."
             )
-        step = complete[-1]
-    elif check_step(step, "restore_checkpoint") not in complete:
+        return complete[-1]
+    if check_step(step, "restore_checkpoint") not in complete:
         state = "is incomplete (its save was interrupted)"
         if not (root / str(step)).exists():
             state = "does not exist"
@@ -205,13 +236,16 @@ def restore_checkpoint(
             f"restore_checkpoint: step {step} in {str(root)!r} {state}; the complete "
             f"steps are {complete}."
         )
-    location = root / str(step)
-    metadata = files.read_marker(location, step, "restore_checkpoint")
-    saved = {
-        entry["path"]: (f"leaf{i}", entry) for i, entry in enumerate(metadata["leaves"])
-    }
+    return step
 
-    leaves, treedef = jax.tree_util.tree_flatten_with_path(target)
+
+def _match_leaves(
+    leaves: list[tuple[Any, Any]],
+    saved: dict[str, tuple[str, dict[str, Any]]],
+    location: Path,
+) -> dict[str, int]:
+    """The index in `leaves` of each array leaf, by path; its paths must be the
+    saved ones."""
     wanted = {
         path_str(path): i
         for i, (path, leaf) in enumerate(leaves)
@@ -226,7 +260,18 @@ def restore_checkpoint(
         if extra:
             parts.append(f"saved leaves `target` has no array for: {_listed(extra)}")
         raise _mismatch("; ".join(parts) + ".", location)
+    return wanted
 
+
+def _restore_args(
+    ocp: Any,
+    leaves: list[tuple[Any, Any]],
+    wanted: dict[str, int],
+    saved: dict[str, tuple[str, dict[str, Any]]],
+    location: Path,
+) -> dict[str, Any]:
+    """Orbax's restore arguments per saved leaf: where `target`'s leaf puts it,
+    once its shape and dtype are checked against the saved ones."""
     restore_args = {}
     for path, i in wanted.items():
         leaf = leaves[i][1]
@@ -253,27 +298,22 @@ def restore_checkpoint(
                 sharding=sharding,
                 global_shape=tuple(entry.get("key_data_shape", shape)),
             )
-    # Before Orbax reads anything: corrupted bytes would restore as wrong values.
-    files.verify(location, metadata, step, "restore_checkpoint")
-    try:
-        with ocp.Checkpointer(ocp.PyTreeCheckpointHandler()) as checkpointer:
-            restored = checkpointer.restore(
-                files.item_directory(location, metadata),
-                args=ocp.args.PyTreeRestore(restore_args=restore_args),
-            )
-        out = [leaf for _, leaf in leaves]
-        for path, i in wanted.items():
-            key, entry = saved[path]
-            value = restored[key]
-            if "prng_impl" in entry:
-                value = jax.random.wrap_key_data(value, impl=entry["prng_impl"])
-            out[i] = value
-    except (OSError, ValueError, KeyError, TypeError) as e:
-        # Files removed or changed where no checksum guards them (a v0.1
-        # checkpoint), or a marker whose key description is not JAX's.
-        raise ValueError(
-            f"restore_checkpoint: checkpoint step {step} in {str(root)!r} is "
-            f"corrupted: it cannot be read ({type(e).__name__}: {e}). Restore "
-            "another step (`step=`) or save again."
-        ) from e
-    return jax.tree_util.tree_unflatten(treedef, out)
+    return restore_args
+
+
+def _place(
+    restored: dict[str, Any],
+    leaves: list[tuple[Any, Any]],
+    wanted: dict[str, int],
+    saved: dict[str, tuple[str, dict[str, Any]]],
+) -> list[Any]:
+    """`target`'s leaves with each array leaf replaced by its restored value (a
+    PRNG key rewrapped from its saved key data)."""
+    out = [leaf for _, leaf in leaves]
+    for path, i in wanted.items():
+        key, entry = saved[path]
+        value = restored[key]
+        if "prng_impl" in entry:
+            value = jax.random.wrap_key_data(value, impl=entry["prng_impl"])
+        out[i] = value
+    return out
