@@ -83,9 +83,9 @@ def test_help_describes_every_option() -> None:
     for name, text in entries:
         # Every option has a help text that states its default.
         assert "(default:" in text, name
-    bad = _run("--seq-len", "16", "--min-len", "17", "--steps", "1")
+    bad = _run("--seq-len", "16", "--min-len", "17")
     assert bad.returncode != 0
-    assert "--min-len must be in [1, 16]; got 17" in bad.stderr
+    assert "--min-len must be in [1, --seq-len=16]; got 17" in bad.stderr
 
 
 @pytest.mark.slow
