@@ -59,7 +59,9 @@ def test_trains_and_agrees_with_data_parallel(tmp_path: Path) -> None:
     assert agree is not None, text
     assert float(agree[1]) < 1e-5
     assert re.search(r"throughput: [\d,]+ tokens/s \([\d,]+ real.*MFU None", text)
-    rows = [json.loads(r) for r in (tmp_path / "metrics.jsonl").read_text().split()]
+    rows = [
+        json.loads(r) for r in (tmp_path / "metrics.jsonl").read_text().splitlines()
+    ]
     assert [r["step"] for r in rows] == [3, 4, 6]
     for row in rows:
         # step_info's statistics reach the writers.
