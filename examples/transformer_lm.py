@@ -4,7 +4,19 @@ A small decoder-only transformer written in plain Equinox (`_transformer.py`: to
 and position embeddings, pre-LayerNorm blocks of causal self-attention and an MLP)
 learns to continue the public-domain text in `examples/data/public_domain.txt`
 (Shakespeare's sonnets and US founding documents, see `examples/data/README.md`), on
-8 simulated CPU devices arranged as a `{"data": 4, "model": 2}` mesh:
+8 simulated CPU devices arranged as a `{"data": 4, "model": 2}` mesh.
+
+The training sequences have variable length, as real documents do: each window
+holds a random number of real characters in `[--min-len, --seq-len]` (drawn once
+per window from the seed, so the stream is the same after a resume), padded at
+the end to `--seq-len` with a pad token and marked by a boolean mask. Causal
+attention needs no change for end padding (no real position attends to a later
+one); the padded positions are left out of the loss by the mask. The loss is
+token-weighted: `loss_fn` returns `(loss_sum, real_tokens)` and the step
+minimises the summed loss over the real tokens of the whole global batch, however
+unevenly they fall across devices and minibatches.
+
+The state is built straight into its sharded layout (`step.init_state`):
 
 - the batch is split 4 ways over `"data"`, and parameters (with their Adam moments)
   are sharded 4 ways over it too (`strategy="fsdp"`);
@@ -15,17 +27,19 @@ learns to continue the public-domain text in `examples/data/public_domain.txt`
 
 The loss function is written for one device and full-size arrays; eqxdist places
 everything and XLA partitions the computation. The loop is `eqxdist.train_loop`:
-the script prints the layout, a progress bar with the loss, perplexity, tokens/s
-(and MFU on a GPU or TPU), writes them to OUT/metrics.jsonl and TensorBoard, then
+the script prints the layout, a progress bar with the loss, perplexity, gradient
+norm (`step_info=True`), tokens/s (and MFU on a GPU or TPU), writes them with the
+real-token count of each logged step to OUT/metrics.jsonl and TensorBoard, then
 prints held-out perplexity and a sample of generated text. Last, it trains the
-same model under plain data parallelism for a few steps on the same batches and
-checks that both give the same parameters.
+same model under plain data parallelism (8 devices, so every device sees other
+rows and other numbers of real tokens) for a few steps on the same batches and
+checks that both give the same parameters: an equal-weight mean of per-device
+losses would not.
 
     python examples/transformer_lm.py [--steps 600] [--d-model 64] [--layers 2]
 """
 
 import argparse
-import math
 import shutil
 import sys
 import time
@@ -52,7 +66,19 @@ def parse_args() -> argparse.Namespace:
     add = parser.add_argument
     add("--steps", type=int, default=600, help="training steps")
     add("--batch-size", type=int, default=32, help="global batch (sequences)")
-    add("--seq-len", type=int, default=64, help="characters per training sequence")
+    add(
+        "--seq-len",
+        type=int,
+        default=64,
+        help="positions per training sequence (real characters + padding)",
+    )
+    add(
+        "--min-len",
+        type=int,
+        default=16,
+        help="fewest real characters (predicted targets) in a training sequence; "
+        "each has a random number in [min-len, seq-len]",
+    )
     add("--d-model", type=int, default=64, help="width of the residual stream")
     add("--heads", type=int, default=4, help="attention heads")
     add("--layers", type=int, default=2, help="transformer blocks")
@@ -108,43 +134,38 @@ ARGS = parse_args()
 ed.simulate_cpu_devices(ARGS.data_parallel * ARGS.tensor_parallel)
 
 
-HAS_PERPLEXITY = hasattr(ed, "Perplexity")
-
-
 def token_metrics(
-    logits: jax.Array, targets: jax.Array, weights: jax.Array | None = None
+    model: TransformerLM, tokens: jax.Array, mask: jax.Array
 ) -> tuple[jax.Array, ed.MetricCollection]:
-    """Per-token losses, and the loss (and perplexity, when eqxdist has the metric)
-    as `Metric`s, which the steps reduce across devices."""
+    """The per-position losses of next-token prediction on `tokens` (rows of
+    `seq_len + 1`), zero where `mask` (`(rows, seq_len)`, True on real targets) is
+    False, and the token-weighted loss, perplexity and real-token count as
+    `Metric`s, which the steps reduce across devices."""
+    logits = jax.vmap(model)(tokens[:, :-1])
+    targets = tokens[:, 1:]
     losses = optax.softmax_cross_entropy_with_integer_labels(logits, targets)
-    metrics: dict[str, ed.Metric] = {"loss": ed.Mean().update(losses, weights)}
-    if HAS_PERPLEXITY:
-        mask = None if weights is None else weights.astype(bool)
-        metrics["perplexity"] = ed.Perplexity().update(logits, targets, mask)
-    return losses, ed.MetricCollection(metrics)
+    metrics = {
+        "loss": ed.Mean().update(losses, mask.astype(jnp.float32)),
+        "perplexity": ed.Perplexity().update(logits, targets, mask),
+        "real_tokens": ed.Sum().update(mask.sum()),
+    }
+    return jnp.where(mask, losses, 0.0), ed.MetricCollection(metrics)
 
 
 def loss_fn(model: TransformerLM, batch: dict[str, jax.Array], key: Any) -> Any:
+    """Token-weighted: the summed loss of this device's real tokens and their
+    number; the step divides the global sum by the global count."""
     del key  # no dropout: every layout follows the same trajectory
-    tokens = batch["tokens"]
-    logits = jax.vmap(model)(tokens[:, :-1])
-    losses, metrics = token_metrics(logits, tokens[:, 1:])
-    return losses.mean(), metrics
+    mask = batch["mask"]
+    losses, metrics = token_metrics(model, batch["tokens"], mask)
+    return (losses.sum(), mask.sum()), metrics
 
 
-def eval_fn(model: TransformerLM, batch: dict[str, jax.Array], mask: jax.Array) -> Any:
-    """Held-out metrics of this device's rows; `mask` is False on the rows
+def eval_fn(model: TransformerLM, batch: dict[str, jax.Array], rows: jax.Array) -> Any:
+    """Held-out metrics of this device's rows; `rows` is False on the rows
     `make_eval_step` padded."""
-    tokens = batch["tokens"]
-    logits = jax.vmap(model)(tokens[:, :-1])
-    weights = jnp.broadcast_to(mask[:, None], tokens[:, 1:].shape)
-    return token_metrics(logits, tokens[:, 1:], weights.astype(jnp.float32))[1]
-
-
-def perplexity(values: dict[str, Any]) -> float:
-    if "perplexity" in values:
-        return float(values["perplexity"])
-    return math.exp(float(values["loss"]))  # exp of the token-weighted mean NLL
+    mask = batch["mask"] & rows[:, None]
+    return token_metrics(model, batch["tokens"], mask)[1]
 
 
 # -- data --------------------------------------------------------------------------
@@ -164,23 +185,38 @@ def load_text() -> tuple[np.ndarray, np.ndarray, str]:
 
 
 class Windows:
-    """The training windows of `seq_len + 1` tokens (inputs and next-token
-    targets) of a token file on disk, every `stride` tokens: a map-style source
-    for `ed.BatchLoader`, which asks for the rows of each batch (only this
-    process's) and shuffles them every epoch. `np.memmap` reads only those."""
+    """The training windows of a token file on disk, one every `stride` tokens,
+    of variable length: window `i` holds `lengths[i] + 1` real tokens (inputs and
+    next-token targets), `lengths[i]` in `[min_len, seq_len]`, then `pad_id` up
+    to `seq_len + 1`. A map-style source for `ed.BatchLoader`, which asks for the
+    rows of each batch (only this process's) and shuffles them every epoch;
+    `np.memmap` reads only those.
 
-    def __init__(self, path: Path, seq_len: int, stride: int) -> None:
+    Each row is `{"tokens": (seq_len + 1,) int32, "mask": (seq_len,) bool}`,
+    `mask` True on the real targets `tokens[1:]`. The lengths are drawn once from
+    `seed`, so row `i` is a pure function of `(i, seed)`: every process and every
+    resumed run reads the same rows."""
+
+    def __init__(
+        self, path: Path, seq_len: int, stride: int, min_len: int, pad_id: int
+    ) -> None:
         self.tokens = np.memmap(path, dtype=np.uint8, mode="r")
-        self.window, self.stride = seq_len + 1, stride
-        self.count = (len(self.tokens) - self.window) // stride + 1
+        self.seq_len, self.stride, self.pad_id = seq_len, stride, pad_id
+        self.count = (len(self.tokens) - seq_len - 1) // stride + 1
+        rng = np.random.default_rng([ARGS.seed, 1])
+        self.lengths = rng.integers(min_len, seq_len + 1, size=self.count)
 
     def __len__(self) -> int:
         return self.count
 
     def __getitem__(self, indices: np.ndarray) -> dict[str, np.ndarray]:
-        starts = np.asarray(indices) * self.stride
-        rows = self.tokens[starts[:, None] + np.arange(self.window)]
-        return {"tokens": rows.astype(np.int32)}
+        indices = np.asarray(indices)
+        starts = indices * self.stride
+        rows = self.tokens[starts[:, None] + np.arange(self.seq_len + 1)]
+        rows = rows.astype(np.int32)
+        mask = np.arange(self.seq_len) < self.lengths[indices][:, None]
+        rows[:, 1:][~mask] = self.pad_id  # padding at the end only
+        return {"tokens": rows, "mask": mask}
 
 
 def token_file(train: np.ndarray) -> Path:
@@ -196,11 +232,12 @@ def token_file(train: np.ndarray) -> Path:
 
 def held_out_batch(held_out: np.ndarray) -> dict[str, np.ndarray]:
     """Non-overlapping windows of the held-out text: any number of rows, which
-    `make_eval_step` pads and masks."""
+    `make_eval_step` pads and masks. They are whole (every target real)."""
     window = ARGS.seq_len + 1
     rows = (len(held_out) - 1) // ARGS.seq_len
     starts = np.arange(rows) * ARGS.seq_len
-    return {"tokens": held_out[starts[:, None] + np.arange(window)]}
+    tokens = held_out[starts[:, None] + np.arange(window)]
+    return {"tokens": tokens, "mask": np.ones((rows, ARGS.seq_len), dtype=bool)}
 
 
 # -- training ----------------------------------------------------------------------
@@ -223,23 +260,35 @@ def state_bytes(state: ed.TrainState) -> int:
     )
 
 
-def new_state(vocab: int) -> tuple[ed.TrainState, optax.GradientTransformation]:
-    model = TransformerLM(
-        vocab,
-        d_model=ARGS.d_model,
-        heads=ARGS.heads,
-        layers=ARGS.layers,
-        mlp_ratio=ARGS.mlp_ratio,
-        max_len=ARGS.seq_len,
-        key=jax.random.key(ARGS.seed),
-    )
+def make_optimizer() -> optax.GradientTransformation:
     schedule = optax.warmup_cosine_decay_schedule(
         0.0, ARGS.lr, max(1, ARGS.steps // 10), max(ARGS.steps, 2)
     )
-    optimizer = optax.chain(
+    return optax.chain(
         optax.clip_by_global_norm(1.0), optax.adamw(schedule, weight_decay=0.01)
     )
-    return ed.TrainState.create(model, optimizer, jax.random.key(1)), optimizer
+
+
+def initial_state(
+    step: ed.TrainStep, vocab_size: int, optimizer: optax.GradientTransformation
+) -> ed.TrainState:
+    """The fresh state built under `jit` straight into `step`'s layout, each
+    device drawing only its shard of every parameter (and of the Adam moments):
+    no device ever holds the whole model."""
+
+    def init_fn(model_key: jax.Array, state_key: jax.Array) -> ed.TrainState:
+        model = TransformerLM(
+            vocab_size,
+            d_model=ARGS.d_model,
+            heads=ARGS.heads,
+            layers=ARGS.layers,
+            mlp_ratio=ARGS.mlp_ratio,
+            max_len=ARGS.seq_len,
+            key=model_key,
+        )
+        return ed.TrainState.create(model, optimizer, state_key)
+
+    return step.init_state(init_fn, jax.random.key(ARGS.seed), jax.random.key(1))
 
 
 def describe_layout(step: ed.TrainStep, state: ed.TrainState) -> None:
@@ -269,11 +318,17 @@ def train_fsdp_tp(
         "param_rules": MEGATRON_RULES,
         "min_weight_size": ARGS.min_weight_size,
     }
-    state, optimizer = new_state(len(vocab))
+    optimizer = make_optimizer()
     step = ed.make_train_step(
-        loss_fn, optimizer, mesh, num_minibatches=ARGS.minibatches, **layout
+        loss_fn,
+        optimizer,
+        mesh,
+        num_minibatches=ARGS.minibatches,
+        step_info=True,  # logs grad_norm, update_norm and param_norm
+        **layout,
     )
     evaluate = ed.make_eval_step(eval_fn, mesh, **layout)
+    state = initial_state(step, len(vocab) + 1, optimizer)  # + the pad token
     num_params = sum(
         x.size for x in jax.tree.leaves(eqx.filter(state.model, eqx.is_array))
     )
@@ -282,6 +337,7 @@ def train_fsdp_tp(
         f"{num_params:,} parameters; mesh {dict(mesh.shape)}"
     )
     describe_layout(step, state)
+    print(f"train state bytes per device: {state_bytes(state):,}")
     out = Path(ARGS.out)
     if not ARGS.resume:
         shutil.rmtree(out / "checkpoints", ignore_errors=True)
@@ -302,34 +358,46 @@ def train_fsdp_tp(
             "writer": writer,
             "checkpoints": manager,
             "log_every": ARGS.log_every,
+            # Positions computed, padding included (what the devices work on).
             "tokens_per_step": ARGS.batch_size * ARGS.seq_len,
-            "show": ("loss", "perplexity", "tokens_per_sec", "mfu"),
+            "show": ("loss", "perplexity", "grad_norm", "tokens_per_sec", "mfu"),
         }
-        fresh = manager.latest_step() is None
-        if fresh and ARGS.compare_steps > 0:
+        if manager.latest_step() is None and ARGS.compare_steps > 0:
             # Stop once to keep the parameters for the data-parallel check.
             first = ed.train_loop(
                 step, state, loader, ARGS.steps, **run, stop_at=ARGS.compare_steps
             )
             snapshot = host_params(first.state.model)
+            state = first.state  # the step donated the buffers of the first
         result = ed.train_loop(
             step, state, loader, ARGS.steps, **run, stop_at=ARGS.stop_at
         )
-    state, seconds = result.state, time.perf_counter() - start
-    held = evaluate(state, held_out).compute()
-    print(
-        f"trained to step {result.step} in {seconds:.1f}s; held-out loss "
-        f"{float(held['loss']):.4f}, perplexity {perplexity(held):.3f} "
-        f"({len(held_out['tokens'])} sequences)"
-    )
-    if result.logs and "tokens_per_sec" in result.logs[-1][1]:
-        last = result.logs[-1][1]
-        util = f", MFU {100 * last['mfu']:.1f}%" if "mfu" in last else ""
-        print(f"throughput: {last['tokens_per_sec']:,.0f} tokens/s{util}")
-    print(f"train state bytes per device: {state_bytes(state):,}")
+    report(result, evaluate(result.state, held_out).compute(), held_out, start)
     if ARGS.sample_chars > 0:
-        print("sample: " + repr(generate(state.model, vocab, "Shall I ")))
+        print("sample: " + repr(generate(result.state.model, vocab, "Shall I ")))
     return snapshot
+
+
+def report(
+    result: ed.LoopResult, held: Any, held_out: dict[str, Any], start: float
+) -> None:
+    """Held-out loss and perplexity, and the throughput of the last log point."""
+    print(
+        f"trained to step {result.step} in {time.perf_counter() - start:.1f}s; "
+        f"held-out loss {float(held['loss']):.4f}, perplexity "
+        f"{float(held['perplexity']):.3f} ({len(held_out['tokens'])} sequences)"
+    )
+    logs = [values for _, values in result.logs]
+    if logs and "tokens_per_sec" in logs[-1]:
+        positions = ARGS.batch_size * ARGS.seq_len
+        real = sum(v["real_tokens"] for v in logs) / len(logs) / positions
+        print(
+            f"throughput: {logs[-1]['tokens_per_sec']:,.0f} tokens/s "
+            f"({real * logs[-1]['tokens_per_sec']:,.0f} real, {100 * real:.0f}% of "
+            f"positions), MFU {logs[-1].get('mfu')} (None: device peak unknown)"
+        )
+    if logs:
+        print(f"last grad_norm {logs[-1]['grad_norm']:.4f}")
 
 
 def generate(model: TransformerLM, vocab: str, prompt: str) -> str:
@@ -341,8 +409,9 @@ def generate(model: TransformerLM, vocab: str, prompt: str) -> str:
 
     @eqx.filter_jit
     def next_token(model: TransformerLM, window: Any, pos: Any, key: Any) -> Any:
-        # Causal: the logits at `pos` ignore the zeros after it.
-        return jax.random.categorical(key, model(window)[pos] / 0.8)
+        # Causal: the logits at `pos` ignore the zeros after it. The pad token
+        # (the last logit) is never a real character.
+        return jax.random.categorical(key, model(window)[pos, :-1] / 0.8)
 
     text = prompt
     keys = jax.random.split(jax.random.key(ARGS.seed), ARGS.sample_chars)
@@ -358,12 +427,15 @@ def generate(model: TransformerLM, vocab: str, prompt: str) -> str:
 def compare_with_dp(source: Windows, vocab: str, expected: list[np.ndarray]) -> bool:
     """Plain data parallelism (every device holds the whole state, 8-way batch
     split) on the same batches (a loader on this mesh gives the same global
-    batches), from the same initial state."""
+    batches), from the same initial state. The devices now hold other rows, with
+    other numbers of real tokens, than under FSDP x TP: the parameters agree
+    only because the loss is weighted by the global token count."""
     mesh = ed.create_data_parallel_mesh()
-    state, optimizer = new_state(len(vocab))
+    optimizer = make_optimizer()
     step = ed.make_train_step(
         loss_fn, optimizer, mesh, strategy="dp", num_minibatches=ARGS.minibatches
     )
+    state = initial_state(step, len(vocab) + 1, optimizer)
     loader = ed.BatchLoader(source, ARGS.batch_size, mesh, seed=ARGS.seed)
     for i in range(ARGS.compare_steps):
         state, _ = step(state, loader.batch(i))
@@ -382,11 +454,21 @@ def main() -> None:
     train, held_out, vocab = load_text()
     if ARGS.compare_steps > ARGS.steps:
         sys.exit("--compare-steps must not exceed --steps")
+    if not 1 <= ARGS.min_len <= ARGS.seq_len:
+        sys.exit(
+            f"--min-len must be in [1, --seq-len={ARGS.seq_len}]; got {ARGS.min_len}"
+        )
     print(
         f"text: {len(train):,} training / {len(held_out):,} held-out characters, "
-        f"vocabulary of {len(vocab)}"
+        f"vocabulary of {len(vocab)} + a pad token"
     )
-    source = Windows(token_file(train), ARGS.seq_len, max(1, ARGS.seq_len // 8))
+    source = Windows(
+        token_file(train),
+        ARGS.seq_len,
+        max(1, ARGS.seq_len // 8),
+        ARGS.min_len,
+        pad_id=len(vocab),
+    )
     snapshot = train_fsdp_tp(source, vocab, held_out_batch(held_out))
     if snapshot is None and ARGS.compare_steps > 0:
         print("resumed past --compare-steps: no data-parallel check in this run")

@@ -1,6 +1,9 @@
-"""The transformer language-model example trains under FSDP x tensor parallelism,
-reports a finite loss and perplexity, and agrees with plain data parallelism on the
-same batches. Run in its own process, as a user would run it."""
+"""The transformer language-model example trains on padded, variable-length
+sequences under FSDP x tensor parallelism with a token-weighted loss, reports a
+finite loss, perplexity and gradient norm, and agrees with plain data parallelism
+on the same batches (which splits the rows, and so the real tokens, differently
+over the devices: only the globally token-weighted loss makes both agree). Run in
+its own process, as a user would run it."""
 
 import json
 import math
@@ -36,7 +39,7 @@ def test_trains_and_agrees_with_data_parallel(tmp_path: Path) -> None:
         *("--out", str(tmp_path)),
         *("--steps", "6", "--compare-steps", "4", "--log-every", "3"),
         *("--batch-size", "16", "--seq-len", "16", "--d-model", "32"),
-        *("--sample-chars", "8", "--min-weight-size", "64"),
+        *("--sample-chars", "8", "--min-weight-size", "64", "--min-len", "2"),
     )
     assert out.returncode == 0, out.stdout + out.stderr
     text = out.stdout
@@ -55,9 +58,18 @@ def test_trains_and_agrees_with_data_parallel(tmp_path: Path) -> None:
     )
     assert agree is not None, text
     assert float(agree[1]) < 1e-5
-    assert re.search(r"throughput: [\d,]+ tokens/s", text)
-    rows = (tmp_path / "metrics.jsonl").read_text().splitlines()
-    assert [json.loads(r)["step"] for r in rows] == [3, 4, 6]
+    assert re.search(r"throughput: [\d,]+ tokens/s \([\d,]+ real.*MFU None", text)
+    rows = [
+        json.loads(r) for r in (tmp_path / "metrics.jsonl").read_text().splitlines()
+    ]
+    assert [r["step"] for r in rows] == [3, 4, 6]
+    for row in rows:
+        # step_info's statistics reach the writers.
+        assert math.isfinite(row["grad_norm"]) and row["grad_norm"] > 0
+        assert math.isfinite(row["update_norm"]) and row["skipped"] == 0.0
+        # Padded: between 2 and 16 real targets in each of the 16 rows, and
+        # not all of them full (the lengths are random).
+        assert 16 * 2 <= row["real_tokens"] < 16 * 16
 
 
 @pytest.mark.slow
@@ -69,9 +81,13 @@ def test_help_describes_every_option() -> None:
     entries = re.findall(r"^  (--[a-z-]+)(.*?)(?=^  -|\Z)", listing, flags=re.M | re.S)
     options = [name for name, _ in entries]
     assert "--steps" in options and "--compare-steps" in options
+    assert "--min-len" in options
     for name, text in entries:
         # Every option has a help text that states its default.
         assert "(default:" in text, name
+    bad = _run("--seq-len", "16", "--min-len", "17")
+    assert bad.returncode != 0
+    assert "--min-len must be in [1, --seq-len=16]; got 17" in bad.stderr
 
 
 @pytest.mark.slow

@@ -275,3 +275,33 @@ def test_progress_bar_shows_rate_and_values(capsys: Any) -> None:
     out = capsys.readouterr().out
     assert "demo" in out and "5/10" in out and "loss 0.5" in out
     assert "step/s" in out and "a line above the bar" in out
+
+
+def test_logs_step_info_grad_norm(mesh8: Any, tmp_path: Path) -> None:
+    """A step made with `step_info=True`: the loop writes its statistics, and the
+    logged `grad_norm` is the norm of the single-device gradient."""
+    step = ed.make_train_step(loss_fn, OPTIMIZER, mesh8, step_info=True)
+    with ed.JsonlWriter(tmp_path / "m.jsonl") as writer:
+        ed.train_loop(
+            step, make_state(), batch, 1, writer=writer, log_every=1, progress=False
+        )
+    (row,) = [json.loads(r) for r in (tmp_path / "m.jsonl").read_text().splitlines()]
+    assert row["step"] == 1 and row["skipped"] == 0.0
+    # Plain single-device Equinox + Optax on the same global batch.
+    model, b = make_state().model, batch(0)
+
+    def mse(model: Any) -> Any:
+        return jnp.mean((jax.vmap(model)(b["x"]) - b["y"]) ** 2)
+
+    grads = eqx.filter_grad(mse)(model)
+    expected = float(optax.tree.norm(eqx.filter(grads, eqx.is_array)))
+    np.testing.assert_allclose(row["grad_norm"], expected, rtol=1e-5)
+    opt_state = OPTIMIZER.init(eqx.filter(model, eqx.is_array))
+    updates, _ = OPTIMIZER.update(grads, opt_state, eqx.filter(model, eqx.is_array))
+    new = eqx.filter(eqx.apply_updates(model, updates), eqx.is_array)
+    np.testing.assert_allclose(
+        row["update_norm"], float(optax.tree.norm(updates)), rtol=1e-5
+    )
+    np.testing.assert_allclose(
+        row["param_norm"], float(optax.tree.norm(new)), rtol=1e-5
+    )
