@@ -4,13 +4,15 @@ The main job of eqxdist's README. The same Equinox CNN (two convolutions with
 BatchNorm, dropout, a linear head) is trained three ways, each with
 `eqxdist.make_train_step`: on one device (the reference), data parallel (`dp`) and
 fully sharded (`fsdp`) over 8 devices, with gradient accumulation and, optionally,
-bfloat16 compute. Every epoch it evaluates on a held-out set of 359 examples (not a
-multiple of 8) with `eqxdist.make_eval_step` — accuracy, macro-F1, loss — and saves
-a checkpoint with `eqxdist.CheckpointManager` (`--resume` continues exactly where a
-run stopped). It shows a progress bar (steps/s, ETA, live loss), writes every step's
-metrics to a JSONL file, prints a summary table (held-out metrics, per-device state
-bytes, step time, parameter agreement) and the confusion matrix, and with `--plot`
-draws the loss curves and the confusion matrix.
+bfloat16 compute. It reads the training rows through `eqxdist.BatchLoader` (the
+batch of a step depends only on the seed and the step). Every epoch it evaluates on
+a held-out set of 359 examples (not a multiple of 8) with `eqxdist.make_eval_step` —
+accuracy, macro-F1, loss — and saves a checkpoint with `eqxdist.CheckpointManager`
+whose metadata holds the loader's position (`--resume` continues the exact stream
+where a run stopped). It shows a progress bar (steps/s, ETA, live loss), writes
+every step's metrics to a JSONL file, prints a summary table (held-out metrics,
+per-device state bytes, step time, parameter agreement) and the confusion matrix,
+and with `--plot` draws the loss curves and the confusion matrix.
 
     python examples/train_classifier.py [--epochs 10] [--bf16] [--plot out.png]
 """
