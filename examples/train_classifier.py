@@ -4,13 +4,15 @@ The main job of eqxdist's README. The same Equinox CNN (two convolutions with
 BatchNorm, dropout, a linear head) is trained three ways, each with
 `eqxdist.make_train_step`: on one device (the reference), data parallel (`dp`) and
 fully sharded (`fsdp`) over 8 devices, with gradient accumulation and, optionally,
-bfloat16 compute. Every epoch it evaluates on a held-out set of 359 examples (not a
-multiple of 8) with `eqxdist.make_eval_step` — accuracy, macro-F1, loss — and saves
-a checkpoint with `eqxdist.CheckpointManager` (`--resume` continues exactly where a
-run stopped). It shows a progress bar (steps/s, ETA, live loss), writes every step's
-metrics to a JSONL file, prints a summary table (held-out metrics, per-device state
-bytes, step time, parameter agreement) and the confusion matrix, and with `--plot`
-draws the loss curves and the confusion matrix.
+bfloat16 compute. It reads the training rows through `eqxdist.BatchLoader` (the
+batch of a step depends only on the seed and the step). Every epoch it evaluates on
+a held-out set of 359 examples (not a multiple of 8) with `eqxdist.make_eval_step` —
+accuracy, macro-F1, loss — and saves a checkpoint with `eqxdist.CheckpointManager`
+whose metadata holds the loader's position (`--resume` continues the exact stream
+where a run stopped). It shows a progress bar (steps/s, ETA, live loss), writes
+every step's metrics to a JSONL file, prints a summary table (held-out metrics,
+per-device state bytes, step time, parameter agreement) and the confusion matrix,
+and with `--plot` draws the loss curves and the confusion matrix.
 
     python examples/train_classifier.py [--epochs 10] [--bf16] [--plot out.png]
 """
@@ -19,6 +21,7 @@ import argparse
 import json
 import shutil
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -120,28 +123,54 @@ def load_digits(seed: int) -> tuple[np.ndarray, ...]:
     return x[n_test:], y[n_test:], x[:n_test], y[:n_test]
 
 
-def batches(data: tuple[np.ndarray, ...], epoch: int) -> list[dict[str, np.ndarray]]:
-    """One epoch's batches: shuffled rows, each with a dropout seed of its own, so
-    that every strategy draws the same dropout masks for the same example."""
-    x, y = data[0], data[1]
-    rng = np.random.default_rng((ARGS.seed, epoch))
-    order = rng.permutation(len(x))
-    seeds = rng.integers(0, 2**31, size=len(x), dtype=np.uint32)
-    steps = len(x) // ARGS.batch_size
-    return [
-        {"x": x[rows], "y": y[rows], "seed": seeds[rows]}
-        for rows in np.split(order[: steps * ARGS.batch_size], steps)
-    ]
+class Digits:
+    """The training rows as a map-style source for `ed.BatchLoader`: row `i` is
+    image `x[i]`, label `y[i]` and its own index `i`, from which the loss derives
+    the row's dropout key."""
+
+    def __init__(self, x: np.ndarray, y: np.ndarray) -> None:
+        self.x, self.y = x, y
+
+    def __len__(self) -> int:
+        return len(self.y)
+
+    def __getitem__(self, indices: np.ndarray) -> dict[str, np.ndarray]:
+        index = indices.astype(np.int32)
+        return {"x": self.x[indices], "y": self.y[indices], "index": index}
 
 
-def single_device_order(batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-    """The rows in the order that gives one device the same minibatches (the same
-    sets of examples, so the same BatchNorm statistics) as 8 devices, where
-    minibatch m is the m-th block of every device's rows."""
-    n, devices = ARGS.minibatches, ARGS.devices
-    rows = np.arange(len(batch["y"])).reshape(devices, n, -1)
-    order = rows.transpose(1, 0, 2).reshape(-1)
-    return {k: v[order] for k, v in batch.items()}
+class Batches:
+    """The loader's batches for one strategy, each row tagged with its step, so
+    that the loss draws the same dropout mask for the same example at the same
+    step on every strategy. One device gets the rows in the order that gives it
+    the same minibatches (the same sets of examples, so the same BatchNorm
+    statistics) as 8 devices, where minibatch m is the m-th block of every
+    device's rows; the noise-floor run ("reorder") also permutes the rows within
+    each minibatch, which changes nothing but floating-point rounding.
+    `ed.train_loop` calls `iterate(start_step)` (the loader reads ahead in a
+    thread) and saves the step it reached as the checkpoint's `loader_step`."""
+
+    def __init__(self, loader: ed.BatchLoader, strategy: str) -> None:
+        self.loader, self.strategy = loader, strategy
+
+    def iterate(self, start_step: int) -> Iterator[tuple[int, dict[str, jax.Array]]]:
+        for step, batch in self.loader.iterate(start_step):
+            yield step, self.finish(step, batch)
+
+    def finish(self, step: int, batch: dict[str, jax.Array]) -> dict[str, jax.Array]:
+        rows = self.loader.global_batch_size
+        steps = np.full(rows, step, np.int32)
+        batch = {**batch, "step": jax.device_put(steps, self.loader.sharding)}
+        if self.strategy not in ("single", "reorder"):
+            return batch
+        n, devices = ARGS.minibatches, ARGS.devices
+        order = np.arange(rows).reshape(devices, n, -1).transpose(1, 0, 2).reshape(-1)
+        if self.strategy == "reorder":
+            per, rng = rows // n, np.random.default_rng(step)
+            order = order[
+                np.concatenate([m * per + rng.permutation(per) for m in range(n)])
+            ]
+        return {k: v[order] for k, v in batch.items()}
 
 
 # -- the model --------------------------------------------------------------------
@@ -176,8 +205,13 @@ class CNN(eqx.Module):
 
 
 def loss_fn(model: CNN, model_state: Any, batch: Any, key: Any) -> Any:
-    del key  # dropout keys come with the rows (see `batches`)
-    keys = jax.vmap(jax.random.key)(batch["seed"])
+    # Not `key`, which differs between devices and minibatches: each row's dropout
+    # key comes from (seed, step, example), the same for every strategy.
+    del key
+    seed = jax.random.key(ARGS.seed)
+    keys = jax.vmap(lambda s, i: jax.random.fold_in(jax.random.fold_in(seed, s), i))(
+        batch["step"], batch["index"]
+    )
     logits, model_state = jax.vmap(
         model, axis_name="batch", in_axes=(0, None, 0), out_axes=(0, None)
     )(batch["x"], model_state, keys)
@@ -214,26 +248,25 @@ def eval_fn(model: CNN, model_state: Any, batch: Any, mask: jax.Array) -> Any:
 # -- training on the loop -----------------------------------------------------
 
 
-def batch_fn(strategy: str, data: tuple[np.ndarray, ...]) -> Any:
-    """The batch of each step (a pure function of the step, so a resumed run sees
-    the same stream): one device gets the rows in the order that gives it the
-    same minibatches as 8 devices; the noise-floor run also permutes the rows
-    within each minibatch, which changes nothing but floating-point rounding."""
-    steps = len(data[0]) // ARGS.batch_size
+# What, beside the loader's position (`loader_step`), defines the data stream: saved
+# in every checkpoint's metadata and checked on `--resume`.
+STREAM = {"seed": ARGS.seed, "batch_size": ARGS.batch_size}
 
-    def batch(step: int) -> dict[str, np.ndarray]:
-        epoch_batches = batches(data, step // steps)
-        b = epoch_batches[step % steps]
-        if strategy in ("single", "reorder"):
-            b = single_device_order(b)
-        if strategy == "reorder":
-            per = ARGS.batch_size // ARGS.minibatches
-            rng = np.random.default_rng(step)
-            order = [m * per + rng.permutation(per) for m in range(ARGS.minibatches)]
-            b = {k: v[np.concatenate(order)] for k, v in b.items()}
-        return b
 
-    return batch
+def check_stream(manager: ed.CheckpointManager) -> int:
+    """The step a resumed run continues from; exits when its checkpoint was
+    written with another data stream, which could not continue exactly."""
+    latest = manager.latest_step()
+    if latest is None:
+        return 0
+    saved = manager.metadata(latest)
+    if {k: saved.get(k) for k in STREAM} != STREAM:
+        sys.exit(
+            f"--resume: {manager.directory} step {latest} was trained on the data "
+            f"stream {saved}; this run asks for {STREAM}: pass the same --seed "
+            "and --batch-size, or start afresh without --resume."
+        )
+    return int(saved["loader_step"])
 
 
 def train(strategy: str, data: tuple[np.ndarray, ...]) -> dict[str, Any]:
@@ -256,13 +289,18 @@ def train(strategy: str, data: tuple[np.ndarray, ...]) -> dict[str, Any]:
     state = ed.TrainState.create(
         model, optimizer, jax.random.key(ARGS.seed + 1), model_state=model_state
     )
-    steps_per_epoch = len(data[0]) // ARGS.batch_size
+    # The global batch of step s depends only on (seed, s), on 1 device or 8.
+    loader = ed.BatchLoader(
+        Digits(data[0], data[1]), ARGS.batch_size, mesh, seed=ARGS.seed
+    )
+    steps_per_epoch = loader.steps_per_epoch
     out = Path(ARGS.out) / strategy
     if not ARGS.resume:  # a fresh run: the previous one's checkpoints and logs go
         shutil.rmtree(out, ignore_errors=True)
         shutil.rmtree(Path(ARGS.out) / "tensorboard" / strategy, ignore_errors=True)
     stop = None if ARGS.stop_after is None else ARGS.stop_after * steps_per_epoch
     with (
+        loader,
         ed.CheckpointManager(out, save_interval_steps=steps_per_epoch) as manager,
         ed.MultiWriter(
             [
@@ -271,11 +309,12 @@ def train(strategy: str, data: tuple[np.ndarray, ...]) -> dict[str, Any]:
             ]
         ) as writer,
     ):
-        start = (manager.latest_step() or 0) if ARGS.resume else 0
+        start = check_stream(manager) if ARGS.resume else 0
         result = ed.train_loop(
-            step, state, batch_fn(strategy, data), ARGS.epochs * steps_per_epoch,
+            step, state, Batches(loader, strategy), ARGS.epochs * steps_per_epoch,
             writer=writer, log_every=ARGS.log_every, checkpoints=manager,
-            resume=ARGS.resume, stop_at=start + stop if stop else None,
+            resume=ARGS.resume, metadata=lambda s: STREAM,
+            stop_at=start + stop if stop else None,
             eval_step=evaluate, eval_batches={"x": data[2], "y": data[3]},
             eval_every=steps_per_epoch, name=f"{strategy:>6}",
             show=("loss", "accuracy"),
