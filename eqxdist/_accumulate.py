@@ -170,6 +170,8 @@ def accumulate(
         )
     if checked.weighted:
         return Accumulated(grads, total, weight, metrics, model_state)
+    if n == 1:  # its own mean: no division, the program a hand-written step has
+        return Accumulated(grads, total, None, metrics, model_state)
     mean = jax.tree.map(lambda g: g / n, grads)
     return Accumulated(mean, total / n, None, metrics, model_state)
 
