@@ -30,7 +30,8 @@ class Progress:
     - `initial`: the step it starts from (e.g. when resuming).
     - `name`: a label before the bar or each line.
     - `bar`: `None` chooses `tqdm` when standard output is a terminal and `tqdm`
-      is installed; `False` forces plain lines.
+      is installed (plain lines otherwise); `True` asks for `tqdm` (an
+      `ImportError` without it); `False` forces plain lines.
     """
 
     @typecheck
@@ -41,12 +42,18 @@ class Progress:
         self.step = initial
         self.total = total
         self._bar: Any = None
+        wanted = bar
         if bar is None:
             bar = sys.stdout.isatty()
         if bar and jax.process_index() == 0:
             try:
                 from tqdm import tqdm
             except ImportError:
+                if wanted:  # asked for by name: say so rather than print lines
+                    raise ImportError(
+                        "Progress(bar=True) needs tqdm: pip install tqdm (or "
+                        "eqxdist[examples]); bar=None falls back to plain lines."
+                    ) from None
                 return
             self._bar = tqdm(
                 total=total, initial=initial, desc=name or None, unit="step",

@@ -277,6 +277,14 @@ def test_progress_bar_shows_rate_and_values(capsys: Any) -> None:
     assert "step/s" in out and "a line above the bar" in out
 
 
+def test_progress_bar_without_tqdm_is_an_error(monkeypatch: Any) -> None:
+    # Asked for by name, a missing tqdm is an error, not silently plain lines.
+    monkeypatch.setitem(sys.modules, "tqdm", None)
+    with pytest.raises(ImportError, match=r"Progress\(bar=True\) needs tqdm"):
+        ed.Progress(10, bar=True)
+    ed.Progress(10, bar=None).close()  # chosen automatically: plain lines
+
+
 def test_logs_step_info_grad_norm(mesh8: Any, tmp_path: Path) -> None:
     """A step made with `step_info=True`: the loop writes its statistics, and the
     logged `grad_norm` is the norm of the single-device gradient."""
