@@ -29,6 +29,7 @@ from jaxtyping import Array, ArrayLike
 from .accumulator import MetricAccumulator
 from .aggregation import Mean
 from .base import Metric
+from .checks import positive_int
 from .inputs import (
     as_array,
     binned_scores,
@@ -228,15 +229,7 @@ class AUROC(Metric):
     _added_states: ClassVar[frozenset[str]] = frozenset({"weighted"})
 
     def __init__(self, num_thresholds: int = 200):
-        if not isinstance(num_thresholds, int) or isinstance(num_thresholds, bool):
-            raise TypeError(
-                f"AUROC: `num_thresholds` must be an int, got {num_thresholds!r}."
-            )
-        if num_thresholds < 2:
-            raise ValueError(
-                f"AUROC: `num_thresholds` must be >= 2, got {num_thresholds}."
-            )
-        self.num_thresholds = num_thresholds
+        self.num_thresholds = positive_int(num_thresholds, "AUROC", "num_thresholds", 2)
         zeros = jnp.zeros((2, num_thresholds), count_dtype())
         self.histograms = MetricAccumulator(zeros, compensated=True)
         self.weighted = MetricAccumulator(
