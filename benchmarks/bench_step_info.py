@@ -1,15 +1,19 @@
 """What the step statistics, non-finite skipping and sharded initialisation cost.
 
 1. Step time of `make_train_step(..., step_info=True, skip_nonfinite=True)`
-   against the plain step (same model, optimizer and batch), for dp and fsdp.
-   Both run in one process, interleaved within each repeat, at most 4 steps in
-   flight; the ratio is taken per repeat, and the median and spread (min-max)
-   over repeats are printed. Goal: <= 1.03.
+   against the plain step (same model, optimizer and batch), for dp and fsdp,
+   and of each option alone. All run in one process, interleaved within each
+   repeat, at most 4 steps in flight; the ratio is taken per repeat, and the
+   median and spread (min-max) over repeats are printed. Goal: <= 1.03.
 2. `TrainStep.init_state` of an 8 x 1024^2 MLP (Adam) under FSDP: the compiled
    init's per-device peak bytes (outputs + temporaries, from
    `memory_analysis()`) against the per-device share of the state. Goal:
    <= 1.25x. Building the state on one device and placing it holds the whole
-   state (8x the share) on that device.
+   state (8x the share) on that device. Printed twice: with XLA:CPU's default
+   (concurrency-optimised) scheduler, which runs the layers' random
+   initialisers side by side and keeps their threefry working arrays (about
+   one shard per layer) as temporaries, and in a child process with
+   `--xla_cpu_enable_concurrency_optimized_scheduler=false`.
 
     python benchmarks/bench_step_info.py            # 8 x 1024^2, about a minute
     python benchmarks/bench_step_info.py --quick    # 4 x 256^2, seconds
@@ -20,6 +24,8 @@ The script sets up 8 simulated CPU devices itself (before JAX starts).
 import argparse
 import os
 import statistics
+import subprocess
+import sys
 import time
 from typing import Any
 
@@ -73,35 +79,43 @@ def bench_overhead(args: argparse.Namespace) -> None:
         "x": rng.normal(size=(args.batch, args.width)).astype(np.float32),
         "y": rng.normal(size=(args.batch, args.width)).astype(np.float32),
     }
+    variants = {
+        "plain": {},
+        "skip_nonfinite": {"skip_nonfinite": True},
+        "step_info": {"step_info": True},
+        "both": {"step_info": True, "skip_nonfinite": True},
+    }
     for strategy in ("dp", "fsdp"):
         kwargs = {"strategy": strategy, "min_weight_size": 2**14}
-        plain = ed.make_train_step(loss_fn, optimizer, mesh, **kwargs)
-        full = ed.make_train_step(
-            loss_fn, optimizer, mesh, step_info=True, skip_nonfinite=True, **kwargs
-        )
-        make = lambda: ed.TrainState.create(  # noqa: E731
-            mlp(args.width, args.depth, jax.random.key(0)),
-            optimizer,
-            jax.random.key(1),
-        )
-        states = {"plain": make(), "info": make()}
-        steps = {"plain": plain, "info": full}
+        steps = {
+            name: ed.make_train_step(loss_fn, optimizer, mesh, **kwargs, **extra)
+            for name, extra in variants.items()
+        }
+        states = {
+            name: ed.TrainState.create(
+                mlp(args.width, args.depth, jax.random.key(0)),
+                optimizer,
+                jax.random.key(1),
+            )
+            for name in steps
+        }
         for name in steps:  # compile and warm up
             states[name], _ = time_steps(steps[name], states[name], batch, 4)
-        ratios, times = [], {"plain": [], "info": []}
+        times: dict[str, list[float]] = {name: [] for name in steps}
         for _ in range(args.repeats):
-            for name in ("plain", "info"):
+            for name in steps:
                 states[name], t = time_steps(
                     steps[name], states[name], batch, args.steps
                 )
                 times[name].append(t)
-            ratios.append(times["info"][-1] / times["plain"][-1])
-        print(
-            f"{strategy:5s} step_info+skip_nonfinite / plain: median "
-            f"{statistics.median(ratios):.3f} (spread {min(ratios):.3f}-"
-            f"{max(ratios):.3f}); plain {statistics.median(times['plain']) * 1e3:.2f}"
-            f" ms, with info {statistics.median(times['info']) * 1e3:.2f} ms"
-        )
+        plain = times["plain"]
+        print(f"{strategy}: plain step {statistics.median(plain) * 1e3:.1f} ms")
+        for name in list(steps)[1:]:
+            ratios = [t / p for t, p in zip(times[name], plain, strict=True)]
+            print(
+                f"  {name:15s} / plain: median {statistics.median(ratios):.3f} "
+                f"(spread {min(ratios):.3f}-{max(ratios):.3f})"
+            )
 
 
 def bench_init(args: argparse.Namespace) -> None:
@@ -134,6 +148,21 @@ def bench_init(args: argparse.Namespace) -> None:
     )
 
 
+SCHEDULER_FLAG = "--xla_cpu_enable_concurrency_optimized_scheduler=false"
+
+
+def bench_init_without_concurrency_scheduler() -> None:
+    """The same compiled init with XLA:CPU's memory-first scheduler. XLA reads the
+    flag once per process (a per-compile `compiler_options` entry is ignored), so
+    this runs in a child process."""
+    env = dict(os.environ)
+    env["XLA_FLAGS"] = f"{env.get('XLA_FLAGS', '')} {SCHEDULER_FLAG}".strip()
+    args = [sys.executable, __file__, "--init-only", *sys.argv[1:]]
+    out = subprocess.run(args, env=env, capture_output=True, text=True, check=True)
+    print(f"with XLA_FLAGS={SCHEDULER_FLAG}:")
+    print("  " + out.stdout.strip())
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true", help="small model, seconds")
@@ -142,11 +171,16 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=128)
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--repeats", type=int, default=7)
+    parser.add_argument("--init-only", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.quick:
         args.width, args.depth, args.steps, args.repeats = 256, 4, 4, 3
+    if args.init_only:
+        bench_init(args)
+        return
     bench_overhead(args)
     bench_init(args)
+    bench_init_without_concurrency_scheduler()
 
 
 if __name__ == "__main__":

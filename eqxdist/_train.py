@@ -25,6 +25,7 @@ from ._layout import Layout
 from ._metrics.tree import reduce_metrics
 from ._plan import ModelPlan
 from ._state import TrainState
+from ._statistics import global_sums, local_sums
 from ._utils import AxisName, cast_floating, check_axis_bound, is_array, typecheck
 
 FSDP_GATHERS = ("step", "minibatch")
@@ -253,28 +254,56 @@ class StepMath(eqx.Module):
         per_device = functools.partial(
             self._per_device, inputs, wants_value or self.skip_nonfinite
         )
-        grads, value, metrics, new_ms = inputs.shard_map(
+        sums_wanted = self.step_info or self.skip_nonfinite
+        grads, value, metrics, new_ms, *grad_sums = inputs.shard_map(
             per_device,
             (jax.random.fold_in(state.key, state.step),),
             (P(),),
-            (inputs.plan.grad_specs, P(), P(), P()),
+            (inputs.plan.grad_specs, P(), P(), P()) + ((P(),) if sums_wanted else ()),
         )
         extra = {"value": value} if wants_value else {}
-        updates, opt_state = self.optimizer.update(
-            grads, state.opt_state, trained, **extra
-        )
-        new_params = jax.tree.map(
-            lambda p, u: (p + u).astype(p.dtype), trained, updates
-        )
+        plan, layout = inputs.plan, self.layout
+
+        def update(grads: Any, params: Any, opt_state: Any) -> Any:
+            updates, opt_state = self.optimizer.update(
+                grads, opt_state, params, **extra
+            )
+            sums = jnp.zeros((2,), jnp.float32)
+            if self.step_info:  # here, so that a skipped step reads no update
+                (sums,) = global_sums(
+                    [updates],
+                    [plan.specs],
+                    [plan.grad_specs],
+                    layout.data_axes,
+                    layout.mesh,
+                )
+            new_params = jax.tree.map(
+                lambda p, u: (p + u).astype(p.dtype), params, updates
+            )
+            return new_params, opt_state, sums
+
         new_ms = inputs.model_state(new_ms) if inputs.with_state else None
         skipped = None
         if self.skip_nonfinite:
-            skipped = nonfinite(value, grads)
-            new_params, opt_state, new_ms = keep_if(
-                skipped,
-                (trained, state.opt_state, state.model_state),
-                (new_params, opt_state, new_ms),
+            skipped = jnp.logical_or(
+                jnp.logical_not(jnp.isfinite(value)), jnp.isnan(grad_sums[0][1])
             )
+
+            # A loop run once or not at all: XLA updates a loop's carry in place,
+            # so a step that is not skipped reads and writes what a plain step
+            # does (selects, or a `lax.cond`, make XLA copy the state).
+            def body(carry: Any) -> Any:
+                _, params, opt_state, _ = carry
+                return (jnp.ones((), bool), *update(grads, params, opt_state))
+
+            _, new_params, opt_state, update_sums = jax.lax.while_loop(
+                lambda carry: jnp.logical_not(carry[0]),
+                body,
+                (skipped, trained, state.opt_state, jnp.zeros((2,), jnp.float32)),
+            )
+            new_ms = keep_if(skipped, state.model_state, new_ms)
+        else:
+            new_params, opt_state, update_sums = update(grads, trained, state.opt_state)
         new_model = eqx.combine(new_params, eqx.filter(state.model, mask, inverse=True))
         new_state = TrainState(
             new_model,
@@ -286,7 +315,10 @@ class StepMath(eqx.Module):
         )
         if not self.step_info:
             return new_state, metrics
-        info = step_statistics(grads, updates, new_params, skipped)
+        (param_sums,) = global_sums(
+            [new_params], [plan.specs], [plan.manual], layout.data_axes, layout.mesh
+        )
+        info = step_statistics(grad_sums[0], update_sums, param_sums, skipped)
         return new_state, (metrics, info)
 
     def _materialise(self, inputs: StepInputs, p: Any) -> Any:
@@ -305,7 +337,7 @@ class StepMath(eqx.Module):
         ms: Any,
         local_batch: Any,
         key: Any,
-    ) -> tuple[Any, Any, Any, Any]:
+    ) -> tuple[Any, ...]:
         axes = self.layout.data_axes
         frozen_full = inputs.gather(f)
         loss = CheckedLoss(self.loss_fn, inputs.with_state)
@@ -333,12 +365,18 @@ class StepMath(eqx.Module):
         grads = inputs.plan.reduce_gradients(grads, axes)
         grads, value = _over_devices(grads, out, axes, wants_value)
         new_ms = eqx.filter(out.model_state, is_array) if inputs.with_state else None
-        return (
+        outputs = (
             grads,
             value,
             reduce_metrics(out.metrics, axes),
             sync_model_state(new_ms, axes),
         )
+        if not (self.step_info or self.skip_nonfinite):
+            return outputs
+        # The gradients' statistics, each device reading its share of them.
+        plan = inputs.plan
+        local = local_sums(grads, plan.specs, plan.grad_specs, axes, self.layout.mesh)
+        return (*outputs, jax.lax.psum(local, axes))
 
 
 def _over_devices(
@@ -360,15 +398,6 @@ def _over_devices(
     )
 
 
-def nonfinite(value: Any, grads: Any) -> Array:
-    """On global arrays: whether the step's loss or any gradient element is NaN
-    or infinite (the same answer on every device)."""
-    finite = [jnp.all(jnp.isfinite(g)) for g in jax.tree.leaves(grads)]
-    if value is not None:
-        finite.append(jnp.isfinite(value))
-    return jnp.logical_not(jnp.all(jnp.stack(finite)))
-
-
 def keep_if(skipped: Array, old: Any, new: Any) -> Any:
     """`old` where `skipped`, else `new`, leaf by leaf (a select: the kept values
     are bit-identical)."""
@@ -380,22 +409,14 @@ def keep_if(skipped: Array, old: Any, new: Any) -> Any:
 
 
 def step_statistics(
-    grads: Any, updates: Any, params: Any, skipped: Array | None
+    grad_sums: Array, update_sums: Array, param_sums: Array, skipped: Array | None
 ) -> dict[str, Array]:
-    """`step_info`'s norms, on the global (possibly sharded) arrays, so that XLA
-    adds up each sharded leaf's squares over the devices that hold its parts."""
-
-    def norm(tree: Any) -> Array:
-        value: Array = optax.tree.norm(tree).astype(jnp.float32)
-        return value
-
+    """`step_info` from the sums of squares (`global_sums`) of the gradients,
+    the update (zeros when the step was skipped) and the parameters."""
     no = jnp.zeros((), jnp.float32)
-    update_norm = norm(updates)
-    if skipped is not None:
-        update_norm = jnp.where(skipped, no, update_norm)
     return {
-        "grad_norm": norm(grads),
-        "update_norm": update_norm,
-        "param_norm": norm(params),
+        "grad_norm": jnp.sqrt(grad_sums[0]),
+        "update_norm": jnp.sqrt(update_sums[0]),
+        "param_norm": jnp.sqrt(param_sums[0]),
         "skipped": no if skipped is None else skipped.astype(jnp.float32),
     }

@@ -207,6 +207,63 @@ def test_step_info_norms_match_single_device(setup):
         assert not state.model.layers[0].weight.sharding.is_fully_replicated
 
 
+@pytest.mark.parametrize(
+    "shape, axes",
+    [
+        ({"data": 8}, ("data",)),
+        ({"replica": 2, "data": 2, "model": 2}, ("replica", "data")),
+    ],
+)
+def test_sums_read_shares_and_add_up_to_the_whole(shape, axes):
+    """Each device sums a slice of every copy (leaves of any shape, remainders,
+    leaves too small to split, leaves sharded over data or rule axes); the parts
+    add up to NumPy's sums over the whole arrays."""
+    from eqxdist._statistics import global_sums
+
+    mesh = ed.create_device_mesh(shape)
+    rng = np.random.default_rng(0)
+    values = [
+        rng.normal(size=s).astype(np.float32) for s in [(10,), (3,), (9, 17), (16, 8)]
+    ]
+    values.append(rng.normal(size=(8, 6)).astype(jnp.bfloat16))
+    rule = "model" if "model" in shape else None
+    specs = [P(), P(), P(), P(axes[-1], rule), P(None, rule)]
+    manual = [P(), P(), P(), P(axes[-1]), P()]
+    tree = [
+        jax.device_put(v, jax.sharding.NamedSharding(mesh, s))
+        for v, s in zip(values, specs, strict=True)
+    ]
+    sums = jax.jit(lambda t: global_sums([t], [specs], [manual], axes, mesh))(tree)
+    expected = sum(float(np.sum(np.square(v.astype(np.float64)))) for v in values)
+    np.testing.assert_allclose(sums[0, 0], expected, rtol=1e-5)
+    assert float(sums[0, 1]) == 0.0
+    tree[2] = tree[2].at[8, 16].set(jnp.inf)  # in the remainder of the split dim
+    sums = jax.jit(lambda t: global_sums([t], [specs], [manual], axes, mesh))(tree)
+    assert np.isnan(sums[0, 1])
+
+
+def test_step_info_under_zero1():
+    """Gradients and updates leave the step sharded as the optimizer state is."""
+    optimizer = optax.adamw(1e-2, weight_decay=0.1)
+    batch = token_batch(5, empty=())
+    model = mlp()
+    params = eqx.filter(model, eqx.is_inexact_array)
+    grads = eqx.filter_grad(lambda m: mean_loss(m, batch, None)[0])(model)
+    updates, _ = optimizer.update(grads, optimizer.init(params), params)
+    step = ed.make_train_step(
+        mean_loss,
+        optimizer,
+        ed.create_data_parallel_mesh(),
+        strategy="zero1",
+        min_weight_size=16,
+        step_info=True,
+    )
+    state = ed.TrainState.create(model, optimizer, jax.random.key(0))
+    _, _, info = step(state, batch)
+    np.testing.assert_allclose(info["grad_norm"], optax.tree.norm(grads), rtol=1e-5)
+    np.testing.assert_allclose(info["update_norm"], optax.tree.norm(updates), rtol=1e-5)
+
+
 # -- skipping non-finite steps ------------------------------------------------------
 
 

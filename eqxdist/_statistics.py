@@ -1,0 +1,123 @@
+"""Global sums of squares and finiteness sums of sharded or replicated pytrees,
+with each device reading only its own share of every leaf.
+
+`step_info`'s norms and `skip_nonfinite`'s check read every gradient, update and
+parameter. On global arrays, a leaf replicated over the data axes (every leaf under
+data parallelism) would be read whole by every device: as many extra passes over
+the model as the optimizer update makes, for three scalars. Here each of the
+devices that hold the same copy of a leaf reads a different slice of it, and one
+all-reduce of a few scalars adds the parts up, so a device reads about
+1/(number of copies) of each leaf.
+"""
+
+import math
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import Mesh, PartitionSpec as P
+from jaxtyping import Array
+
+from ._rules import spec_axes
+from ._utils import is_array
+
+
+def _sums(x: Array) -> Array:
+    """`[sum of squares, sum of x * 0]` of `x` in float32, in one reduction: the
+    second is 0 when every element is finite and NaN otherwise."""
+    x32 = x.astype(jnp.float32)  # not flattened: that would regather rule axes
+    stacked = jnp.stack([x32 * x32, x32 * 0.0])
+    return jnp.sum(stacked, axis=tuple(range(1, stacked.ndim)))
+
+
+def _taken(spec: P | None, ndim: int) -> set[int]:
+    return {d for d, e in enumerate(tuple(spec or ())[:ndim]) if e is not None}
+
+
+def _share(
+    x: Array,
+    spec: P | None,
+    manual: P | None,
+    axes: tuple[str, ...],
+    mesh: Mesh,
+) -> Array:
+    """Inside `shard_map` (manual over `axes`): this device's part of the sums of
+    leaf `x`, laid out by `manual` over the data axes and by `spec` over the
+    others. The devices holding the same copy of `x` (those along the data axes
+    `manual` does not shard over) each take an equal slice of its largest
+    dimension no axis shards; the first also takes the remainder."""
+    copies = tuple(a for a in axes if a not in spec_axes(manual))
+    count = math.prod(mesh.shape[a] for a in copies)
+    if count == 1:
+        return _sums(x)
+    index = jax.lax.axis_index(copies)
+    taken = _taken(spec, x.ndim) | _taken(manual, x.ndim)
+    free = [d for d in range(x.ndim) if d not in taken and x.shape[d] >= count]
+    if not free:  # small or fully sharded elsewhere: one copy adds it up
+        return jnp.where(index == 0, _sums(x), 0.0)
+    dim = max(free, key=lambda d: (x.shape[d], -d))  # contiguous slabs
+    size = x.shape[dim] // count
+    part = _sums(jax.lax.dynamic_slice_in_dim(x, index * size, size, axis=dim))
+    rest = x.shape[dim] - size * count
+    if rest:
+        tail = jax.lax.slice_in_dim(x, size * count, x.shape[dim], axis=dim)
+        part = part + jnp.where(index == 0, _sums(tail), 0.0)
+    return part
+
+
+def _is_spec(x: Any) -> bool:
+    return x is None or isinstance(x, P)
+
+
+def local_sums(
+    tree: Any, specs: Any, manual: Any, axes: tuple[str, ...], mesh: Mesh
+) -> Array:
+    """Inside `shard_map`: this device's share of `tree`'s (sum of squares,
+    finiteness sum); `specs` are the leaves' model specs (for the axes XLA
+    handles) and `manual` their specs over the data `axes` (`None` where a leaf
+    is not an array). `jax.lax.psum` over `axes` gives the global sums."""
+    total = jnp.zeros((2,), jnp.float32)
+    leaves = jax.tree.leaves(
+        jax.tree.map(
+            lambda s, m, x: _share(x, s, m, axes, mesh) if is_array(x) else None,
+            specs,
+            manual,
+            tree,
+            is_leaf=_is_spec,
+        )
+    )
+    for part in leaves:
+        total = total + part
+    return total
+
+
+def global_sums(
+    trees: Sequence[Any],
+    specs: Sequence[Any],
+    manual: Sequence[Any],
+    axes: tuple[str, ...],
+    mesh: Mesh,
+) -> Array:
+    """On global arrays: a `(len(trees), 2)` array of each tree's (sum of squares,
+    finiteness sum), every device reading its share (`local_sums`) and one
+    all-reduce adding them; `specs` and `manual` as `local_sums` takes them, one
+    per tree."""
+
+    def per_device(*local: Any) -> Array:
+        sums = [
+            local_sums(t, s, m, axes, mesh)
+            for t, s, m in zip(local, specs, manual, strict=True)
+        ]
+        total: Array = jax.lax.psum(jnp.stack(sums), axes)
+        return total
+
+    sums: Array = jax.shard_map(
+        per_device,
+        mesh=mesh,
+        in_specs=tuple(manual),
+        out_specs=P(),
+        axis_names=frozenset(axes),
+        check_vma=False,
+    )(*trees)
+    return sums
