@@ -7,6 +7,7 @@ a parameter pytree together with its specs, inside `jax.shard_map`.
 """
 
 import functools
+import itertools
 from collections.abc import Sequence
 from typing import Any
 
@@ -164,6 +165,80 @@ def gather_leaf(x: jax.Array, dim: int, axis_name: str) -> jax.Array:
     return full
 
 
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2))
+def _gather_all(xs: list[jax.Array], dims: tuple[int, ...], axis_name: str) -> Any:
+    return [
+        jax.lax.all_gather(x, axis_name, axis=d, tiled=True)
+        for x, d in zip(xs, dims, strict=True)
+    ]
+
+
+def _gather_all_fwd(
+    xs: list[jax.Array], dims: tuple[int, ...], axis_name: str
+) -> tuple[Any, None]:
+    return _gather_all(xs, dims, axis_name), None
+
+
+def _gather_all_bwd(
+    dims: tuple[int, ...], axis_name: str, _: None, gs: list[jax.Array]
+) -> tuple[list[jax.Array]]:
+    # The gradients of all the leaves in one reduce-scatter per dtype: each full
+    # gradient as rows of the device blocks of its sharded dimension, the rows of
+    # every leaf side by side, so that device i's block of every leaf lands on
+    # device i. One collective instead of one per leaf matters where each costs a
+    # synchronisation of every device (XLA:CPU, which combines no reduce-scatters).
+    size = jax.lax.axis_size(axis_name)
+    rows = [
+        jnp.moveaxis(g, d, 0).reshape(size, -1) for g, d in zip(gs, dims, strict=True)
+    ]
+    out: list[Any] = [None] * len(gs)
+    for dtype in sorted({r.dtype for r in rows}, key=str):
+        which = [i for i, r in enumerate(rows) if r.dtype == dtype]
+        flat = jnp.concatenate([rows[i] for i in which], axis=1)
+        mean = scatter_mean(flat, 0, axis_name)[0]
+        ends = list(itertools.accumulate(rows[i].shape[1] for i in which))
+        for i, part in zip(which, jnp.split(mean, ends[:-1]), strict=True):
+            moved = jnp.moveaxis(gs[i], dims[i], 0)
+            block = part.reshape(moved.shape[0] // size, *moved.shape[1:])
+            out[i] = jnp.moveaxis(block, 0, dims[i])
+    return (out,)
+
+
+_gather_all.defvjp(_gather_all_fwd, _gather_all_bwd)
+
+
+def gather_tree(
+    params: PyTree[Any],
+    specs: PyTree[Any],
+    axis_name: str,
+    *,
+    combined: bool,
+    caller: str = "gather_params",
+) -> PyTree[Any]:
+    """`gather_params`; `combined=True` reduce-scatters the gradients of all the
+    floating-point leaves together (one collective per dtype, which needs every
+    leaf's full gradient at once: for a step that holds them all anyway, as one
+    that gathers once per step does)."""
+    leaves, spec_leaves, spec_def = _spec_leaves(params, specs, caller, "params")
+    out = list(leaves)
+    together: list[tuple[int, int]] = []
+    for i, (leaf, spec) in enumerate(zip(leaves, spec_leaves, strict=True)):
+        dim = sharded_dim(spec, axis_name) if is_array(leaf) else None
+        if dim is None:
+            continue
+        if combined and jnp.issubdtype(leaf.dtype, jnp.inexact):
+            together.append((i, dim))
+        else:
+            out[i] = gather_leaf(leaf, dim, axis_name)
+    if together:
+        full = _gather_all(
+            [leaves[i] for i, _ in together], tuple(d for _, d in together), axis_name
+        )
+        for (i, _), x in zip(together, full, strict=True):
+            out[i] = x
+    return jax.tree.unflatten(spec_def, out)
+
+
 @typecheck
 def gather_params(
     params: PyTree[Any], specs: PyTree[Any], axis_name: str = "data"
@@ -202,14 +277,7 @@ def gather_params(
         ```
     """
     (name,) = check_axis_bound(axis_name, "gather_params")
-    leaves, spec_leaves, spec_def = _spec_leaves(
-        params, specs, "gather_params", "params"
-    )
-    out = []
-    for leaf, spec in zip(leaves, spec_leaves, strict=True):
-        dim = sharded_dim(spec, name) if is_array(leaf) else None
-        out.append(leaf if dim is None else gather_leaf(leaf, dim, name))
-    return jax.tree.unflatten(spec_def, out)
+    return gather_tree(params, specs, name, combined=False)
 
 
 @typecheck

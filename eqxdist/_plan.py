@@ -14,7 +14,7 @@ from typing import Any
 import jax
 from jax.sharding import Mesh, PartitionSpec as P
 
-from ._fsdp import gather_params, scatter_mean, sync_gradients
+from ._fsdp import gather_tree, scatter_mean, sync_gradients
 from ._rules import (
     FsdpRule,
     ParamRules,
@@ -77,12 +77,13 @@ class ModelPlan:
         )
         return sync_gradients(scattered, self.scatter, axes)
 
-    def gathered(self, tree: Any) -> Any:
+    def gathered(self, tree: Any, *, combined: bool = False) -> Any:
         """Inside the step's `shard_map`: `tree`'s FSDP shards all-gathered as
-        `gather` says; `tree` itself without FSDP."""
+        `gather` says (`combined`: their gradients reduce-scattered in one
+        collective per dtype, see `gather_tree`); `tree` itself without FSDP."""
         if self.gather is None or self.fsdp_axis is None:
             return tree
-        return gather_params(tree, self.gather, self.fsdp_axis)
+        return gather_tree(tree, self.gather, self.fsdp_axis, combined=combined)
 
 
 def plan_model(

@@ -164,9 +164,10 @@ class StepInputs:
         """The model's specs over the data axes: how its leaves enter the map."""
         return self.plan.manual
 
-    def gather(self, tree: Any) -> Any:
-        """Inside `shard_map`: FSDP-sharded leaves of `tree` all-gathered."""
-        return self.plan.gathered(tree)
+    def gather(self, tree: Any, *, combined: bool = False) -> Any:
+        """Inside `shard_map`: FSDP-sharded leaves of `tree` all-gathered
+        (`ModelPlan.gathered`)."""
+        return self.plan.gathered(tree, combined=combined)
 
     def model(self, trained: Any, frozen: Any) -> Any:
         """Inside `shard_map`: the model from its (gathered) array parts."""
@@ -321,11 +322,11 @@ class StepMath(eqx.Module):
         info = step_statistics(grad_sums[0], update_sums, param_sums, skipped)
         return new_state, (metrics, info)
 
-    def _materialise(self, inputs: StepInputs, p: Any) -> Any:
+    def _materialise(self, inputs: StepInputs, p: Any, combined: bool = False) -> Any:
         # Cast before the gather, so that FSDP's all-gathers (and the
         # reduce-scatters of their gradients) move the compute dtype; back to the
         # parameters' dtype after, so gradients add up in it.
-        full = inputs.gather(cast_floating(p, self.compute_dtype))
+        full = inputs.gather(cast_floating(p, self.compute_dtype), combined=combined)
         return jax.tree.map(lambda f, x: f.astype(x.dtype), full, p)
 
     def _per_device(
@@ -355,8 +356,9 @@ class StepMath(eqx.Module):
 
         if self.fsdp_gather == "step":
             # Gather once, accumulate full-size gradients over the minibatches,
-            # reduce-scatter once (the VJP of the gather).
-            full, pullback = jax.vjp(functools.partial(self._materialise, inputs), p)
+            # reduce-scatter once (the VJP of the gather), all of them together.
+            materialise = functools.partial(self._materialise, inputs, combined=True)
+            full, pullback = jax.vjp(materialise, p)
             out = run(loss_of, full)
             (grads,) = pullback(out.grads)
         else:

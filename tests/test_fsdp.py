@@ -95,6 +95,52 @@ def test_gather_params_forward_and_mean_gradient(mesh8, rng, check_vma):
     )
 
 
+def test_combined_gather_reduce_scatters_once_per_dtype(mesh8, rng):
+    """The step's gather (`combined=True`): leaves sharded on any dimension, of two
+    dtypes, get the mean gradient of the per-leaf gather in one reduce-scatter per
+    dtype."""
+    from eqxdist._fsdp import gather_tree
+
+    params = _params(rng)
+    params["half"] = jnp.asarray(rng.normal(size=(8, 5)), jnp.bfloat16)
+    x = jnp.asarray(rng.normal(size=(32, 3)), jnp.float32)
+    specs = ed.fsdp_specs(params, 8, min_weight_size=8)
+    arrays, static = eqx.partition(params, eqx.is_array)
+
+    def grads_of(combined):
+        def loss(shards, xs):
+            full = gather_tree(
+                eqx.combine(shards, static), specs, "data", combined=combined
+            )
+            extra = jnp.sum(full["half"].astype(jnp.float32) ** 2) * jnp.mean(xs)
+            return _loss(full, xs) + extra
+
+        return jax.jit(
+            jax.shard_map(
+                lambda a, xs: ed.sync_gradients(jax.grad(loss)(a, xs), specs),
+                mesh=mesh8,
+                in_specs=(specs, P("data")),
+                out_specs=specs,
+                check_vma=False,
+            )
+        )
+
+    counts = {
+        c: ed.count_collectives(grads_of(c).lower(arrays, x).compile())
+        for c in (False, True)
+    }
+    assert counts[False]["reduce-scatter"] == 3  # rows, cols, half
+    assert counts[True]["reduce-scatter"] == 2  # float32, bfloat16
+    separate, together = grads_of(False)(arrays, x), grads_of(True)(arrays, x)
+    for name in ("rows", "cols", "small", "half"):
+        np.testing.assert_allclose(
+            np.asarray(together[name], np.float32),
+            np.asarray(separate[name], np.float32),
+            rtol=1e-6,
+            atol=1e-7,
+        )
+
+
 def test_gather_params_reassembles_full_arrays(mesh8, rng):
     params = _params(rng)
     specs = ed.fsdp_specs(params, 8, min_weight_size=8)

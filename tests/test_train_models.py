@@ -308,7 +308,12 @@ def test_fsdp_accumulation_gathers_once(mesh8):
             num_minibatches=n,
             fsdp_gather=gather,
         )
-        counts[n, gather] = _collectives(step.lower(state, batch).compile())
+        compiled = step.lower(state, batch).compile()
+        counts[n, gather] = _collectives(compiled)
+        scatters = ed.count_collectives(compiled)["reduce-scatter"]
+        # Gathering once per step, the gradients of all (float32) leaves leave in
+        # one reduce-scatter; per minibatch, one per leaf and minibatch.
+        assert scatters == 1 if gather == "step" else scatters > n
     assert counts[1, "step"] > 0
     assert counts[4, "step"] <= counts[1, "step"]
     assert counts[4, "minibatch"] > counts[4, "step"]
