@@ -126,6 +126,13 @@ def test_launcher_returns_first_failure_and_stops_the_others(tmp_path):
 
 
 @pytest.mark.slow
+def _sigint_as_in_a_terminal():
+    # A process started with SIGINT ignored (pytest-xdist workers, `cmd &` in a
+    # script) passes that on, and Python then installs no KeyboardInterrupt
+    # handler; Ctrl-C reaches a launcher started from a terminal.
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 @pytest.mark.parametrize(
     ("signum", "status", "mode"),
     [
@@ -152,6 +159,7 @@ def test_launcher_passes_on_ctrl_c_and_sigterm(tmp_path, signum, status, mode):
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
+        preexec_fn=_sigint_as_in_a_terminal,
     )
     pid_file = tmp_path / "pids"
     deadline = time.monotonic() + 60
