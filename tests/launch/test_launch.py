@@ -126,24 +126,8 @@ def test_launcher_returns_first_failure_and_stops_the_others(tmp_path):
 
 
 @pytest.mark.slow
-def _sigint_as_in_a_terminal():
-    # A process started with SIGINT ignored (pytest-xdist workers, `cmd &` in a
-    # script) passes that on, and Python then installs no KeyboardInterrupt
-    # handler; Ctrl-C reaches a launcher started from a terminal.
-    signal.signal(signal.SIGINT, signal.SIG_DFL)
-
-
-@pytest.mark.parametrize(
-    ("signum", "status", "mode"),
-    [
-        (signal.SIGINT, 130, "sleep"),
-        (signal.SIGTERM, 143, "sleep"),
-        # Processes that stop cleanly on SIGTERM (a preempted run that saved).
-        (signal.SIGTERM, 0, "graceful"),
-    ],
-)
-def test_launcher_passes_on_ctrl_c_and_sigterm(tmp_path, signum, status, mode):
-    proc = subprocess.Popen(
+def _start_launcher(tmp_path, mode):
+    return subprocess.Popen(
         [
             sys.executable,
             "-m",
@@ -159,8 +143,28 @@ def test_launcher_passes_on_ctrl_c_and_sigterm(tmp_path, signum, status, mode):
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
-        preexec_fn=_sigint_as_in_a_terminal,
     )
+
+
+@pytest.mark.parametrize(
+    ("signum", "status", "mode"),
+    [
+        (signal.SIGINT, 130, "sleep"),
+        (signal.SIGTERM, 143, "sleep"),
+        # Processes that stop cleanly on SIGTERM (a preempted run that saved).
+        (signal.SIGTERM, 0, "graceful"),
+    ],
+)
+def test_launcher_passes_on_ctrl_c_and_sigterm(tmp_path, signum, status, mode):
+    # A process started with SIGINT ignored (as pytest-xdist workers and `cmd &` in
+    # a script are) passes that on, and Python then installs no KeyboardInterrupt
+    # handler. Started from a terminal, the launcher has Python's own handler: with
+    # a handler (not `SIG_IGN`) here, the launcher starts with the default.
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        proc = _start_launcher(tmp_path, mode)
+    finally:
+        signal.signal(signal.SIGINT, previous)
     pid_file = tmp_path / "pids"
     deadline = time.monotonic() + 60
     while not (pid_file.exists() and len(pid_file.read_text().split()) == 4):
