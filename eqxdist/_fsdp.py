@@ -23,6 +23,7 @@ from ._rules import (
     SelfGathering,
     check_layout,
     fsdp_specs,
+    is_spec_leaf,
     leaf_plan,
     merge_specs,
     sharded_dim,
@@ -38,10 +39,6 @@ from ._utils import (
 )
 
 
-def _is_spec_leaf(x: Any) -> bool:
-    return x is None or isinstance(x, P)
-
-
 def _spec_leaves(
     tree: Any, specs: Any, caller: str, argument: str
 ) -> tuple[list[Any], list[Any], Any]:
@@ -51,7 +48,7 @@ def _spec_leaves(
     where `specs` has a spec: gradients of non-differentiable leaves are `None`."""
     spec_def: Any
     with_path, spec_def = jax.tree_util.tree_flatten_with_path(
-        specs, is_leaf=_is_spec_leaf
+        specs, is_leaf=is_spec_leaf
     )
     try:
         leaves = spec_def.flatten_up_to(tree)
@@ -188,9 +185,8 @@ def _gather_all_bwd(
     # device i. One collective instead of one per leaf matters where each costs a
     # synchronisation of every device (XLA:CPU, which combines no reduce-scatters).
     size = jax.lax.axis_size(axis_name)
-    rows = [
-        jnp.moveaxis(g, d, 0).reshape(size, -1) for g, d in zip(gs, dims, strict=True)
-    ]
+    moved = [jnp.moveaxis(g, d, 0) for g, d in zip(gs, dims, strict=True)]
+    rows = [m.reshape(size, -1) for m in moved]
     out: list[Any] = [None] * len(gs)
     for dtype in sorted({r.dtype for r in rows}, key=str):
         which = [i for i, r in enumerate(rows) if r.dtype == dtype]
@@ -198,8 +194,7 @@ def _gather_all_bwd(
         mean = scatter_mean(flat, 0, axis_name)[0]
         ends = list(itertools.accumulate(rows[i].shape[1] for i in which))
         for i, part in zip(which, jnp.split(mean, ends[:-1]), strict=True):
-            moved = jnp.moveaxis(gs[i], dims[i], 0)
-            block = part.reshape(moved.shape[0] // size, *moved.shape[1:])
+            block = part.reshape(moved[i].shape[0] // size, *moved[i].shape[1:])
             out[i] = jnp.moveaxis(block, 0, dims[i])
     return (out,)
 
@@ -222,14 +217,15 @@ def gather_tree(
     axis_name: str,
     *,
     combined: bool,
-    caller: str = "gather_params",
 ) -> PyTree[Any]:
     """`gather_params`; `combined=True` reduce-scatters the gradients of the
     floating-point leaves of at most `COMBINE_MAX_BYTES` together (one collective
     per dtype, which needs their full gradients at once: for a step that holds them
     all anyway, as one that gathers once per step does)."""
     size = jax.lax.axis_size(axis_name)
-    leaves, spec_leaves, spec_def = _spec_leaves(params, specs, caller, "params")
+    leaves, spec_leaves, spec_def = _spec_leaves(
+        params, specs, "gather_params", "params"
+    )
     out = list(leaves)
     together: list[tuple[int, int]] = []
     for i, (leaf, spec) in enumerate(zip(leaves, spec_leaves, strict=True)):

@@ -26,6 +26,7 @@ from ._rules import (
     check_layout,
     entry_size,
     has_fsdp_modules,
+    is_spec_leaf,
 )
 from ._utils import (
     AxisName,
@@ -202,7 +203,7 @@ class Layout:
             lambda s, t: s if t else None,
             model_specs,
             state.trainable_mask(),
-            is_leaf=lambda x: x is None or isinstance(x, P),
+            is_leaf=is_spec_leaf,
         )
         if self.opt_fsdp is not None:
             # ZeRO-1: the parameters stay as their rules say; their optimizer state

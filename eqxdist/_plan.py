@@ -18,6 +18,7 @@ from ._fsdp import gather_tree, scatter_mean, sync_gradients
 from ._rules import (
     FsdpRule,
     ParamRules,
+    is_spec_leaf,
     leaf_plan,
     restrict,
     sharded_dim,
@@ -73,7 +74,7 @@ class ModelPlan:
             scatter,
             self.scatter,
             grads,
-            is_leaf=lambda x: x is None or isinstance(x, P),
+            is_leaf=is_spec_leaf,
         )
         return sync_gradients(scattered, self.scatter, axes)
 

@@ -38,6 +38,12 @@ def check_layout(layout: str, caller: str, argument: str = "layout") -> None:
         )
 
 
+def is_spec_leaf(x: Any) -> bool:
+    """`is_leaf` for a tree of specs: a `PartitionSpec` (itself a tuple) or `None`
+    (a leaf that is not an array) ends the walk."""
+    return x is None or isinstance(x, P)
+
+
 def spec_axes(spec: P | None) -> set[str]:
     """Every mesh axis a `PartitionSpec` names."""
     names: set[str] = set()

@@ -11,7 +11,6 @@ all-reduce of a few scalars adds the parts up, so a device reads about
 """
 
 import math
-from collections.abc import Sequence
 from typing import Any
 
 import jax
@@ -19,7 +18,7 @@ import jax.numpy as jnp
 from jax.sharding import Mesh, PartitionSpec as P
 from jaxtyping import Array
 
-from ._rules import spec_axes
+from ._rules import is_spec_leaf, spec_axes
 from ._utils import is_array
 
 
@@ -66,10 +65,6 @@ def _share(
     return part
 
 
-def _is_spec(x: Any) -> bool:
-    return x is None or isinstance(x, P)
-
-
 def local_sums(
     tree: Any, specs: Any, manual: Any, axes: tuple[str, ...], mesh: Mesh
 ) -> Array:
@@ -84,7 +79,7 @@ def local_sums(
             specs,
             manual,
             tree,
-            is_leaf=_is_spec,
+            is_leaf=is_spec_leaf,
         )
     )
     for part in leaves:
@@ -93,31 +88,22 @@ def local_sums(
 
 
 def global_sums(
-    trees: Sequence[Any],
-    specs: Sequence[Any],
-    manual: Sequence[Any],
-    axes: tuple[str, ...],
-    mesh: Mesh,
+    tree: Any, specs: Any, manual: Any, axes: tuple[str, ...], mesh: Mesh
 ) -> Array:
-    """On global arrays: a `(len(trees), 2)` array of each tree's (sum of squares,
-    finiteness sum), every device reading its share (`local_sums`) and one
-    all-reduce adding them; `specs` and `manual` as `local_sums` takes them, one
-    per tree."""
+    """On global arrays: `tree`'s (sum of squares, finiteness sum), every device
+    reading its share (`local_sums`, which takes `specs` and `manual`) and one
+    all-reduce adding them."""
 
-    def per_device(*local: Any) -> Array:
-        sums = [
-            local_sums(t, s, m, axes, mesh)
-            for t, s, m in zip(local, specs, manual, strict=True)
-        ]
-        total: Array = jax.lax.psum(jnp.stack(sums), axes)
+    def per_device(local: Any) -> Array:
+        total: Array = jax.lax.psum(local_sums(local, specs, manual, axes, mesh), axes)
         return total
 
     sums: Array = jax.shard_map(
         per_device,
         mesh=mesh,
-        in_specs=tuple(manual),
+        in_specs=(manual,),
         out_specs=P(),
         axis_names=frozenset(axes),
         check_vma=False,
-    )(*trees)
+    )(tree)
     return sums

@@ -255,12 +255,12 @@ class StepMath(eqx.Module):
         per_device = functools.partial(
             self._per_device, inputs, wants_value or self.skip_nonfinite
         )
-        sums_wanted = self.step_info or self.skip_nonfinite
         grads, value, metrics, new_ms, *grad_sums = inputs.shard_map(
             per_device,
             (jax.random.fold_in(state.key, state.step),),
             (P(),),
-            (inputs.plan.grad_specs, P(), P(), P()) + ((P(),) if sums_wanted else ()),
+            (inputs.plan.grad_specs, P(), P(), P())
+            + ((P(),) if self.wants_grad_sums else ()),
         )
         extra = {"value": value} if wants_value else {}
         plan, layout = inputs.plan, self.layout
@@ -271,12 +271,8 @@ class StepMath(eqx.Module):
             )
             sums = jnp.zeros((2,), jnp.float32)
             if self.step_info:  # here, so that a skipped step reads no update
-                (sums,) = global_sums(
-                    [updates],
-                    [plan.specs],
-                    [plan.grad_specs],
-                    layout.data_axes,
-                    layout.mesh,
+                sums = global_sums(
+                    updates, plan.specs, plan.grad_specs, layout.data_axes, layout.mesh
                 )
             new_params = jax.tree.map(
                 lambda p, u: (p + u).astype(p.dtype), params, updates
@@ -316,11 +312,17 @@ class StepMath(eqx.Module):
         )
         if not self.step_info:
             return new_state, metrics
-        (param_sums,) = global_sums(
-            [new_params], [plan.specs], [plan.manual], layout.data_axes, layout.mesh
+        param_sums = global_sums(
+            new_params, plan.specs, plan.manual, layout.data_axes, layout.mesh
         )
         info = step_statistics(grad_sums[0], update_sums, param_sums, skipped)
         return new_state, (metrics, info)
+
+    @property
+    def wants_grad_sums(self) -> bool:
+        """Whether the step's `shard_map` also returns the gradients' statistics
+        (`local_sums`, added over the devices)."""
+        return self.step_info or self.skip_nonfinite
 
     def _materialise(self, inputs: StepInputs, p: Any, combined: bool = False) -> Any:
         # Cast before the gather, so that FSDP's all-gathers (and the
@@ -373,7 +375,7 @@ class StepMath(eqx.Module):
             reduce_metrics(out.metrics, axes),
             sync_model_state(new_ms, axes),
         )
-        if not (self.step_info or self.skip_nonfinite):
+        if not self.wants_grad_sums:
             return outputs
         # The gradients' statistics, each device reading its share of them.
         plan = inputs.plan
