@@ -24,6 +24,7 @@ import os
 import re
 import shutil
 import socket
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -51,6 +52,42 @@ _OUR_TMP = re.compile(
     re.ASCII,
 )
 _CHUNK = 1 << 22
+
+
+class DirectoryLock:
+    """An exclusive `flock` on the checkpoint directory itself, held by process 0
+    of a run from its check that a step is not yet saved until that save commits or
+    fails.
+
+    Orbax's `CheckpointManager.save` removes an existing step directory before
+    writing (it always passes `force=True` to its checkpointer), so a step that
+    another run commits between our check and Orbax's start would be deleted and
+    replaced, and both saves would report success. Holding this lock makes the
+    check and the commit one step for every saver on this filesystem: the later
+    save waits, then finds the step saved and gets the ordinary "already saved"
+    error. The kernel drops the lock when its holder dies, so a killed save never
+    blocks the next one. On a filesystem without `flock` (`OSError` on locking) the
+    lock is not taken and the atomic rename is the only guard (see `writer.py`).
+    Released once, from whichever thread finishes the save."""
+
+    def __init__(self, root: Path) -> None:
+        self._fd: int | None = None
+        self._mutex = threading.Lock()
+        fd = os.open(root, os.O_RDONLY)
+        try:
+            import fcntl
+
+            fcntl.flock(fd, fcntl.LOCK_EX)
+        except (ImportError, OSError):
+            os.close(fd)
+            return
+        self._fd = fd
+
+    def release(self) -> None:
+        with self._mutex:
+            fd, self._fd = self._fd, None
+        if fd is not None:
+            os.close(fd)  # closing the descriptor drops its flock
 
 
 def host_name() -> str:

@@ -5,7 +5,11 @@ eqxdist adds, by configuring it rather than by re-implementing any of that:
 
 - a temporary directory per save (`<step>.orbax-checkpoint-tmp-<host>-<pid>-<hex>`,
   the same on every process of a run), so that two saves of one step never write
-  into one directory; the first to commit wins and the other gets a clear error;
+  into one directory;
+- a lock on the directory from the check that the step is free to the commit
+  (`files.DirectoryLock`), so that of two saves of one step the later one finds it
+  saved and gets a clear error instead of Orbax deleting and replacing it; where
+  no lock can be taken, the first to commit wins and the other gets a clear error;
 - the marker with the checksums, written into the temporary directory just before
   Orbax's atomic rename (see `_checkpoint_files`);
 - a step listing that only counts our complete steps (so odd entries under the
@@ -64,6 +68,7 @@ class _Current:
     root: Path | None = None
     token: str = ""
     metadata: dict[str, Any] | None = None
+    lock: files.DirectoryLock | None = None
 
 
 _current = _Current()
@@ -78,6 +83,7 @@ def _temporary_path_class() -> Any:
         with our marker written into it just before the rename."""
 
         marker: dict[str, Any] | None = None
+        lock: files.DirectoryLock | None = None
 
         @classmethod
         def from_final(cls, final_path: Any, **kwargs: Any) -> Any:
@@ -87,15 +93,22 @@ def _temporary_path_class() -> Any:
             step = int(Path(final_path).name)
             tmp = root / files.temporary_name(step, _current.token)
             path = cls(type(final_path)(tmp), final_path, **kwargs)
-            path.marker = _current.metadata
+            path.marker, path.lock = _current.metadata, _current.lock
             return path
 
         async def finalize(self) -> None:
             if self.marker is None:
                 await super().finalize()
                 return
+            try:
+                await self._commit(self.marker)
+            finally:
+                if self.lock is not None:
+                    self.lock.release()  # the step is visible (or failed): next!
+
+        async def _commit(self, marker: dict[str, Any]) -> None:
             tmp, final = Path(self.get()), Path(self.get_final())
-            files.write_marker(tmp, self.marker)
+            files.write_marker(tmp, marker)
             leftover = final.is_dir() and not final.is_symlink()
             if leftover and files.step_of(final) is None:
                 files.remove(final)  # an interrupted v0.1 save of this step
@@ -232,6 +245,8 @@ class Writer:
         self.manager = ocp.CheckpointManager(root, options=options)
         # The pending save's step, token and Orbax operation id.
         self._last: tuple[int, str, str] | None = None
+        # Held by process 0 from a save's check until its commit (or failure).
+        self._lock: files.DirectoryLock | None = None
 
     def should_save(self, step: int) -> bool:
         return bool(self.manager.should_save(step))
@@ -260,20 +275,29 @@ class Writer:
         """Start saving `state` as `step` (all processes, same order); returns when
         Orbax's `save` does (at once for async saves, once committed otherwise)."""
         ocp = orbax()
-        self.check_can_save(step, caller)
+        self.check_can_save(step, caller)  # early, before any work
         arrays, metadata = flatten(state, step, caller, user_metadata or {})
         # An earlier asynchronous save's failure is reported as its own.
         self.wait(caller)
-        token = _agreed_token()
+        if jax.process_index() == 0:
+            self._lock = files.DirectoryLock(self.root)
+        try:
+            # Again, under the lock: another run may have committed the step
+            # since, and Orbax would delete it (see `files.DirectoryLock`).
+            self.check_can_save(step, caller)
+            token = _agreed_token()
+        except BaseException:
+            self._release()
+            raise
         with _current_lock:
             _current.root, _current.token = self.root, token
-            _current.metadata = metadata
+            _current.metadata, _current.lock = metadata, self._lock
             try:
                 self.manager.save(step, args=ocp.args.PyTreeSave(arrays), force=True)
             except BaseException as e:
                 self._fail(e, caller, (step, token, _operation_id()))
             finally:
-                _current.root, _current.metadata = None, None
+                _current.root, _current.metadata, _current.lock = None, None, None
         self._last = (step, token, _operation_id())
 
     def wait(self, caller: str) -> None:
@@ -283,9 +307,18 @@ class Writer:
         except BaseException as e:
             self._fail(e, caller, self._last)
         self._last = None
+        self._release()  # the commit released it; this covers a skipped one
 
     def close(self) -> None:
-        self.manager.close()
+        try:
+            self.manager.close()
+        finally:
+            self._release()
+
+    def _release(self) -> None:
+        if self._lock is not None:
+            self._lock.release()
+            self._lock = None
 
     def _fail(
         self, error: BaseException, caller: str, save: tuple[int, str, str] | None
@@ -293,6 +326,7 @@ class Writer:
         """Release what the failed `save` holds: Orbax's threads waiting for it
         (they keep the process from exiting) and its temporary directory."""
         self._last = None
+        self._release()
         if save is None:
             self._reraise(error, caller)
         step, token, operation = save

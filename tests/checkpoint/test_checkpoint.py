@@ -21,6 +21,7 @@ from mp_scripts import common
 
 import eqxdist as ed
 from eqxdist import CheckpointNotFoundError
+from eqxdist._checkpoint.files import DirectoryLock
 
 SCRIPTS = Path(__file__).parent.parent / "mp_scripts"
 
@@ -392,6 +393,46 @@ def test_concurrent_saves_of_one_step_are_never_mixed(tmp_path):
         }
         assert len(values) == 1, f"a mixed checkpoint: {values}"
         assert not [p for p in directory.iterdir() if "tmp" in p.name]
+
+
+def _race_one(directory, value):
+    racer = subprocess.Popen(
+        [sys.executable, SCRIPTS / "save_race.py", directory, value],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    assert racer.stdout.readline() == "ready\n"
+    racer.stdin.write("go\n")
+    racer.stdin.flush()
+    return racer
+
+
+@pytest.mark.slow
+def test_a_step_committed_while_a_save_waits_is_kept(tmp_path):
+    # Orbax deletes an existing step directory before saving it; a step another run
+    # commits after our check must not be deleted: the check and the commit happen
+    # under one lock on the directory, and the waiting save is told the step is
+    # saved.
+    directory, elsewhere = tmp_path / "run", tmp_path / "elsewhere"
+    directory.mkdir()
+    state = {name: jnp.full((512, 1024), 1.0) for name in ("a", "b", "c")}
+    ed.save_checkpoint(elsewhere, state, step=5)
+    lock = DirectoryLock(directory)  # as another run's save holds it
+    try:
+        racer = _race_one(directory, "2")
+        time.sleep(3)  # the racer checks that step 5 is free, then waits
+        (elsewhere / "5").rename(directory / "5")  # the other run's commit
+        assert racer.poll() is None, racer.communicate()
+    finally:
+        lock.release()
+    out, err = racer.communicate(timeout=120)
+    assert racer.returncode == 0, err
+    assert out.startswith("lost:") and "step 5 is already saved" in out, out
+    restored = ed.restore_checkpoint(directory, jax.tree.map(jnp.zeros_like, state))
+    assert all(bool((v == 1.0).all()) for v in restored.values())
+    assert not [p for p in directory.iterdir() if "tmp" in p.name]
 
 
 # ------------------------------------------------------------------- real kills
