@@ -23,11 +23,12 @@ from ._utils import is_array
 
 
 def _sums(x: Array) -> Array:
-    """`[sum of squares, sum of x * 0]` of `x` in float32, in one reduction: the
-    second is 0 when every element is finite and NaN otherwise."""
+    """`[sum of squares, sum of x * 0]` of `x` in float32: the second is 0 when
+    every element is finite and NaN otherwise. Two reductions of `x` itself, each
+    with its product fused in (stacking the products first writes both out in
+    full, then reads them back)."""
     x32 = x.astype(jnp.float32)  # not flattened: that would regather rule axes
-    stacked = jnp.stack([x32 * x32, x32 * 0.0])
-    return jnp.sum(stacked, axis=tuple(range(1, stacked.ndim)))
+    return jnp.stack([jnp.sum(x32 * x32), jnp.sum(x32 * 0.0)])
 
 
 def _taken(spec: P | None, ndim: int) -> set[int]:

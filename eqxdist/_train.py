@@ -269,13 +269,25 @@ class StepMath(eqx.Module):
             updates, opt_state = self.optimizer.update(
                 grads, opt_state, params, **extra
             )
-            sums = jnp.zeros((2,), jnp.float32)
-            if self.step_info:  # here, so that a skipped step reads no update
-                sums = global_sums(
-                    updates, plan.specs, plan.grad_specs, layout.data_axes, layout.mesh
+            if not self.step_info:
+                new_params = jax.tree.map(
+                    lambda p, u: (p + u).astype(p.dtype), params, updates
                 )
+                return new_params, opt_state, jnp.zeros((2,), jnp.float32)
+            # Here, so that a skipped step reads no update.
+            sums = global_sums(
+                updates, plan.specs, plan.grad_specs, layout.data_axes, layout.mesh
+            )
+            # An update that reads the parameters (weight decay) makes the sums
+            # read the old parameters, which the step overwrites in place; unless
+            # the writes depend on the sums, XLA copies every parameter to keep it
+            # for that read. `always` is true (a sum of squares is never negative;
+            # NaN < 0 is false) but XLA cannot know, so the select orders them.
+            always = jnp.logical_not(sums[0] < 0)
             new_params = jax.tree.map(
-                lambda p, u: (p + u).astype(p.dtype), params, updates
+                lambda p, u: jnp.where(always, (p + u).astype(p.dtype), p),
+                params,
+                updates,
             )
             return new_params, opt_state, sums
 

@@ -284,6 +284,28 @@ def _zero_with_gradient_jvp(primals, tangents):
     return jnp.zeros((), w.dtype), jnp.sum(tangents[0]) * scale
 
 
+@pytest.mark.parametrize("setup", ["dp", "fsdp"])
+def test_step_info_copies_no_parameter(setup):
+    """AdamW's update reads the parameters, so the update norm reads the old
+    parameters, which the step overwrites in place: the step orders the two, and
+    its program copies no parameter (nor anything else) that the plain step does
+    not."""
+    optimizer = optax.adamw(1e-2, weight_decay=0.1)
+    batch = token_batch(3, empty=())
+    state = ed.TrainState.create(mlp(), optimizer, jax.random.key(0))
+
+    def copies(**kwargs):
+        step = make_step(setup, mean_loss, optimizer, **kwargs)
+        text = step.lower(step.place_state(state), batch).compile().as_text()
+        return sorted(
+            line.split(" = ")[1].split(" copy(")[0]
+            for line in text.splitlines()
+            if " copy(" in line and "[]" not in line.split(" copy(")[0]
+        )
+
+    assert copies(step_info=True) == copies()
+
+
 def stateful_loss(model, model_state, batch, key):
     del key
     losses = token_losses(model, batch).mean(axis=1)
