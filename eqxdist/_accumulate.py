@@ -77,6 +77,8 @@ def _loss_and_weight(loss: Any) -> tuple[Any, Any]:
                 f"got a tuple of length {len(loss)}."
             )
         loss, weight = loss
+        if isinstance(weight, int | float) and not isinstance(weight, bool):
+            weight = jnp.asarray(weight, jnp.float32)  # e.g. `batch.shape[0]`
         _scalar(loss, "a scalar `loss_sum` in `(loss_sum, weight)`")
         _scalar(weight, "a scalar `weight` in `(loss_sum, weight)`")
         kind = jnp.result_type(weight)
@@ -136,11 +138,14 @@ def accumulate(
     key: Any,
     n: int,
     use_scan: bool,
+    state_from_first: bool = False,
 ) -> Accumulated:
     """The engine of `accumulate_gradients`: `loss(diff, model_state, minibatch,
     key)` (`checked`, or a function calling it) differentiated with respect to
     the floating-point arrays of `diff`, minibatch after minibatch (in order,
-    each seeing the model state the previous one returned)."""
+    each seeing the model state the previous one returned). `state_from_first`:
+    see `_scan` (only needed under `check_vma=True`; it compiles the minibatch
+    twice)."""
     grad_fn = eqx.filter_value_and_grad(loss, has_aux=True)
     keys = None if key is None else jax.random.split(key, n)
 
@@ -162,7 +167,7 @@ def accumulate(
         )
     elif use_scan:
         grads, total, weight, metrics, model_state = _scan(
-            minibatch, diff, model_state, keys, n
+            minibatch, diff, model_state, keys, n, state_from_first
         )
     else:
         grads, total, weight, metrics, model_state = _unrolled(
@@ -183,32 +188,57 @@ def divide_by_weight(tree: Any, weight: Any) -> Any:
 
 
 def _scan(
-    minibatch: Callable[..., Any], diff: Any, model_state: Any, keys: Any, n: int
+    minibatch: Callable[..., Any],
+    diff: Any,
+    model_state: Any,
+    keys: Any,
+    n: int,
+    state_from_first: bool,
 ) -> tuple[Any, Any, Any, Any, Any]:
-    """The minibatches as one `jax.lax.scan` body: gradients, losses and weights
-    summed in the carry, metrics stacked and merged after."""
+    """The minibatches as one `jax.lax.scan` body: gradients summed in the carry
+    (zeros like the parameters: the type their gradients have), losses, weights
+    and metrics stacked and added up after, in order.
+
+    Inside `shard_map` with `check_vma=True` a loop's carry must enter with the
+    type its body returns. A loss depends on the device's rows, so it is not
+    carried; a model state that the minibatches make device-varying would not
+    match the incoming one, so with `state_from_first` the first minibatch runs
+    before the loop and the loop carries the state it returns."""
     metric_static: list[Any] = []
 
     def body(carry: Any, xs: tuple[Any, Any]) -> tuple[Any, Any]:
-        total, loss_total, weight_total, state = carry
+        total, state = carry
         grads, value, weight, metrics, state = minibatch(*xs, state)
         dynamic, static = eqx.partition(metrics, eqx.is_array)
         metric_static[:] = [static]
         total = jax.tree.map(jnp.add, total, grads)
-        return (total, loss_total + value, weight_total + weight, state), dynamic
+        return (total, state), (value, weight, dynamic)
 
-    zeros = jax.tree.map(jnp.zeros_like, eqx.filter(diff, eqx.is_inexact_array))
-    none = jnp.zeros((), jnp.float32)
-    (grads, total, weight, model_state), stacked = jax.lax.scan(
-        body, (zeros, none, none, model_state), (jnp.arange(n), keys)
+    indices = jnp.arange(n)
+    first: list[Any] = []
+    if state_from_first:
+        grads, value, weight, metrics, model_state = minibatch(
+            0, None if keys is None else keys[0], model_state
+        )
+        first = [(value, weight, metrics)]
+        indices, keys = indices[1:], None if keys is None else keys[1:]
+    else:
+        grads = jax.tree.map(jnp.zeros_like, eqx.filter(diff, eqx.is_inexact_array))
+    (grads, model_state), (values, weights, stacked) = jax.lax.scan(
+        body, (grads, model_state), (indices, keys)
     )
-    per_minibatch = [
-        eqx.combine(jax.tree.map(lambda x, i=i: x[i], stacked), metric_static[0])
-        for i in range(n)
+    rest = [
+        (
+            values[i],
+            weights[i],
+            eqx.combine(jax.tree.map(lambda x, i=i: x[i], stacked), metric_static[0]),
+        )
+        for i in range(len(indices))
     ]
-    metrics = per_minibatch[0]
-    for more in per_minibatch[1:]:
-        metrics = merge_metrics(metrics, more)
+    (total, weight, metrics), *more = first + rest
+    for value, w, m in more:
+        total, weight = total + value, weight + w
+        metrics = merge_metrics(metrics, m)
     return grads, total, weight, metrics, model_state
 
 
@@ -268,8 +298,11 @@ def accumulate_gradients(
       `None`. Minibatches run in order, each seeing the state the previous one
       returned (cast back to the incoming dtypes).
     - `use_scan`: `jax.lax.scan` over the minibatches (one compiled loop body:
-      fast compilation, lowest memory); `False` unrolls a Python loop (the
-      tutorial's default; lets XLA overlap minibatches at the cost of compile time).
+      fast compilation, lowest memory; with a `model_state`, the first minibatch
+      runs before the loop, so that the loop carries the state as `loss_fn`
+      returns it, which `check_vma=True` requires); `False` unrolls a Python loop
+      (the tutorial's default; lets XLA overlap minibatches at the cost of compile
+      time).
 
     **Returns:**
 
@@ -298,7 +331,11 @@ def accumulate_gradients(
     check_rows(batch, n, "accumulate_gradients", f"num_minibatches={n}")
     with_state = model_state is not None
     checked = CheckedLoss(loss_fn, with_state)
-    out = accumulate(checked, checked, model, model_state, batch, key, n, use_scan)
+    # Maybe inside a `shard_map` with `check_vma=True`, where a model state the
+    # minibatches make device-varying must enter the scan so (see `_scan`).
+    out = accumulate(
+        checked, checked, model, model_state, batch, key, n, use_scan, with_state
+    )
     grads = out.grads
     if out.weight is not None:
         grads = divide_by_weight(grads, out.weight)

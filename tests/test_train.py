@@ -279,6 +279,55 @@ def test_accumulate_gradients_sums_metrics_and_averages_grads(rng):
     assert _max_diff(results[0][0], results[1][0]) < 1e-7  # scan and loop
 
 
+@pytest.mark.parametrize("use_scan", [True, False])
+@pytest.mark.parametrize("weighted", [False, True])
+def test_accumulate_gradients_inside_shard_map_with_check_vma(
+    mesh8, rng, use_scan, weighted
+):
+    # Under JAX's default `check_vma=True` a loop carry must keep its type: the
+    # losses depend on each device's rows, and so does the model state here.
+    model, batch = _model(), _batch(rng)
+
+    def stateful(model, state, batch, key):
+        loss, metrics = loss_fn(model, batch, key)
+        if weighted:  # (sum, weight): weight 1 per row, the same mean
+            loss = (loss * batch["x"].shape[0], batch["x"].shape[0])
+        return loss, metrics, state + jnp.sum(batch["x"])
+
+    params, static = eqx.partition(model, eqx.is_array)
+
+    def local(params, batch):
+        grads, metrics, state = ed.accumulate_gradients(
+            stateful,
+            eqx.combine(params, static),
+            batch,
+            None,
+            2,
+            use_scan=use_scan,
+            model_state=jnp.zeros(()),
+        )
+        return eqx.filter(grads, eqx.is_array), metrics["loss"][0][None], state[None]
+
+    grads, loss_sums, states = jax.jit(
+        jax.shard_map(
+            local,
+            mesh=mesh8,
+            in_specs=(P(), P("data")),
+            out_specs=(P(), P("data"), P("data")),
+        )
+    )(params, batch)
+    # JAX sums the replicated parameters' gradients over the 8 devices: 8 times the
+    # gradient of the global mean.
+    (_, _), full = eqx.filter_value_and_grad(loss_fn, has_aux=True)(model, batch, None)
+    assert _max_diff(grads, jax.tree.map(lambda g: 8 * g, full)) < 1e-5
+    rows = batch["x"].reshape(8, 4, 8)
+    np.testing.assert_allclose(states, rows.sum(axis=(1, 2)), rtol=1e-5)
+    losses = optax.softmax_cross_entropy_with_integer_labels(
+        jax.vmap(model)(batch["x"]), batch["y"]
+    )
+    np.testing.assert_allclose(loss_sums, losses.reshape(8, 4).sum(1), rtol=1e-5)
+
+
 def test_accumulate_gradients_splits_the_key(rng):
     def keyed(model, batch, key):
         return jnp.sum(model) * 0.0, {"u": jax.random.uniform(key)}
