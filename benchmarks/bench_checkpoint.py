@@ -32,7 +32,7 @@ import jax.numpy as jnp
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 import eqxdist as ed
-from eqxdist import _checkpoint_files as files
+from eqxdist._checkpoint import files
 
 
 def best_of(repeats: int, fn) -> float:  # type: ignore[no-untyped-def]

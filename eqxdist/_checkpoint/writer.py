@@ -11,7 +11,7 @@ eqxdist adds, by configuring it rather than by re-implementing any of that:
   saved and gets a clear error instead of Orbax deleting and replacing it; where
   no lock can be taken, the first to commit wins and the other gets a clear error;
 - the marker with the checksums, written into the temporary directory just before
-  Orbax's atomic rename (see `_checkpoint_files`);
+  Orbax's atomic rename (see `files`);
 - a step listing that only counts our complete steps (so odd entries under the
   directory are never steps, and retention never deletes them).
 """
