@@ -325,13 +325,16 @@ def test_a_signal_gives_a_script_that_handles_it_the_grace_period(
     # plain.py graceful sets its own SIGTERM handler; preempt_train.py saves and
     # stops at JAX's preemption sync point. Their clean exit is not a failure:
     # nothing is restarted.
+    # Every process must have set its handler (plain.py prints after) before the
+    # signal, or one still with the default disposition dies of it.
     if script == "plain.py":
-        mode, ready = ("graceful", tmp_path), "[1] process 1 sleeping"
+        mode = ("graceful", tmp_path)
+        ready = ["[0] process 0 sleeping", "[1] process 1 sleeping"]
     else:
-        mode, ready = (tmp_path / "ckpt", tmp_path / "out.npz", 1000), "step 2\n"
+        mode, ready = (tmp_path / "ckpt", tmp_path / "out.npz", 1000), ["step 2\n"]
     status, out, err, _ = signal_when_ready(
         ("-n", 2, "-d", 2, "--max-restarts", 2, SCRIPTS / script, *mode),
-        lambda out: ready in out,
+        lambda out: all(line in out for line in ready),
         signum,
     )
     assert status == 0, f"{out}\n{err}"
