@@ -265,14 +265,15 @@ class StepMath(eqx.Module):
         extra = {"value": value} if wants_value else {}
         plan, layout = inputs.plan, self.layout
 
+        def applied(p: Any, u: Any) -> Any:
+            return (p + u).astype(p.dtype)
+
         def update(grads: Any, params: Any, opt_state: Any) -> Any:
             updates, opt_state = self.optimizer.update(
                 grads, opt_state, params, **extra
             )
             if not self.step_info:
-                new_params = jax.tree.map(
-                    lambda p, u: (p + u).astype(p.dtype), params, updates
-                )
+                new_params = jax.tree.map(applied, params, updates)
                 return new_params, opt_state, jnp.zeros((2,), jnp.float32)
             # Here, so that a skipped step reads no update.
             sums = global_sums(
@@ -285,7 +286,7 @@ class StepMath(eqx.Module):
             # NaN < 0 is false) but XLA cannot know, so the select orders them.
             always = jnp.logical_not(sums[0] < 0)
             new_params = jax.tree.map(
-                lambda p, u: jnp.where(always, (p + u).astype(p.dtype), p),
+                lambda p, u: jnp.where(always, applied(p, u), p),
                 params,
                 updates,
             )

@@ -361,25 +361,31 @@ def test_odd_entries_are_ignored_or_clear_errors(tmp_path):
     )
 
 
+def _ready_racer(directory, value):
+    """A `save_race.py` process that has built its state and waits for "go"."""
+    racer = subprocess.Popen(
+        [sys.executable, SCRIPTS / "save_race.py", directory, value],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    assert racer.stdout.readline() == "ready\n"
+    return racer
+
+
+def _go(racer):
+    racer.stdin.write("go\n")
+    racer.stdin.flush()
+
+
 @pytest.mark.slow
 def test_concurrent_saves_of_one_step_are_never_mixed(tmp_path):
     for trial in range(4):
         directory = tmp_path / str(trial)
-        racers = [
-            subprocess.Popen(
-                [sys.executable, SCRIPTS / "save_race.py", directory, value],
-                stdin=subprocess.PIPE,
-                stdout=subprocess.PIPE,
-                stderr=subprocess.PIPE,
-                text=True,
-            )
-            for value in ("1", "2")
-        ]
-        for racer in racers:
-            assert racer.stdout.readline() == "ready\n"
+        racers = [_ready_racer(directory, value) for value in ("1", "2")]
         for racer in racers:  # both go at once
-            racer.stdin.write("go\n")
-            racer.stdin.flush()
+            _go(racer)
         outputs = [r.communicate(timeout=120) for r in racers]
         for racer, (_, err) in zip(racers, outputs, strict=True):
             assert racer.returncode == 0, err
@@ -395,20 +401,6 @@ def test_concurrent_saves_of_one_step_are_never_mixed(tmp_path):
         assert not [p for p in directory.iterdir() if "tmp" in p.name]
 
 
-def _race_one(directory, value):
-    racer = subprocess.Popen(
-        [sys.executable, SCRIPTS / "save_race.py", directory, value],
-        stdin=subprocess.PIPE,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
-    assert racer.stdout.readline() == "ready\n"
-    racer.stdin.write("go\n")
-    racer.stdin.flush()
-    return racer
-
-
 @pytest.mark.slow
 def test_a_step_committed_while_a_save_waits_is_kept(tmp_path):
     # Orbax deletes an existing step directory before saving it; a step another run
@@ -421,7 +413,8 @@ def test_a_step_committed_while_a_save_waits_is_kept(tmp_path):
     ed.save_checkpoint(elsewhere, state, step=5)
     lock = DirectoryLock(directory)  # as another run's save holds it
     try:
-        racer = _race_one(directory, "2")
+        racer = _ready_racer(directory, "2")
+        _go(racer)
         time.sleep(3)  # the racer checks that step 5 is free, then waits
         (elsewhere / "5").rename(directory / "5")  # the other run's commit
         assert racer.poll() is None, racer.communicate()
