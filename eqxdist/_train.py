@@ -262,58 +262,36 @@ class StepMath(eqx.Module):
             (inputs.plan.grad_specs, P(), P(), P())
             + ((P(),) if self.wants_grad_sums else ()),
         )
-        extra = {"value": value} if wants_value else {}
         plan, layout = inputs.plan, self.layout
-
-        def applied(p: Any, u: Any) -> Any:
-            return (p + u).astype(p.dtype)
-
-        def update(grads: Any, params: Any, opt_state: Any) -> Any:
-            updates, opt_state = self.optimizer.update(
-                grads, opt_state, params, **extra
-            )
-            if not self.step_info:
-                new_params = jax.tree.map(applied, params, updates)
-                return new_params, opt_state, jnp.zeros((2,), jnp.float32)
-            # Here, so that a skipped step reads no update.
-            sums = global_sums(
-                updates, plan.specs, plan.grad_specs, layout.data_axes, layout.mesh
-            )
-            # An update that reads the parameters (weight decay) makes the sums
-            # read the old parameters, which the step overwrites in place; unless
-            # the writes depend on the sums, XLA copies every parameter to keep it
-            # for that read. `always` is true (a sum of squares is never negative;
-            # NaN < 0 is false) but XLA cannot know, so the select orders them.
-            always = jnp.logical_not(sums[0] < 0)
-            new_params = jax.tree.map(
-                lambda p, u: jnp.where(always, applied(p, u), p),
-                params,
-                updates,
-            )
-            return new_params, opt_state, sums
-
+        update = functools.partial(
+            apply_update,
+            self.optimizer,
+            grads,
+            {"value": value} if wants_value else {},
+            (
+                functools.partial(
+                    global_sums,
+                    specs=plan.specs,
+                    manual=plan.grad_specs,
+                    axes=layout.data_axes,
+                    mesh=layout.mesh,
+                )
+                if self.step_info  # here, so that a skipped step reads no update
+                else None
+            ),
+        )
         new_ms = inputs.model_state(new_ms) if inputs.with_state else None
         skipped = None
         if self.skip_nonfinite:
             skipped = jnp.logical_or(
                 jnp.logical_not(jnp.isfinite(value)), jnp.isnan(grad_sums[0][1])
             )
-
-            # A loop run once or not at all: XLA updates a loop's carry in place,
-            # so a step that is not skipped reads and writes what a plain step
-            # does (selects, or a `lax.cond`, make XLA copy the state).
-            def body(carry: Any) -> Any:
-                _, params, opt_state, _ = carry
-                return (jnp.ones((), bool), *update(grads, params, opt_state))
-
-            _, new_params, opt_state, update_sums = jax.lax.while_loop(
-                lambda carry: jnp.logical_not(carry[0]),
-                body,
-                (skipped, trained, state.opt_state, jnp.zeros((2,), jnp.float32)),
+            new_params, opt_state, update_sums = update_unless(
+                skipped, update, trained, state.opt_state
             )
             new_ms = keep_if(skipped, state.model_state, new_ms)
         else:
-            new_params, opt_state, update_sums = update(grads, trained, state.opt_state)
+            new_params, opt_state, update_sums = update(trained, state.opt_state)
         new_model = eqx.combine(new_params, eqx.filter(state.model, mask, inverse=True))
         new_state = TrainState(
             new_model,
@@ -413,6 +391,61 @@ def _over_devices(
         divide_by_weight(grads, weight / devices),
         divide_by_weight(loss_sum, weight),
     )
+
+
+def _applied(p: Any, u: Any) -> Any:
+    return (p + u).astype(p.dtype)
+
+
+def apply_update(
+    optimizer: optax.GradientTransformation,
+    grads: Any,
+    extra: dict[str, Any],
+    sums_of: Callable[[Any], Array] | None,
+    params: Any,
+    opt_state: Any,
+) -> tuple[Any, Any, Array]:
+    """`optimizer`'s update of `params` from `grads` (`extra`: the keyword
+    arguments it reads, e.g. `value`): the new parameters and optimizer state,
+    and `sums_of(updates)` (the update's statistics) or zeros without it."""
+    updates, opt_state = optimizer.update(grads, opt_state, params, **extra)
+    if sums_of is None:
+        new_params = jax.tree.map(_applied, params, updates)
+        return new_params, opt_state, jnp.zeros((2,), jnp.float32)
+    sums = sums_of(updates)
+    # An update that reads the parameters (weight decay) makes the sums read the
+    # old parameters, which the step overwrites in place; unless the writes depend
+    # on the sums, XLA copies every parameter to keep it for that read. `always`
+    # is true (a sum of squares is never negative; NaN < 0 is false) but XLA
+    # cannot know, so the select orders them.
+    always = jnp.logical_not(sums[0] < 0)
+    new_params = jax.tree.map(
+        lambda p, u: jnp.where(always, _applied(p, u), p), params, updates
+    )
+    return new_params, opt_state, sums
+
+
+def update_unless(
+    skipped: Array,
+    update: Callable[[Any, Any], tuple[Any, Any, Array]],
+    params: Any,
+    opt_state: Any,
+) -> tuple[Any, Any, Array]:
+    """`update(params, opt_state)`, or the inputs unchanged (and zero update sums)
+    where `skipped`. A loop run once or not at all: XLA updates a loop's carry in
+    place, so a step that is not skipped reads and writes what a plain step does
+    (selects, or a `lax.cond`, make XLA copy the state)."""
+
+    def body(carry: Any) -> Any:
+        _, params, opt_state, _ = carry
+        return (jnp.ones((), bool), *update(params, opt_state))
+
+    _, new_params, opt_state, sums = jax.lax.while_loop(
+        lambda carry: jnp.logical_not(carry[0]),
+        body,
+        (skipped, params, opt_state, jnp.zeros((2,), jnp.float32)),
+    )
+    return new_params, opt_state, sums
 
 
 def keep_if(skipped: Array, old: Any, new: Any) -> Any:
