@@ -30,6 +30,7 @@ order rotating), each with at most 8 steps in flight, and the table gives median
 milliseconds per step and the median (min-max) of the per-repeat ratios.
 
     python benchmarks/bench_train.py [--repeats 7] [--steps 40]
+    python benchmarks/bench_train.py --collectives [--models deep]  # no timing
 
 The script sets up 8 simulated CPU devices itself (before importing JAX) unless
 `XLA_FLAGS` already sets a device count. `run()` returns the rows for other scripts.
@@ -39,6 +40,7 @@ import argparse
 import collections
 import functools
 import os
+import re
 import statistics
 import sys
 import time
@@ -183,6 +185,7 @@ def _eqxdist(case: dict[str, Any], mesh: Any, strategy: str) -> Callable[[], Any
         return metrics["loss"][0]
 
     call.bounded = True  # type: ignore[attr-defined]
+    call.lower = lambda: step.lower(holder[0], batch)  # type: ignore[attr-defined]
     return call
 
 
@@ -231,6 +234,7 @@ def _hand_written(case: dict[str, Any], mesh: Any) -> Callable[[], Any]:
         *holder[:], metrics = fn(*holder, key, batch)
         return metrics["loss"][0]
 
+    call.lower = lambda: fn.lower(*holder, key, batch)  # type: ignore[attr-defined]
     return call
 
 
@@ -454,6 +458,7 @@ def _gspmd(case: dict[str, Any], mesh: Any, *, fsdp: bool) -> Callable[[], Any]:
         *holder[:], metrics = step(batch, *holder, key)
         return metrics["loss"][0]
 
+    call.lower = lambda: step.lower(batch, *holder, key)  # type: ignore[attr-defined]
     return call
 
 
@@ -543,6 +548,72 @@ def run(
     return rows
 
 
+_COLLECTIVE = re.compile(
+    r"= (.+?) (all-gather|reduce-scatter|all-reduce|all-to-all|collective-permute)"
+    r"(?:-start)?\("
+)
+_ARRAY = re.compile(r"([a-z]+)(\d*)\[([\d,]*)\]")
+
+
+def _shape_bytes(shape: str) -> int:
+    """Bytes of the arrays in an HLO result shape (one array or a tuple)."""
+    total = 0
+    for kind, bits, dims in _ARRAY.findall(shape):
+        size = 1
+        for d in filter(None, dims.split(",")):
+            size *= int(d)
+        total += size * (int(bits) if bits else 8) // 8 if kind != "pred" else size
+    return total
+
+
+def _received(kind: str, result: int, devices: int) -> float:
+    """Bytes one device receives for a collective whose result holds `result`
+    bytes per device, as ring algorithms move them: an all-gather or all-to-all
+    brings in the other devices' parts, a reduce-scatter its inputs' other parts
+    (`devices - 1` results), an all-reduce is a reduce-scatter and an
+    all-gather."""
+    share = (devices - 1) / devices
+    factor = {
+        "all-gather": share,
+        "all-to-all": share,
+        "reduce-scatter": devices - 1,
+        "all-reduce": 2 * share,
+    }.get(kind, 1.0)
+    return factor * result
+
+
+def collectives(models: tuple[str, ...] = MODELS) -> None:
+    """Print, for every variant that can be lowered, the collectives of its
+    compiled step by kind and result shape (layouts dropped), and the bytes a
+    device receives for them (`_received`): where the variants' communication
+    differs."""
+    mesh = ed.create_data_parallel_mesh(8)
+    devices = mesh.devices.size
+    cases = _cases()
+    for name in models:
+        for label, make in VARIANTS.items():
+            call = make(cases[name], mesh) if name in ONLY.get(label, (name,)) else None
+            if call is None or not hasattr(call, "lower"):
+                continue
+            compiled = call.lower().compile()
+            # `eqx.filter_jit`'s compiled program wraps JAX's.
+            text = getattr(compiled, "compiled", compiled).as_text()
+            counts: collections.Counter[tuple[str, str]] = collections.Counter()
+            for line in text.splitlines():
+                found = _COLLECTIVE.search(line)
+                if found:
+                    shape = re.sub(r"\{[^}]*\}|/\*index=\d+\*/", "", found[1])
+                    counts[found[2], shape] += 1
+            mib = {
+                key: n * _received(key[0], _shape_bytes(key[1]), devices) / 2**20
+                for key, n in counts.items()
+            }
+            print(f"{name} / {label}: {sum(mib.values()):.1f} MiB received per device")
+            for (kind, shape), n in sorted(counts.items()):
+                short = shape if len(shape) <= 50 else shape[:47] + "..."
+                print(f"  {n:3d} x {kind:15s} {mib[kind, shape]:6.2f} MiB  {short}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__.split("\n\n")[0],
@@ -551,7 +622,15 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=7, help="interleaved repeats")
     parser.add_argument("--steps", type=int, default=40, help="steps per timing")
     parser.add_argument("--models", nargs="+", default=list(MODELS), choices=MODELS)
+    parser.add_argument(
+        "--collectives",
+        action="store_true",
+        help="print each step's collectives by kind and shape instead of timing",
+    )
     args = parser.parse_args()
+    if args.collectives:
+        collectives(tuple(args.models))
+        return
     rows = run(models=tuple(args.models), repeats=args.repeats, steps=args.steps)
     print(
         f"{'model':9} {'variant':14} {'ms/step':>9} {'/hand-written':>14} "

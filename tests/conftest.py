@@ -29,3 +29,18 @@ def mesh1() -> jax.sharding.Mesh:
 @pytest.fixture
 def rng() -> np.random.Generator:
     return np.random.default_rng(0)
+
+
+@pytest.fixture(scope="session")
+def script_env(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
+    """The environment of an example script run as a subprocess, as a user runs
+    it: without this process's `XLA_FLAGS` (each script sets up its own simulated
+    devices), and with one JAX persistent compilation cache for the session, so
+    that the second and later runs of a script (a resume test runs it up to four
+    times) load its compiled programs instead of compiling them again (about 20 s
+    of each transformer run). Only these scripts share it, and they run one at a
+    time: two processes writing one entry at once could read it half-written."""
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    env["JAX_COMPILATION_CACHE_DIR"] = str(tmp_path_factory.mktemp("jax-cache"))
+    env["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"
+    return env

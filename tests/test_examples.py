@@ -3,7 +3,6 @@ and reports that the strategies agree. Each runs in its own process, as a user w
 run it."""
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -16,8 +15,11 @@ EXAMPLES = sorted(
 )
 
 
-def _run(*args: str, timeout: int = 240) -> subprocess.CompletedProcess[str]:
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+def _run(
+    env: dict[str, str], *args: str, timeout: int = 240
+) -> subprocess.CompletedProcess[str]:
+    """`python *args` from the repository root, in `env` (the `script_env`
+    fixture)."""
     return subprocess.run(
         [sys.executable, *args],
         cwd=ROOT,
@@ -30,16 +32,18 @@ def _run(*args: str, timeout: int = 240) -> subprocess.CompletedProcess[str]:
 
 @pytest.mark.slow
 @pytest.mark.parametrize("script", EXAMPLES, ids=lambda p: p.name)
-def test_example_answers_help(script: Path) -> None:
-    out = _run(str(script), "--help")
+def test_example_answers_help(script: Path, script_env: dict[str, str]) -> None:
+    out = _run(script_env, str(script), "--help")
     assert out.returncode == 0, out.stderr
     assert out.stdout.startswith("usage:")
 
 
 @pytest.mark.slow
-def test_main_job_at_its_defaults(tmp_path: Path) -> None:
+def test_main_job_at_its_defaults(tmp_path: Path, script_env: dict[str, str]) -> None:
     """README command 1 as the README runs it (only the output directory moved)."""
-    out = _run("examples/train_classifier.py", "--out", str(tmp_path), timeout=1800)
+    out = _run(
+        script_env, "examples/train_classifier.py", "--out", str(tmp_path), timeout=1800
+    )
     assert out.returncode == 0, out.stdout + out.stderr
     for strategy in ("single", "dp", "fsdp", "reorder"):
         assert f"\n{strategy} " in out.stdout
@@ -71,7 +75,7 @@ def _logged_after(path: Path, step: int) -> list[dict[str, float]]:
 
 
 @pytest.mark.slow
-def test_main_job_resumes_exactly(tmp_path: Path) -> None:
+def test_main_job_resumes_exactly(tmp_path: Path, script_env: dict[str, str]) -> None:
     """A run stopped after epoch 1 and resumed from its checkpoint continues the
     loader's stream exactly: every loss, accuracy and held-out metric it logs
     after the restart is bit-identical to the uninterrupted run's (another batch
@@ -81,17 +85,21 @@ def test_main_job_resumes_exactly(tmp_path: Path) -> None:
     import eqxdist as ed
 
     args = ["examples/train_classifier.py", "--epochs", "2", "--strategies", "dp"]
-    whole = _run(*args, "--out", str(tmp_path / "whole"))
+    whole = _run(script_env, *args, "--out", str(tmp_path / "whole"))
     assert whole.returncode == 0, whole.stderr
-    first = _run(*args, "--out", str(tmp_path / "split"), "--stop-after", "1")
+    first = _run(
+        script_env, *args, "--out", str(tmp_path / "split"), "--stop-after", "1"
+    )
     assert first.returncode == 0, first.stderr
     with ed.CheckpointManager(tmp_path / "split" / "dp") as manager:
         assert manager.latest_step() == 11
         assert manager.metadata(11) == {"loader_step": 11, "seed": 0, "batch_size": 128}
-    other = _run(*args, "--out", str(tmp_path / "split"), "--resume", "--seed", "1")
+    other = _run(
+        script_env, *args, "--out", str(tmp_path / "split"), "--resume", "--seed", "1"
+    )
     assert other.returncode != 0
     assert "this run asks for {'seed': 1, 'batch_size': 128}" in other.stderr
-    second = _run(*args, "--out", str(tmp_path / "split"), "--resume")
+    second = _run(script_env, *args, "--out", str(tmp_path / "split"), "--resume")
     assert second.returncode == 0, second.stderr
     assert "dp resumed at step 11" in second.stdout
     resumed = _logged_after(tmp_path / "split" / "dp" / "metrics.jsonl", 11)
@@ -101,7 +109,7 @@ def test_main_job_resumes_exactly(tmp_path: Path) -> None:
 
 
 @pytest.mark.slow
-def test_quickstart_runs() -> None:
-    out = _run("examples/quickstart.py")
+def test_quickstart_runs(script_env: dict[str, str]) -> None:
+    out = _run(script_env, "examples/quickstart.py")
     assert out.returncode == 0, out.stderr
     assert "data-parallel step vs single program" in out.stdout

@@ -7,7 +7,6 @@ its own process, as a user would run it."""
 
 import json
 import math
-import os
 import re
 import subprocess
 import sys
@@ -19,10 +18,9 @@ ROOT = Path(__file__).resolve().parent.parent
 SCRIPT = ROOT / "examples" / "transformer_lm.py"
 
 
-def _run(*args: str) -> subprocess.CompletedProcess[str]:
-    # The script sets up its own simulated devices; the test process's flags
-    # (8 devices from conftest) must not leak into it.
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+def _run(env: dict[str, str], *args: str) -> subprocess.CompletedProcess[str]:
+    # `env` (the `script_env` fixture) leaves out the test process's flags (8
+    # devices from conftest): the script sets up its own simulated devices.
     return subprocess.run(
         [sys.executable, str(SCRIPT), *args],
         cwd=ROOT,
@@ -34,8 +32,11 @@ def _run(*args: str) -> subprocess.CompletedProcess[str]:
 
 
 @pytest.mark.slow
-def test_trains_and_agrees_with_data_parallel(tmp_path: Path) -> None:
+def test_trains_and_agrees_with_data_parallel(
+    tmp_path: Path, script_env: dict[str, str]
+) -> None:
     out = _run(
+        script_env,
         *("--out", str(tmp_path)),
         *("--steps", "6", "--compare-steps", "4", "--log-every", "3"),
         *("--batch-size", "16", "--seq-len", "16", "--d-model", "32"),
@@ -73,8 +74,8 @@ def test_trains_and_agrees_with_data_parallel(tmp_path: Path) -> None:
 
 
 @pytest.mark.slow
-def test_help_describes_every_option() -> None:
-    out = _run("--help")
+def test_help_describes_every_option(script_env: dict[str, str]) -> None:
+    out = _run(script_env, "--help")
     assert out.returncode == 0, out.stderr
     assert out.stdout.startswith("usage:")
     listing = out.stdout.split("options:", 1)[1]
@@ -85,13 +86,15 @@ def test_help_describes_every_option() -> None:
     for name, text in entries:
         # Every option has a help text that states its default.
         assert "(default:" in text, name
-    bad = _run("--seq-len", "16", "--min-len", "17")
+    bad = _run(script_env, "--seq-len", "16", "--min-len", "17")
     assert bad.returncode != 0
     assert "--min-len must be in [1, --seq-len=16]; got 17" in bad.stderr
 
 
 @pytest.mark.slow
-def test_resume_continues_the_exact_stream(tmp_path: Path) -> None:
+def test_resume_continues_the_exact_stream(
+    tmp_path: Path, script_env: dict[str, str]
+) -> None:
     """The loader's position travels in the checkpoint: a run stopped at step 4
     and resumed ends where an uninterrupted run does."""
     common = (
@@ -99,12 +102,12 @@ def test_resume_continues_the_exact_stream(tmp_path: Path) -> None:
         *("--batch-size", "16", "--seq-len", "16", "--d-model", "32"),
         *("--sample-chars", "0", "--min-weight-size", "64", "--save-every", "2"),
     )
-    whole = _run(*common, "--out", str(tmp_path / "whole"))
+    whole = _run(script_env, *common, "--out", str(tmp_path / "whole"))
     assert whole.returncode == 0, whole.stdout + whole.stderr
     split = ("--out", str(tmp_path / "split"))
-    first = _run(*common, *split, "--stop-at", "4")
+    first = _run(script_env, *common, *split, "--stop-at", "4")
     assert first.returncode == 0, first.stdout + first.stderr
-    second = _run(*common, *split, "--resume")
+    second = _run(script_env, *common, *split, "--resume")
     assert second.returncode == 0, second.stdout + second.stderr
     assert "resumed at step 4" in second.stdout
 

@@ -168,16 +168,25 @@ def test_read_ahead_reads_while_the_consumer_works_and_stays_bounded(mesh8):
                 break
 
 
+def _calls_reach(source: Recording, count: int, timeout: float = 30.0) -> None:
+    """Waits until the loader's thread has read `count` batches (a loaded machine
+    only delays it), then a little longer for any read beyond them."""
+    deadline = time.monotonic() + timeout
+    while len(source.calls) < count and time.monotonic() < deadline:
+        time.sleep(0.01)
+    time.sleep(0.3)
+
+
 def test_read_ahead_is_bounded_by_prefetch(mesh8):
     source = Recording(DATA)
     with ed.BatchLoader(source, 8, mesh8, prefetch=2) as loader:
         stream = loader.iterate(0)
         next(stream)
-        time.sleep(0.3)
         # Step 0 taken, then at most 2 batches ahead: steps 1 and 2.
+        _calls_reach(source, 3)
         assert len(source.calls) == 3
         next(stream)
-        time.sleep(0.3)
+        _calls_reach(source, 4)
         assert len(source.calls) == 4
 
 
