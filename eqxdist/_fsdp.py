@@ -204,10 +204,10 @@ _gather_all.defvjp(_gather_all_fwd, _gather_all_bwd)
 
 # The largest full gradient `gather_tree(combined=True)` puts into the combined
 # reduce-scatter. Combining saves a synchronisation of every device per leaf but
-# copies the leaf's full gradient into one buffer: a clear win for a transformer's
-# leaves of at most 256 KiB, a loss for a deep MLP's 4 MiB ones, whose own
-# reduce-scatters already take far longer than the synchronisation (the step
-# 1.32x slower combined on XLA:CPU, with twice the temporaries).
+# copies the leaf's full gradient into one buffer: a win for small leaves (a
+# transformer's), a loss for large ones, whose own reduce-scatters already take
+# far longer than the synchronisation and whose copies double the temporaries
+# (measured in docs/benchmarks.md, "FSDP on the transformer").
 COMBINE_MAX_BYTES = 2**20
 
 
@@ -388,9 +388,8 @@ class FSDP(SelfGathering):
     with `remat=True` (ZeRO-3 with selective rematerialisation) only the block's
     matrix-product results are kept, and the backward pass gathers the parameters
     again and recomputes the rest of the block, so about one block's full
-    parameters are alive at any time, for one more all-gather per block. For the
-    16 x 1024 x 1024 MLP of `benchmarks/bench_memory.py` on 8 devices this takes
-    the step's temporary memory from 65 MiB to 9 MiB per device.
+    parameters are alive at any time, for one more all-gather per block
+    (`benchmarks/bench_memory.py` measures both on a deep MLP).
 
     To let a block's all-gather run while the previous block computes (prefetch,
     two blocks' full parameters alive), chain the blocks with `FSDPSequential`.
