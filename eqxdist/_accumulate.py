@@ -181,9 +181,15 @@ def accumulate(
     return Accumulated(mean, total / n, None, metrics, model_state)
 
 
+def weight_scale(weight: Any) -> Any:
+    """`1 / weight`, or 0 where `weight` is 0: what `divide_by_weight` multiplies
+    by."""
+    return jnp.where(weight > 0, 1 / jnp.where(weight > 0, weight, 1), 0)
+
+
 def divide_by_weight(tree: Any, weight: Any) -> Any:
     """`tree / weight`, or zeros where `weight` is 0 (never NaN)."""
-    scale = jnp.where(weight > 0, 1 / jnp.where(weight > 0, weight, 1), 0)
+    scale = weight_scale(weight)
     return jax.tree.map(lambda x: (x * scale).astype(x.dtype), tree)
 
 

@@ -287,6 +287,14 @@ def gather_params(
     return gather_tree(params, specs, name, combined=False)
 
 
+def unsynced_axes(spec: Any, axis_names: tuple[str, ...]) -> tuple[str, ...]:
+    """The axes of `axis_names` over which the gradient of a leaf laid out by
+    `spec` is still a per-device value (`sync_gradients` averages over them): the
+    ones `spec` does not shard over, whose gather already averaged."""
+    names = spec_axes(spec)
+    return tuple(a for a in axis_names if a not in names)
+
+
 @typecheck
 def sync_gradients(
     grads: PyTree[Any],
@@ -328,8 +336,7 @@ def sync_gradients(
     def sync(g: Any, spec: Any) -> Any:
         if not is_array(g):
             return g
-        names = spec_axes(spec)
-        rest = tuple(a for a in axis_names if a not in names)
+        rest = unsynced_axes(spec, axis_names)
         return jax.lax.pmean(g, rest) if rest else g
 
     out = [sync(g, s) for g, s in zip(leaves, spec_leaves, strict=True)]

@@ -9,12 +9,13 @@ read through `planner(model)`.
 """
 
 import dataclasses
+import math
 from typing import Any
 
 import jax
 from jax.sharding import Mesh, PartitionSpec as P
 
-from ._fsdp import gather_tree, scatter_mean, sync_gradients
+from ._fsdp import gather_tree, scatter_mean, unsynced_axes
 from ._rules import (
     FsdpRule,
     ParamRules,
@@ -55,14 +56,20 @@ class ModelPlan:
         """The `out_specs` of the gradients of the step's `shard_map`."""
         return self.manual if self.scatter is None else self.scatter
 
-    def reduce_gradients(self, grads: Any, axes: tuple[str, ...]) -> Any:
-        """Inside the step's `shard_map`: each device's gradients averaged over the
-        data `axes` where they are not yet (`sync_gradients`), and under ZeRO-1
-        reduce-scattered to the optimizer state's shards, so the update runs on
-        the shards (this reduce-scatter and the all-gather of the updated
-        parameters move what data parallelism's all-reduce moves)."""
+    def sum_gradients(self, grads: Any, axes: tuple[str, ...]) -> Any:
+        """Inside the step's `shard_map`: each device's gradients summed over the
+        data `axes` where they are not averaged yet (`sync_gradients` without its
+        division: `mean_counts` gives the divisors), and under ZeRO-1 first
+        reduce-scattered (and averaged) to the optimizer state's shards, so the
+        update runs on the shards (this reduce-scatter and the all-gather of the
+        updated parameters move what data parallelism's all-reduce moves).
+
+        The step divides by the counts in its update, where XLA fuses the
+        division into the optimizer's own pass over the gradients; divided here,
+        the mean is written out in full whenever it enters a loop (the update of
+        `skip_nonfinite` runs in one)."""
         if self.scatter is None or self.fsdp_axis is None:
-            return sync_gradients(grads, self.manual, axes)
+            return _sum_unsynced(grads, self.manual, axes)
         axis = self.fsdp_axis
 
         def scatter(spec: P | None, g: Any) -> Any:
@@ -76,7 +83,19 @@ class ModelPlan:
             grads,
             is_leaf=is_spec_leaf,
         )
-        return sync_gradients(scattered, self.scatter, axes)
+        return _sum_unsynced(scattered, self.scatter, axes)
+
+    def mean_counts(self, mesh: Mesh, axes: tuple[str, ...]) -> Any:
+        """The number of devices `sum_gradients` adds each leaf's gradient up
+        over (1 where it only averages): a tree like `grad_specs`, with an `int`
+        at each array leaf."""
+
+        def count(spec: P | None) -> int | None:
+            if spec is None:
+                return None
+            return int(math.prod(mesh.shape[a] for a in unsynced_axes(spec, axes)))
+
+        return jax.tree.map(count, self.grad_specs, is_leaf=is_spec_leaf)
 
     def gathered(self, tree: Any, *, combined: bool = False) -> Any:
         """Inside the step's `shard_map`: `tree`'s FSDP shards all-gathered as
@@ -85,6 +104,19 @@ class ModelPlan:
         if self.gather is None or self.fsdp_axis is None:
             return tree
         return gather_tree(tree, self.gather, self.fsdp_axis, combined=combined)
+
+
+def _sum_unsynced(grads: Any, specs: Any, axes: tuple[str, ...]) -> Any:
+    """Inside `shard_map`: `grads` summed over the `axes` each leaf's `specs` leave
+    unsynced (`unsynced_axes`): `sync_gradients` before its division."""
+
+    def add(spec: P | None, g: Any) -> Any:
+        if not is_array(g):
+            return g
+        rest = unsynced_axes(spec, axes)
+        return jax.lax.psum(g, rest) if rest else g
+
+    return jax.tree.map(add, specs, grads, is_leaf=is_spec_leaf)
 
 
 def plan_model(

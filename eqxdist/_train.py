@@ -20,7 +20,13 @@ import optax
 from jax.sharding import AxisType, Mesh, PartitionSpec as P
 from jaxtyping import Array, PRNGKeyArray
 
-from ._accumulate import Accumulated, CheckedLoss, accumulate, divide_by_weight
+from ._accumulate import (
+    Accumulated,
+    CheckedLoss,
+    accumulate,
+    divide_by_weight,
+    weight_scale,
+)
 from ._layout import Layout
 from ._metrics.tree import reduce_metrics
 from ._plan import ModelPlan
@@ -255,18 +261,21 @@ class StepMath(eqx.Module):
         per_device = functools.partial(
             self._per_device, inputs, wants_value or self.skip_nonfinite
         )
-        grads, value, metrics, new_ms, *grad_sums = inputs.shard_map(
+        grads, value, scale, metrics, new_ms, *grad_sums = inputs.shard_map(
             per_device,
             (jax.random.fold_in(state.key, state.step),),
             (P(),),
-            (inputs.plan.grad_specs, P(), P(), P())
+            (inputs.plan.grad_specs, P(), P(), P(), P())
             + ((P(),) if self.wants_grad_sums else ()),
         )
         plan, layout = inputs.plan, self.layout
+        # The gradients leave the map as sums; the update divides them (see
+        # `ModelPlan.sum_gradients`).
+        counts = plan.mean_counts(layout.mesh, layout.data_axes)
         update = functools.partial(
             apply_update,
             self.optimizer,
-            grads,
+            functools.partial(finish_gradients, grads, counts, scale),
             {"value": value} if wants_value else {},
             (
                 functools.partial(
@@ -357,40 +366,69 @@ class StepMath(eqx.Module):
         else:
             out = run(lambda q, *rest: loss_of(self._materialise(inputs, q), *rest), p)
             grads = out.grads
-        grads = inputs.plan.reduce_gradients(grads, axes)
-        grads, value = _over_devices(grads, out, axes, wants_value)
+        plan = inputs.plan
+        grads = plan.sum_gradients(grads, axes)
+        value, scale = _over_devices(out, axes, wants_value)
         new_ms = eqx.filter(out.model_state, is_array) if inputs.with_state else None
         outputs = (
             grads,
             value,
+            scale,
             reduce_metrics(out.metrics, axes),
             sync_model_state(new_ms, axes),
         )
         if not self.wants_grad_sums:
             return outputs
-        # The gradients' statistics, each device reading its share of them.
-        plan = inputs.plan
-        local = local_sums(grads, plan.specs, plan.grad_specs, axes, self.layout.mesh)
+        # The statistics of the finished gradients, each device reading its share.
+        counts = plan.mean_counts(self.layout.mesh, axes)
+        local = local_sums(
+            grads,
+            plan.specs,
+            plan.grad_specs,
+            axes,
+            self.layout.mesh,
+            finish=jax.tree.map(
+                lambda c: functools.partial(_finished, count=c, scale=scale),
+                counts,
+            ),
+        )
         return (*outputs, jax.lax.psum(local, axes))
 
 
 def _over_devices(
-    grads: Any, out: Accumulated, axes: tuple[str, ...], wants_value: bool
+    out: Accumulated, axes: tuple[str, ...], wants_value: bool
 ) -> tuple[Any, Any]:
-    """Inside `shard_map`: the step's gradient and loss over every device, from
-    gradients already averaged over the devices (`sync_gradients`).
+    """Inside `shard_map`: the step's loss over every device, and the factor
+    that turns the gradient averaged over the devices into the step's gradient
+    (`None`: the average is).
 
     A `(loss_sum, weight)` loss divides by the global weight, found (with the
     global loss sum) in one all-reduce of two scalars; a scalar loss needs one
     only when the loss itself is wanted (`value`)."""
     if out.weight is None:
-        return grads, jax.lax.pmean(out.loss, axes) if wants_value else None
+        return jax.lax.pmean(out.loss, axes) if wants_value else None, None
     weight, loss_sum = jax.lax.psum(jnp.stack([out.weight, out.loss]), axes)
     devices = jax.lax.psum(1, axes)
-    return (
-        divide_by_weight(grads, weight / devices),
-        divide_by_weight(loss_sum, weight),
-    )
+    return divide_by_weight(loss_sum, weight), weight_scale(weight / devices)
+
+
+def _finished(g: Array, count: int | None, scale: Array | None) -> Array:
+    """A leaf's gradient from its sum over `count` devices (`sum_gradients`): the
+    mean's division as `lax.pmean` does it, then `scale`."""
+    if count is not None and count > 1:
+        g = g / count
+    return g if scale is None else (g * scale).astype(g.dtype)
+
+
+def finish_gradients(grads: Any, counts: Any, scale: Array | None) -> Any:
+    """The step's gradients from what its `shard_map` returns: the sums over
+    devices `counts` (`ModelPlan.mean_counts`) says, and the weighted loss's
+    `scale`."""
+
+    def finish(count: int | None, g: Any) -> Any:
+        return _finished(g, count, scale) if is_array(g) else g
+
+    return jax.tree.map(finish, counts, grads, is_leaf=lambda x: x is None)
 
 
 def _applied(p: Any, u: Any) -> Any:
@@ -399,16 +437,20 @@ def _applied(p: Any, u: Any) -> Any:
 
 def apply_update(
     optimizer: optax.GradientTransformation,
-    grads: Any,
+    grads: Callable[[], Any],
     extra: dict[str, Any],
     sums_of: Callable[[Any], Array] | None,
     params: Any,
     opt_state: Any,
 ) -> tuple[Any, Any, Array]:
-    """`optimizer`'s update of `params` from `grads` (`extra`: the keyword
+    """`optimizer`'s update of `params` from `grads()` (`extra`: the keyword
     arguments it reads, e.g. `value`): the new parameters and optimizer state,
-    and `sums_of(updates)` (the update's statistics) or zeros without it."""
-    updates, opt_state = optimizer.update(grads, opt_state, params, **extra)
+    and `sums_of(updates)` (the update's statistics) or zeros without it.
+
+    `grads` is called here, so that where this runs in a loop (`update_unless`)
+    the gradients' last elementwise steps run inside it, fused into the
+    optimizer's pass, instead of being written out as the loop's operand."""
+    updates, opt_state = optimizer.update(grads(), opt_state, params, **extra)
     if sums_of is None:
         new_params = jax.tree.map(_applied, params, updates)
         return new_params, opt_state, jnp.zeros((2,), jnp.float32)

@@ -2,6 +2,8 @@
 non-finite steps and sharded initialisation, each against plain single-device
 JAX/Optax on the same global data, on 8 simulated devices."""
 
+import re
+
 import equinox as eqx
 import jax
 import jax.numpy as jnp
@@ -304,6 +306,43 @@ def test_step_info_copies_no_parameter(setup):
         )
 
     assert copies(step_info=True) == copies()
+
+
+def _loop_operands(hlo):
+    """(result type, opcode) of what enters the one `while` of a compiled step's
+    entry computation: the instructions that define its carry's elements."""
+    entry = hlo[hlo.index("\nENTRY") :]
+    entry = entry[: entry.index("\n}\n")]
+    defs = {}
+    for line in entry.splitlines():
+        found = re.match(r"\s*(?:ROOT )?(%[\w.-]+) = (.+?) ([\w-]+)\((.*)$", line)
+        if found:
+            operands = re.findall(r"%[\w.-]+", found[4].split("), ")[0])
+            defs[found[1]] = (found[2].split("{")[0], found[3], operands)
+    (loop,) = [d for d in defs.values() if d[1] == "while"]
+    (carry,) = loop[2]
+    return [defs[o][:2] for o in defs[carry][2]]
+
+
+@pytest.mark.parametrize("loss_fn", [mean_loss, weighted_loss])
+@pytest.mark.parametrize("setup", ["dp", "hsdp"])
+def test_skip_nonfinite_divides_the_gradients_inside_its_loop(setup, loss_fn):
+    """The update of `skip_nonfinite` runs in a loop (once, or not at all). The
+    gradients enter it as the all-reduce leaves them, and the mean's division and
+    the weighted loss's scale run inside it, fused into the optimizer's pass: no
+    elementwise pass writes a gradient out before the loop, as dividing first did.
+    (Under FSDP the gather's VJP divides its reduce-scatter itself, on the
+    device's shard.)"""
+    optimizer = optax.adamw(1e-2)
+    state = ed.TrainState.create(mlp(), optimizer, jax.random.key(0))
+    step = make_step(setup, loss_fn, optimizer, skip_nonfinite=True)
+    hlo = step.lower(step.place_state(state), token_batch(3)).compile().as_text()
+    operands = _loop_operands(hlo)
+    # The carry: the skip flag, the parameters, the optimizer state, the update
+    # sums and the gradients.
+    assert ("pred[]", "fusion") in operands
+    written = [t for t, op in operands if op == "fusion" and "[]" not in t]
+    assert written == []
 
 
 def stateful_loss(model, model_state, batch, key):
