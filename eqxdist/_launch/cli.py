@@ -57,7 +57,7 @@ import threading
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 
-from .job import Job, Outcome, Stopped, stop_once
+from .job import Job, Outcome, Stopped, StopRequest
 from .ports import PortTaken, hold
 
 # File descriptors the launcher holds per process: three pipe ends (output, errors,
@@ -166,22 +166,26 @@ def _max_processes() -> int:
 
 
 @contextlib.contextmanager
-def _stop_signals() -> Iterator[None]:
-    """SIGTERM and SIGHUP raise `Stopped` (once) while the launcher runs. Signal
+def _stop_signals() -> Iterator[StopRequest]:
+    """SIGTERM and SIGHUP are recorded in the `StopRequest` yielded while the
+    launcher runs, which raises `Stopped` (once) at its next check. Signal
     handlers can only be set from the main thread."""
+    request = StopRequest()
     if threading.current_thread() is not threading.main_thread():
-        yield
+        yield request
         return
-    handler = stop_once()
+    handler = request.handler
     previous = {s: signal.signal(s, handler) for s in (signal.SIGTERM, signal.SIGHUP)}
     try:
-        yield
+        yield request
     finally:
         for s, kept in previous.items():
             signal.signal(s, kept)
 
 
-def _attempt(args: argparse.Namespace, restart: int) -> Outcome:
+def _attempt(
+    args: argparse.Namespace, restart: int, stop_request: StopRequest
+) -> Outcome:
     """Run the job once on a port of its own (a fresh coordinator each time)."""
     try:
         port, lock = hold(args.port)
@@ -193,15 +197,16 @@ def _attempt(args: argparse.Namespace, restart: int) -> Outcome:
         )
         return Outcome(2)
     try:
-        return Job(args, port, restart).run()
+        return Job(args, port, restart, stop_request).run()
     finally:
         lock.close()
 
 
-def _run_with_restarts(args: argparse.Namespace) -> int:
+def _run_with_restarts(args: argparse.Namespace, stop_request: StopRequest) -> int:
     restart = 0
     while True:
-        outcome = _attempt(args, restart)
+        stop_request.check()  # a signal between attempts: no restart
+        outcome = _attempt(args, restart, stop_request)
         if outcome.failure is None or restart == args.max_restarts:
             return outcome.status
         restart += 1
@@ -222,8 +227,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     last attempt."""
     args = _parse(argv)
     try:
-        with _stop_signals():
-            return _run_with_restarts(args)
+        with _stop_signals() as stop_request:
+            return _run_with_restarts(args, stop_request)
     except KeyboardInterrupt:  # between two attempts: nothing is running
         print("eqxdist.launch: interrupted; not restarting.", file=sys.stderr)
         return 130

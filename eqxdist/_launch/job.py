@@ -63,19 +63,28 @@ class Outcome:
     failure: str | None = None
 
 
-def stop_once() -> Callable[[int, object], None]:
-    """A handler that raises `Stopped` the first time only: schedulers repeat
-    SIGTERM (and `timeout`, `srun` pass theirs on), and a second one must not
-    interrupt the launcher while it stops the run."""
-    stopping = False
+class StopRequest:
+    """The first SIGTERM or SIGHUP the launcher receives. The signal handler
+    (`handler`) only records it, and the launcher raises `Stopped` where that is
+    safe (`check`, between waits): raised from the handler, the exception could
+    land inside `queue.Queue.get` while it releases its lock, leaving the lock
+    broken and a `RuntimeError` in place of `Stopped`. Only the first signal
+    counts: schedulers repeat SIGTERM (and `timeout`, `srun` pass theirs on), and a
+    second one must not interrupt the launcher while it stops the run."""
 
-    def handler(signum: int, frame: object) -> None:
-        nonlocal stopping
-        if not stopping:
-            stopping = True
-            raise Stopped(signum)
+    def __init__(self) -> None:
+        self.signum: int | None = None
+        self.raised = False
 
-    return handler
+    def handler(self, signum: int, frame: object) -> None:
+        if self.signum is None:
+            self.signum = signum
+
+    def check(self) -> None:
+        """Raise `Stopped` if a signal came and has not been raised yet."""
+        if self.signum is not None and not self.raised:
+            self.raised = True
+            raise Stopped(self.signum)
 
 
 def _is_gloo_noise(line: bytes) -> bool:
@@ -181,7 +190,14 @@ class Job:
     """The processes of one attempt, the threads that pass their output on and the
     watchdog that stops them should the launcher be killed outright."""
 
-    def __init__(self, args: argparse.Namespace, port: int, restart: int):
+    def __init__(
+        self,
+        args: argparse.Namespace,
+        port: int,
+        restart: int,
+        stop_request: StopRequest | None = None,
+    ):
+        self.stop_request = stop_request or StopRequest()
         self.num_processes: int = args.num_processes
         self.command = [
             *(sys.executable, "-u", str(_CHILD), args.script),
@@ -280,6 +296,7 @@ class Job:
         remaining = len(self.procs)
         first: tuple[int, int, float] | None = None  # index, status, time
         while remaining:
+            self.stop_request.check()
             try:
                 index = self.exits.get(timeout=0.1)
             except queue.Empty:

@@ -869,3 +869,20 @@ def assert_same_npz(got, want):
     assert sorted(want) == sorted(got)
     for name in want:
         np.testing.assert_array_equal(got[name], want[name], err_msg=name)
+
+
+def test_a_stop_signal_is_raised_at_the_next_check_and_only_once():
+    """The launcher's SIGTERM/SIGHUP handler only records the signal; `Stopped` is
+    raised where the launcher checks (raised from the handler, it once landed
+    inside `queue.Queue.get`'s lock release and broke the lock). Only the first
+    signal counts."""
+    from eqxdist._launch.job import Stopped, StopRequest
+
+    request = StopRequest()
+    request.check()  # nothing received: no exception
+    request.handler(signal.SIGHUP, None)
+    request.handler(signal.SIGTERM, None)  # a repeat, as schedulers send
+    with pytest.raises(Stopped) as info:
+        request.check()
+    assert info.value.signum == signal.SIGHUP
+    request.check()  # raised once: the launcher is already stopping
