@@ -258,8 +258,12 @@ class StepMath(eqx.Module):
         )
         trained = eqx.filter(state.model, mask)
         wants_value = reads_value(self.optimizer, trained, state.opt_state)
+        plan, layout = inputs.plan, self.layout
+        # The gradients leave the map as sums; the update divides them (see
+        # `ModelPlan.sum_gradients`).
+        counts = plan.mean_counts(layout.mesh, layout.data_axes)
         per_device = functools.partial(
-            self._per_device, inputs, wants_value or self.skip_nonfinite
+            self._per_device, inputs, counts, wants_value or self.skip_nonfinite
         )
         grads, value, scale, metrics, new_ms, *grad_sums = inputs.shard_map(
             per_device,
@@ -268,10 +272,6 @@ class StepMath(eqx.Module):
             (inputs.plan.grad_specs, P(), P(), P(), P())
             + ((P(),) if self.wants_grad_sums else ()),
         )
-        plan, layout = inputs.plan, self.layout
-        # The gradients leave the map as sums; the update divides them (see
-        # `ModelPlan.sum_gradients`).
-        counts = plan.mean_counts(layout.mesh, layout.data_axes)
         update = functools.partial(
             apply_update,
             self.optimizer,
@@ -334,6 +334,7 @@ class StepMath(eqx.Module):
     def _per_device(
         self,
         inputs: StepInputs,
+        counts: Any,
         wants_value: bool,
         p: Any,
         f: Any,
@@ -379,20 +380,26 @@ class StepMath(eqx.Module):
         )
         if not self.wants_grad_sums:
             return outputs
-        # The statistics of the finished gradients, each device reading its share.
-        counts = plan.mean_counts(self.layout.mesh, axes)
-        local = local_sums(
-            grads,
-            plan.specs,
-            plan.grad_specs,
-            axes,
-            self.layout.mesh,
-            finish=jax.tree.map(
-                lambda c: functools.partial(_finished, count=c, scale=scale),
-                counts,
-            ),
-        )
-        return (*outputs, jax.lax.psum(local, axes))
+        return (*outputs, _gradient_sums(grads, plan, counts, scale, self.layout))
+
+
+def _gradient_sums(
+    grads: Any, plan: ModelPlan, counts: Any, scale: Array | None, layout: Layout
+) -> Array:
+    """Inside the step's `shard_map`: the global (sum of squares, finiteness sum)
+    of the step's gradients from the sums `sum_gradients` returns, finished
+    (`gradient_finishers`) on the slice each device reads."""
+    axes = layout.data_axes
+    local = local_sums(
+        grads,
+        plan.specs,
+        plan.grad_specs,
+        axes,
+        layout.mesh,
+        finish=gradient_finishers(counts, scale),
+    )
+    total: Array = jax.lax.psum(local, axes)
+    return total
 
 
 def _over_devices(
@@ -418,6 +425,16 @@ def _finished(g: Array, count: int | None, scale: Array | None) -> Array:
     if count is not None and count > 1:
         g = g / count
     return g if scale is None else (g * scale).astype(g.dtype)
+
+
+def gradient_finishers(counts: Any, scale: Array | None) -> Any:
+    """A tree like `counts` (`ModelPlan.mean_counts`) with, at each array leaf,
+    the elementwise function that turns that leaf's gradient sum into the step's
+    gradient: the update applies it to whole leaves (`finish_gradients`), the
+    gradient statistics to the slices each device reads (`local_sums`)."""
+    return jax.tree.map(
+        lambda c: functools.partial(_finished, count=c, scale=scale), counts
+    )
 
 
 def finish_gradients(grads: Any, counts: Any, scale: Array | None) -> Any:
