@@ -168,14 +168,19 @@ def _max_processes() -> int:
 @contextlib.contextmanager
 def _stop_signals() -> Iterator[StopRequest]:
     """SIGTERM and SIGHUP are recorded in the `StopRequest` yielded while the
-    launcher runs, which raises `Stopped` (once) at its next check. Signal
+    launcher runs, which raises `Stopped` (once) at its next check; so is SIGINT
+    where Python's own handler would raise `KeyboardInterrupt` (not where the
+    launcher was started with SIGINT ignored), and the check raises that. Signal
     handlers can only be set from the main thread."""
     request = StopRequest()
     if threading.current_thread() is not threading.main_thread():
         yield request
         return
     handler = request.handler
-    previous = {s: signal.signal(s, handler) for s in (signal.SIGTERM, signal.SIGHUP)}
+    signums = [signal.SIGTERM, signal.SIGHUP]
+    if signal.getsignal(signal.SIGINT) is signal.default_int_handler:
+        signums.append(signal.SIGINT)
+    previous = {s: signal.signal(s, handler) for s in signums}
     try:
         yield request
     finally:

@@ -64,11 +64,12 @@ class Outcome:
 
 
 class StopRequest:
-    """The first SIGTERM or SIGHUP the launcher receives. The signal handler
-    (`handler`) only records it, and the launcher raises `Stopped` where that is
+    """The first SIGTERM, SIGHUP or SIGINT the launcher receives. The signal
+    handler (`handler`) only records it, and the launcher raises `Stopped` (or
+    `KeyboardInterrupt` for SIGINT, as Python's own handler would) where that is
     safe (`check`, between waits): raised from the handler, the exception could
     land inside `queue.Queue.get` while it releases its lock, leaving the lock
-    broken and a `RuntimeError` in place of `Stopped`. Only the first signal
+    broken and a `RuntimeError` in place of the stop. Only the first signal
     counts: schedulers repeat SIGTERM (and `timeout`, `srun` pass theirs on), and a
     second one must not interrupt the launcher while it stops the run."""
 
@@ -81,9 +82,12 @@ class StopRequest:
             self.signum = signum
 
     def check(self) -> None:
-        """Raise `Stopped` if a signal came and has not been raised yet."""
+        """Raise `Stopped` (`KeyboardInterrupt` for SIGINT) if a signal came and
+        has not been raised yet."""
         if self.signum is not None and not self.raised:
             self.raised = True
+            if self.signum == signal.SIGINT:
+                raise KeyboardInterrupt
             raise Stopped(self.signum)
 
 

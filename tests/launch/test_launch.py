@@ -886,3 +886,17 @@ def test_a_stop_signal_is_raised_at_the_next_check_and_only_once():
         request.check()
     assert info.value.signum == signal.SIGHUP
     request.check()  # raised once: the launcher is already stopping
+
+
+def test_ctrl_c_is_recorded_like_sigterm_and_raised_as_keyboard_interrupt():
+    """SIGINT goes through the same record-then-check path as SIGTERM (the same
+    lock hazard), raised as the `KeyboardInterrupt` the launcher handles; a later
+    SIGTERM does not replace it."""
+    from eqxdist._launch.job import StopRequest
+
+    request = StopRequest()
+    request.handler(signal.SIGINT, None)
+    request.handler(signal.SIGTERM, None)
+    with pytest.raises(KeyboardInterrupt):
+        request.check()
+    request.check()
