@@ -3,8 +3,10 @@
 1. Step time of `make_train_step(..., step_info=True, skip_nonfinite=True)`
    against the plain step (same model, optimizer and batch), for dp and fsdp,
    and of each option alone. All run in one process, interleaved within each
-   repeat, at most 4 steps in flight; the ratio is taken per repeat, and the
-   median and spread (min-max) over repeats are printed. Goal: <= 1.03.
+   repeat (the order rotating), at most 4 steps in flight; the ratio is taken
+   per repeat, and the median and spread (min-max) over repeats are printed,
+   with the compiled steps' bytes accessed per device (`cost_analysis()`,
+   deterministic) against the plain step's. Goal: <= 1.03.
 2. `TrainStep.init_state` of an 8 x 1024^2 MLP (Adam) under FSDP: the compiled
    init's per-device peak bytes (outputs + temporaries, from
    `memory_analysis()`) against the per-device share of the state. Goal:
@@ -71,6 +73,15 @@ def time_steps(step: Any, state: Any, batch: Any, steps: int) -> tuple[Any, floa
     return state, (time.perf_counter() - start) / steps
 
 
+def bytes_accessed(step: Any, state: Any, batch: Any) -> float:
+    """The compiled step's bytes accessed per device (`cost_analysis()`): XLA's
+    count of what each fusion reads and writes, the same on every run (the
+    timings on a shared 2-core machine are not)."""
+    cost = step.lower(state, batch).compile().cost_analysis()
+    cost = cost[0] if isinstance(cost, list) else cost
+    return float(cost["bytes accessed"])
+
+
 def bench_overhead(args: argparse.Namespace) -> None:
     mesh = ed.create_data_parallel_mesh()
     optimizer = optax.adamw(1e-3)
@@ -102,19 +113,28 @@ def bench_overhead(args: argparse.Namespace) -> None:
         for name in steps:  # compile and warm up
             states[name], _ = time_steps(steps[name], states[name], batch, 4)
         times: dict[str, list[float]] = {name: [] for name in steps}
-        for _ in range(args.repeats):
-            for name in steps:
+        names = list(steps)
+        for r in range(args.repeats):
+            # The order rotates, so that no variant always runs first or last.
+            for name in names[r % len(names) :] + names[: r % len(names)]:
                 states[name], t = time_steps(
                     steps[name], states[name], batch, args.steps
                 )
                 times[name].append(t)
+        accessed = {
+            name: bytes_accessed(steps[name], states[name], batch) for name in steps
+        }
         plain = times["plain"]
-        print(f"{strategy}: plain step {statistics.median(plain) * 1e3:.1f} ms")
-        for name in list(steps)[1:]:
+        print(
+            f"{strategy}: plain step {statistics.median(plain) * 1e3:.1f} ms, "
+            f"{accessed['plain'] / 2**20:.0f} MiB accessed per device"
+        )
+        for name in names[1:]:
             ratios = [t / p for t, p in zip(times[name], plain, strict=True)]
             print(
                 f"  {name:15s} / plain: median {statistics.median(ratios):.3f} "
-                f"(spread {min(ratios):.3f}-{max(ratios):.3f})"
+                f"(spread {min(ratios):.3f}-{max(ratios):.3f}); bytes accessed "
+                f"{accessed[name] / accessed['plain']:.2f}x"
             )
 
 

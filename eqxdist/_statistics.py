@@ -22,16 +22,33 @@ from jaxtyping import Array
 from ._rules import is_spec_leaf, spec_axes
 from ._utils import is_array
 
+SQUARES = "squares"
+"""The sum of squares of a tree's elements (`step_info`'s norms)."""
+NONFINITE = "nonfinite"
+"""The sum of `x * 0` over a tree's elements: 0 when every element is finite, NaN
+otherwise (`skip_nonfinite`'s check)."""
 
-def _sums(x: Array, finish: Callable[[Array], Array] | None = None) -> Array:
-    """`[sum of squares, sum of x * 0]` of `finish(x)` in float32: the second is 0
-    when every element is finite and NaN otherwise. Two reductions of `x` itself,
-    each with its product fused in (stacking the products first writes both out
-    in full, then reads them back)."""
+
+def _sums(
+    x: Array, kinds: tuple[str, ...], finish: Callable[[Array], Array] | None = None
+) -> dict[str, Array]:
+    """The sums `kinds` names (`SQUARES`, `NONFINITE`) of `finish(x)`, in
+    float32. One reduction of `x` itself per kind, each with its product fused
+    in (stacking the products first writes them out in full, then reads them
+    back); only the kinds a caller reads, as each is a pass over its slice."""
     if finish is not None:
         x = finish(x)
     x32 = x.astype(jnp.float32)  # not flattened: that would regather rule axes
-    return jnp.stack([jnp.sum(x32 * x32), jnp.sum(x32 * 0.0)])
+    products = {SQUARES: lambda: x32 * x32, NONFINITE: lambda: x32 * 0.0}
+    return {kind: jnp.sum(products[kind]()) for kind in kinds}
+
+
+def _first_only(index: Array, sums: dict[str, Array]) -> dict[str, Array]:
+    return {k: jnp.where(index == 0, v, 0.0) for k, v in sums.items()}
+
+
+def _add(a: dict[str, Array], b: dict[str, Array]) -> dict[str, Array]:
+    return {k: a[k] + b[k] for k in a}
 
 
 def _taken(spec: P | None, ndim: int) -> set[int]:
@@ -44,30 +61,33 @@ def _share(
     manual: P | None,
     axes: tuple[str, ...],
     mesh: Mesh,
+    kinds: tuple[str, ...],
     finish: Callable[[Array], Array] | None = None,
-) -> Array:
-    """Inside `shard_map` (manual over `axes`): this device's part of the sums of
-    leaf `finish(x)`, laid out by `manual` over the data axes and by `spec` over
-    the others. The devices holding the same copy of `x` (those along the data
-    axes `manual` does not shard over) each take an equal slice of its largest
-    dimension no axis shards; the first also takes the remainder. `finish`, an
-    elementwise function, is applied to the slices only."""
+) -> dict[str, Array]:
+    """Inside `shard_map` (manual over `axes`): this device's part of the sums
+    `kinds` of leaf `finish(x)`, laid out by `manual` over the data axes and by
+    `spec` over the others. The devices holding the same copy of `x` (those along
+    the data axes `manual` does not shard over) each take an equal slice of its
+    largest dimension no axis shards; the first also takes the remainder.
+    `finish`, an elementwise function, is applied to the slices only."""
     copies = tuple(a for a in axes if a not in spec_axes(manual))
     count = math.prod(mesh.shape[a] for a in copies)
     if count == 1:
-        return _sums(x, finish)
+        return _sums(x, kinds, finish)
     index = jax.lax.axis_index(copies)
     taken = _taken(spec, x.ndim) | _taken(manual, x.ndim)
     free = [d for d in range(x.ndim) if d not in taken and x.shape[d] >= count]
     if not free:  # small or fully sharded elsewhere: one copy adds it up
-        return jnp.where(index == 0, _sums(x, finish), 0.0)
+        return _first_only(index, _sums(x, kinds, finish))
     dim = max(free, key=lambda d: (x.shape[d], -d))  # contiguous slabs
     size = x.shape[dim] // count
-    part = _sums(jax.lax.dynamic_slice_in_dim(x, index * size, size, axis=dim), finish)
+    part = _sums(
+        jax.lax.dynamic_slice_in_dim(x, index * size, size, axis=dim), kinds, finish
+    )
     rest = x.shape[dim] - size * count
     if rest:
         tail = jax.lax.slice_in_dim(x, size * count, x.shape[dim], axis=dim)
-        part = part + jnp.where(index == 0, _sums(tail, finish), 0.0)
+        part = _add(part, _first_only(index, _sums(tail, kinds, finish)))
     return part
 
 
@@ -77,43 +97,53 @@ def local_sums(
     manual: Any,
     axes: tuple[str, ...],
     mesh: Mesh,
+    kinds: tuple[str, ...],
     finish: Any = None,
-) -> Array:
-    """Inside `shard_map`: this device's share of `tree`'s (sum of squares,
-    finiteness sum); `specs` are the leaves' model specs (for the axes XLA
-    handles) and `manual` their specs over the data `axes` (`None` where a leaf
-    is not an array). `jax.lax.psum` over `axes` gives the global sums.
+) -> dict[str, Array]:
+    """Inside `shard_map`: this device's share of `tree`'s sums `kinds`
+    (`SQUARES`, `NONFINITE`), a dict by kind; `specs` are the leaves' model specs
+    (for the axes XLA handles) and `manual` their specs over the data `axes`
+    (`None` where a leaf is not an array). `jax.lax.psum` over `axes` gives the
+    global sums.
 
     `finish`, a tree like `specs` with an elementwise function (or `None`) at
     each array leaf: the sums are those of `finish(leaf)`, applied to the slices
     each device reads."""
-    total = jnp.zeros((2,), jnp.float32)
+    total = {kind: jnp.zeros((), jnp.float32) for kind in kinds}
     if finish is None:
         finish = jax.tree.map(lambda s: None, specs, is_leaf=is_spec_leaf)
 
-    def share(s: P | None, m: P | None, f: Any, x: Any) -> Array | None:
-        return _share(x, s, m, axes, mesh, f) if is_array(x) else None
+    parts: list[dict[str, Array]] = []  # a list: the model may hold dicts itself
 
-    leaves = jax.tree.leaves(
-        jax.tree.map(share, specs, manual, finish, tree, is_leaf=is_spec_leaf)
-    )
-    for part in leaves:
-        total = total + part
+    def share(s: P | None, m: P | None, f: Any, x: Any) -> None:
+        if is_array(x):
+            parts.append(_share(x, s, m, axes, mesh, kinds, f))
+
+    jax.tree.map(share, specs, manual, finish, tree, is_leaf=is_spec_leaf)
+    for part in parts:
+        total = _add(total, part)
     return total
 
 
 def global_sums(
-    tree: Any, specs: Any, manual: Any, axes: tuple[str, ...], mesh: Mesh
-) -> Array:
-    """On global arrays: `tree`'s (sum of squares, finiteness sum), every device
-    reading its share (`local_sums`, which takes `specs` and `manual`) and one
-    all-reduce adding them."""
+    tree: Any,
+    specs: Any,
+    manual: Any,
+    axes: tuple[str, ...],
+    mesh: Mesh,
+    kinds: tuple[str, ...],
+) -> dict[str, Array]:
+    """On global arrays: `tree`'s sums `kinds`, every device reading its share
+    (`local_sums`, which takes `specs` and `manual`) and one all-reduce adding
+    them."""
 
-    def per_device(local: Any) -> Array:
-        total: Array = jax.lax.psum(local_sums(local, specs, manual, axes, mesh), axes)
+    def per_device(local: Any) -> dict[str, Array]:
+        total: dict[str, Array] = jax.lax.psum(
+            local_sums(local, specs, manual, axes, mesh, kinds), axes
+        )
         return total
 
-    sums: Array = jax.shard_map(
+    sums: dict[str, Array] = jax.shard_map(
         per_device,
         mesh=mesh,
         in_specs=(manual,),

@@ -31,7 +31,7 @@ from ._layout import Layout
 from ._metrics.tree import reduce_metrics
 from ._plan import ModelPlan
 from ._state import TrainState
-from ._statistics import global_sums, local_sums
+from ._statistics import NONFINITE, SQUARES, global_sums, local_sums
 from ._utils import AxisName, cast_floating, check_axis_bound, is_array, typecheck
 
 FSDP_GATHERS = ("step", "minibatch")
@@ -284,6 +284,7 @@ class StepMath(eqx.Module):
                     manual=plan.grad_specs,
                     axes=layout.data_axes,
                     mesh=layout.mesh,
+                    kinds=(SQUARES,),
                 )
                 if self.step_info  # here, so that a skipped step reads no update
                 else None
@@ -293,10 +294,10 @@ class StepMath(eqx.Module):
         skipped = None
         if self.skip_nonfinite:
             skipped = jnp.logical_or(
-                jnp.logical_not(jnp.isfinite(value)), jnp.isnan(grad_sums[0][1])
+                jnp.logical_not(jnp.isfinite(value)), jnp.isnan(grad_sums[0][NONFINITE])
             )
             new_params, opt_state, update_sums = update_unless(
-                skipped, update, trained, state.opt_state
+                skipped, update, trained, state.opt_state, self.update_kinds
             )
             new_ms = keep_if(skipped, state.model_state, new_ms)
         else:
@@ -313,16 +314,35 @@ class StepMath(eqx.Module):
         if not self.step_info:
             return new_state, metrics
         param_sums = global_sums(
-            new_params, plan.specs, plan.manual, layout.data_axes, layout.mesh
+            new_params,
+            plan.specs,
+            plan.manual,
+            layout.data_axes,
+            layout.mesh,
+            (SQUARES,),
         )
         info = step_statistics(grad_sums[0], update_sums, param_sums, skipped)
         return new_state, (metrics, info)
 
     @property
+    def grad_kinds(self) -> tuple[str, ...]:
+        """The gradients' statistics the step's `shard_map` returns (`local_sums`,
+        added over the devices): the sum of squares for `step_info`'s norm, the
+        finiteness sum for `skip_nonfinite`'s check; each is a pass over the
+        gradients, so only those read."""
+        return ((SQUARES,) if self.step_info else ()) + (
+            (NONFINITE,) if self.skip_nonfinite else ()
+        )
+
+    @property
+    def update_kinds(self) -> tuple[str, ...]:
+        """The update's statistics (its sum of squares, for `step_info`)."""
+        return (SQUARES,) if self.step_info else ()
+
+    @property
     def wants_grad_sums(self) -> bool:
-        """Whether the step's `shard_map` also returns the gradients' statistics
-        (`local_sums`, added over the devices)."""
-        return self.step_info or self.skip_nonfinite
+        """Whether the step's `shard_map` also returns the gradients' statistics."""
+        return bool(self.grad_kinds)
 
     def _materialise(self, inputs: StepInputs, p: Any, combined: bool = False) -> Any:
         # Cast before the gather, so that FSDP's all-gathers (and the
@@ -380,14 +400,22 @@ class StepMath(eqx.Module):
         )
         if not self.wants_grad_sums:
             return outputs
-        return (*outputs, _gradient_sums(grads, plan, counts, scale, self.layout))
+        return (
+            *outputs,
+            _gradient_sums(grads, plan, counts, scale, self.layout, self.grad_kinds),
+        )
 
 
 def _gradient_sums(
-    grads: Any, plan: ModelPlan, counts: Any, scale: Array | None, layout: Layout
-) -> Array:
-    """Inside the step's `shard_map`: the global (sum of squares, finiteness sum)
-    of the step's gradients from the sums `sum_gradients` returns, finished
+    grads: Any,
+    plan: ModelPlan,
+    counts: Any,
+    scale: Array | None,
+    layout: Layout,
+    kinds: tuple[str, ...],
+) -> dict[str, Array]:
+    """Inside the step's `shard_map`: the global sums `kinds` of the step's
+    gradients from the sums `sum_gradients` returns, finished
     (`gradient_finishers`) on the slice each device reads."""
     axes = layout.data_axes
     local = local_sums(
@@ -396,9 +424,10 @@ def _gradient_sums(
         plan.grad_specs,
         axes,
         layout.mesh,
+        kinds,
         finish=gradient_finishers(counts, scale),
     )
-    total: Array = jax.lax.psum(local, axes)
+    total: dict[str, Array] = jax.lax.psum(local, axes)
     return total
 
 
@@ -456,13 +485,13 @@ def apply_update(
     optimizer: optax.GradientTransformation,
     grads: Callable[[], Any],
     extra: dict[str, Any],
-    sums_of: Callable[[Any], Array] | None,
+    sums_of: Callable[[Any], dict[str, Array]] | None,
     params: Any,
     opt_state: Any,
-) -> tuple[Any, Any, Array]:
+) -> tuple[Any, Any, dict[str, Array]]:
     """`optimizer`'s update of `params` from `grads()` (`extra`: the keyword
     arguments it reads, e.g. `value`): the new parameters and optimizer state,
-    and `sums_of(updates)` (the update's statistics) or zeros without it.
+    and `sums_of(updates)` (the update's statistics; `{}` without it).
 
     `grads` is called here, so that where this runs in a loop (`update_unless`)
     the gradients' last elementwise steps run inside it, fused into the
@@ -470,14 +499,14 @@ def apply_update(
     updates, opt_state = optimizer.update(grads(), opt_state, params, **extra)
     if sums_of is None:
         new_params = jax.tree.map(_applied, params, updates)
-        return new_params, opt_state, jnp.zeros((2,), jnp.float32)
+        return new_params, opt_state, {}
     sums = sums_of(updates)
     # An update that reads the parameters (weight decay) makes the sums read the
     # old parameters, which the step overwrites in place; unless the writes depend
     # on the sums, XLA copies every parameter to keep it for that read. `always`
     # is true (a sum of squares is never negative; NaN < 0 is false) but XLA
     # cannot know, so the select orders them.
-    always = jnp.logical_not(sums[0] < 0)
+    always = jnp.logical_not(sums[SQUARES] < 0)
     new_params = jax.tree.map(
         lambda p, u: jnp.where(always, _applied(p, u), p), params, updates
     )
@@ -486,14 +515,16 @@ def apply_update(
 
 def update_unless(
     skipped: Array,
-    update: Callable[[Any, Any], tuple[Any, Any, Array]],
+    update: Callable[[Any, Any], tuple[Any, Any, dict[str, Array]]],
     params: Any,
     opt_state: Any,
-) -> tuple[Any, Any, Array]:
-    """`update(params, opt_state)`, or the inputs unchanged (and zero update sums)
-    where `skipped`. A loop run once or not at all: XLA updates a loop's carry in
-    place, so a step that is not skipped reads and writes what a plain step does
-    (selects, or a `lax.cond`, make XLA copy the state)."""
+    kinds: tuple[str, ...],
+) -> tuple[Any, Any, dict[str, Array]]:
+    """`update(params, opt_state)`, or the inputs unchanged (and zero update sums
+    of `kinds`, those `update` returns) where `skipped`. A loop run once or not
+    at all: XLA updates a loop's carry in place, so a step that is not skipped
+    reads and writes what a plain step does (selects, or a `lax.cond`, make XLA
+    copy the state)."""
 
     def body(carry: Any) -> Any:
         _, params, opt_state, _ = carry
@@ -502,7 +533,7 @@ def update_unless(
     _, new_params, opt_state, sums = jax.lax.while_loop(
         lambda carry: jnp.logical_not(carry[0]),
         body,
-        (skipped, params, opt_state, jnp.zeros((2,), jnp.float32)),
+        (skipped, params, opt_state, {k: jnp.zeros((), jnp.float32) for k in kinds}),
     )
     return new_params, opt_state, sums
 
@@ -518,14 +549,17 @@ def keep_if(skipped: Array, old: Any, new: Any) -> Any:
 
 
 def step_statistics(
-    grad_sums: Array, update_sums: Array, param_sums: Array, skipped: Array | None
+    grad_sums: dict[str, Array],
+    update_sums: dict[str, Array],
+    param_sums: dict[str, Array],
+    skipped: Array | None,
 ) -> dict[str, Array]:
     """`step_info` from the sums of squares (`global_sums`) of the gradients,
     the update (zeros when the step was skipped) and the parameters."""
     no = jnp.zeros((), jnp.float32)
     return {
-        "grad_norm": jnp.sqrt(grad_sums[0]),
-        "update_norm": jnp.sqrt(update_sums[0]),
-        "param_norm": jnp.sqrt(param_sums[0]),
+        "grad_norm": jnp.sqrt(grad_sums[SQUARES]),
+        "update_norm": jnp.sqrt(update_sums[SQUARES]),
+        "param_norm": jnp.sqrt(param_sums[SQUARES]),
         "skipped": no if skipped is None else skipped.astype(jnp.float32),
     }

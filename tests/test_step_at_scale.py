@@ -226,7 +226,7 @@ def test_sums_read_shares_and_add_up_to_the_whole(shape, axes):
     """Each device sums a slice of every copy (leaves of any shape, remainders,
     leaves too small to split, leaves sharded over data or rule axes); the parts
     add up to NumPy's sums over the whole arrays."""
-    from eqxdist._statistics import global_sums
+    from eqxdist._statistics import NONFINITE, SQUARES, global_sums
 
     mesh = ed.create_device_mesh(shape)
     rng = np.random.default_rng(0)
@@ -241,13 +241,18 @@ def test_sums_read_shares_and_add_up_to_the_whole(shape, axes):
         jax.device_put(v, jax.sharding.NamedSharding(mesh, s))
         for v, s in zip(values, specs, strict=True)
     ]
-    sums_of = jax.jit(lambda t: global_sums(t, specs, manual, axes, mesh))
+    kinds = (SQUARES, NONFINITE)
+    sums_of = jax.jit(lambda t: global_sums(t, specs, manual, axes, mesh, kinds))
     sums = sums_of(tree)
     expected = sum(float(np.sum(np.square(v.astype(np.float64)))) for v in values)
-    np.testing.assert_allclose(sums[0], expected, rtol=1e-5)
-    assert float(sums[1]) == 0.0
+    np.testing.assert_allclose(sums[SQUARES], expected, rtol=1e-5)
+    assert float(sums[NONFINITE]) == 0.0
+    # Only the kinds asked for are computed.
+    only = jax.jit(lambda t: global_sums(t, specs, manual, axes, mesh, (SQUARES,)))
+    assert only(tree).keys() == {SQUARES}
+    np.testing.assert_array_equal(only(tree)[SQUARES], sums[SQUARES])
     tree[2] = tree[2].at[8, 16].set(jnp.inf)  # in the remainder of the split dim
-    assert np.isnan(sums_of(tree)[1])
+    assert np.isnan(sums_of(tree)[NONFINITE])
 
 
 def test_step_info_under_zero1():
