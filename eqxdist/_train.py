@@ -284,9 +284,9 @@ class StepMath(eqx.Module):
                     manual=plan.grad_specs,
                     axes=layout.data_axes,
                     mesh=layout.mesh,
-                    kinds=(SQUARES,),
+                    kinds=self.update_kinds,
                 )
-                if self.step_info  # here, so that a skipped step reads no update
+                if self.update_kinds  # here, so that a skipped step reads no update
                 else None
             ),
         )
@@ -336,7 +336,8 @@ class StepMath(eqx.Module):
 
     @property
     def update_kinds(self) -> tuple[str, ...]:
-        """The update's statistics (its sum of squares, for `step_info`)."""
+        """The update's statistics (its sum of squares, for `step_info`): what
+        `apply_update` returns, and so what `update_unless` starts from."""
         return (SQUARES,) if self.step_info else ()
 
     @property
