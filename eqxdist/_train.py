@@ -262,15 +262,20 @@ class StepMath(eqx.Module):
         # The gradients leave the map as sums; the update divides them (see
         # `ModelPlan.sum_gradients`).
         counts = plan.mean_counts(layout.mesh, layout.data_axes)
+        grad_kinds, update_kinds = statistics_kinds(self.step_info, self.skip_nonfinite)
         per_device = functools.partial(
-            self._per_device, inputs, counts, wants_value or self.skip_nonfinite
+            self._per_device,
+            inputs,
+            counts,
+            grad_kinds,
+            wants_value or self.skip_nonfinite,
         )
         grads, value, scale, metrics, new_ms, *grad_sums = inputs.shard_map(
             per_device,
             (jax.random.fold_in(state.key, state.step),),
             (P(),),
             (inputs.plan.grad_specs, P(), P(), P(), P())
-            + ((P(),) if self.wants_grad_sums else ()),
+            + ((P(),) if grad_kinds else ()),
         )
         update = functools.partial(
             apply_update,
@@ -284,9 +289,9 @@ class StepMath(eqx.Module):
                     manual=plan.grad_specs,
                     axes=layout.data_axes,
                     mesh=layout.mesh,
-                    kinds=self.update_kinds,
+                    kinds=update_kinds,
                 )
-                if self.update_kinds  # here, so that a skipped step reads no update
+                if update_kinds  # here, so that a skipped step reads no update
                 else None
             ),
         )
@@ -297,7 +302,7 @@ class StepMath(eqx.Module):
                 jnp.logical_not(jnp.isfinite(value)), jnp.isnan(grad_sums[0][NONFINITE])
             )
             new_params, opt_state, update_sums = update_unless(
-                skipped, update, trained, state.opt_state, self.update_kinds
+                skipped, update, trained, state.opt_state, update_kinds
             )
             new_ms = keep_if(skipped, state.model_state, new_ms)
         else:
@@ -324,27 +329,6 @@ class StepMath(eqx.Module):
         info = step_statistics(grad_sums[0], update_sums, param_sums, skipped)
         return new_state, (metrics, info)
 
-    @property
-    def grad_kinds(self) -> tuple[str, ...]:
-        """The gradients' statistics the step's `shard_map` returns (`local_sums`,
-        added over the devices): the sum of squares for `step_info`'s norm, the
-        finiteness sum for `skip_nonfinite`'s check; each is a pass over the
-        gradients, so only those read."""
-        return ((SQUARES,) if self.step_info else ()) + (
-            (NONFINITE,) if self.skip_nonfinite else ()
-        )
-
-    @property
-    def update_kinds(self) -> tuple[str, ...]:
-        """The update's statistics (its sum of squares, for `step_info`): what
-        `apply_update` returns, and so what `update_unless` starts from."""
-        return (SQUARES,) if self.step_info else ()
-
-    @property
-    def wants_grad_sums(self) -> bool:
-        """Whether the step's `shard_map` also returns the gradients' statistics."""
-        return bool(self.grad_kinds)
-
     def _materialise(self, inputs: StepInputs, p: Any, combined: bool = False) -> Any:
         # Cast before the gather, so that FSDP's all-gathers (and the
         # reduce-scatters of their gradients) move the compute dtype; back to the
@@ -356,6 +340,7 @@ class StepMath(eqx.Module):
         self,
         inputs: StepInputs,
         counts: Any,
+        grad_kinds: tuple[str, ...],
         wants_value: bool,
         p: Any,
         f: Any,
@@ -399,12 +384,24 @@ class StepMath(eqx.Module):
             reduce_metrics(out.metrics, axes),
             sync_model_state(new_ms, axes),
         )
-        if not self.wants_grad_sums:
+        if not grad_kinds:
             return outputs
         return (
             *outputs,
-            _gradient_sums(grads, plan, counts, scale, self.layout, self.grad_kinds),
+            _gradient_sums(grads, plan, counts, scale, self.layout, grad_kinds),
         )
+
+
+def statistics_kinds(
+    step_info: bool, skip_nonfinite: bool
+) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """The sums a step computes (`_statistics`): of its gradients, returned by
+    its `shard_map` (the sum of squares for `step_info`'s norm, the finiteness
+    sum for `skip_nonfinite`'s check), and of its update (the sum of squares,
+    for `step_info`; what `apply_update` returns, so what `update_unless` starts
+    from). Each is a pass over the tree, so only those read."""
+    grads = ((SQUARES,) if step_info else ()) + ((NONFINITE,) if skip_nonfinite else ())
+    return grads, (SQUARES,) if step_info else ()
 
 
 def _gradient_sums(
