@@ -10,6 +10,10 @@ run the exit handlers, and JAX's waits in a barrier for the other processes, whi
 are stuck in a collective waiting for this one, so the launcher would never learn of
 the failure.
 
+A process that outlives another's exit by `--exit-timeout` receives `STACKS_SIGNAL`
+(a real-time signal) before it is killed; `faulthandler` is registered for it and
+prints every thread's Python stack to stderr, so the user sees where it hung.
+
 When the launcher passes a SIGTERM on, it also writes a stop notice down a pipe
 (`EQXDIST_LAUNCH_CONTROL_FD`). Under `jax.distributed` JAX's own handler catches
 SIGTERM (its preemption notice) and the script runs on until it asks the preemption
@@ -26,6 +30,7 @@ script may set environment variables that JAX reads when it is imported.
 """
 
 import builtins
+import faulthandler
 import functools
 import os
 import runpy
@@ -41,6 +46,7 @@ from typing import Any, NoReturn
 _CONTROL_FD_ENV = "EQXDIST_LAUNCH_CONTROL_FD"  # `job.CONTROL_FD_ENV`
 _SYNC_POINT_MODULE = "jax.experimental.multihost_utils"
 _SIGTERM_STATUS = 128 + signal.SIGTERM
+_STACKS_SIGNAL = signal.SIGRTMIN + 2  # `job.STACKS_SIGNAL`
 # Set once the script has asked JAX's preemption sync point.
 _asked_sync_point = threading.Event()
 
@@ -143,6 +149,9 @@ def _start_listening() -> None:
     if fd is None:  # started by hand, not by the launcher
         return
     os.set_inheritable(int(fd), False)  # not for the script's own subprocesses
+    # The launcher sends it to a process that outlives the others' exit by
+    # `--exit-timeout`, before killing it.
+    faulthandler.register(_STACKS_SIGNAL, file=sys.stderr, all_threads=True)
     sys.meta_path.insert(0, _SyncPointWatcher())
     threading.Thread(target=_listen_for_stop, args=(int(fd),), daemon=True).start()
 

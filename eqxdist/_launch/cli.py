@@ -12,8 +12,9 @@ status the others are killed at once and the launcher exits with that status. A
 process that has joined the run ends at once when it fails (an uncaught exception,
 or `sys.exit(n)` with `n` non-zero) instead of first waiting at its exit for the
 others, which wait for it. When a process has exited (even with status 0) and
-another has not `--exit-timeout` seconds later (default 60), the rest are killed and
-the launcher exits with status 124 naming the process that hung. The launcher's last
+another has not `--exit-timeout` seconds later (default 60), each of the rest prints
+its threads' Python stacks (where it hangs), is killed, and the launcher exits with
+status 124 naming the process that hung. The launcher's last
 line names the first process that failed.
 
 Signals to the launcher:

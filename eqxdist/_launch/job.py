@@ -25,6 +25,14 @@ RESTART_COUNT_ENV = "EQXDIST_RESTART_COUNT"
 # The pipe on which a process hears that the launcher passed a SIGTERM on (`child`).
 CONTROL_FD_ENV = "EQXDIST_LAUNCH_CONTROL_FD"
 STOP_NOTICE = b"stop\n"
+# Sent to a process that has not exited within `--exit-timeout`: `child` registers
+# `faulthandler` for it, which prints every thread's Python stack to stderr from the
+# signal handler itself (the process may be stuck in C code holding the GIL, where
+# no Python thread could run). A real-time signal, because schedulers send SIGUSR1
+# and SIGUSR2 to scripts that may handle them (SLURM's preemption warning).
+STACKS_SIGNAL = signal.SIGRTMIN + 2
+# How long a hung process is given to print its stacks before it is killed.
+_STACKS_WAIT = 1.0
 
 _DEVICE_COUNT_FLAG = re.compile(r"--xla_force_host_platform_device_count=\S*")
 # gloo prints "[Gloo] Rank 3 is connected to 7 peer ranks. Expected number of
@@ -338,11 +346,20 @@ class Job:
 
     def _hung(self, first: int, code: int) -> Outcome:
         hung = [i for i, p in enumerate(self.procs) if p.poll() is None]
+        # Where a process hangs is what the user needs to fix it: ask each for its
+        # stacks (printed with its prefix, before the summary) before killing it.
+        for i in hung:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(self.procs[i].pid, STACKS_SIGNAL)
+        deadline = time.monotonic() + _STACKS_WAIT
+        while time.monotonic() < deadline and any(p.poll() is None for p in self.procs):
+            time.sleep(0.05)
         stop(self.procs, signal.SIGKILL, 0.0)
         late = f"{_some(hung)} did not exit within {self.exit_timeout:g} s"
+        them, their = ("them", "their") if len(hung) > 1 else ("it", "its")
         summary = (
             f"{late} (--exit-timeout) of process {first}, which exited with status "
-            f"{code}; killed {'them' if len(hung) > 1 else 'it'}."
+            f"{code}; killed {them} ({their} Python stacks are printed above)."
         )
         return Outcome(HUNG_STATUS, summary, f"{late} of process {first}")
 

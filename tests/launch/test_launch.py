@@ -259,9 +259,23 @@ def test_a_hung_process_is_killed_after_the_exit_timeout_and_named(tmp_path):
     last = result.stderr.strip().splitlines()[-1]
     assert re.match(
         r"eqxdist.launch: process 1 did not exit within 10 s \(--exit-timeout\) of "
-        r"process [02], which exited with status 0; killed it.",
+        r"process [02], which exited with status 0; killed it \(its Python stacks "
+        r"are printed above\).",
         last,
     ), last
+    # Before it was killed, the hung process printed where it was: the script's
+    # `time.sleep` line, in its main thread.
+    sleep_line = next(
+        n
+        for n, line in enumerate((SCRIPTS / "plain.py").read_text().splitlines(), 1)
+        if line.strip() == "time.sleep(600)"
+    )
+    assert re.search(
+        rf"^\[1\] +File \".*plain\.py\", line {sleep_line} in <module>$",
+        result.stderr,
+        re.MULTILINE,
+    ), result.stderr
+    assert "[0] " not in result.stderr  # only the hung process was asked
     assert_all_gone(tmp_path / "pids")
 
 
