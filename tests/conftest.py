@@ -32,15 +32,24 @@ def rng() -> np.random.Generator:
 
 
 @pytest.fixture(scope="session")
-def script_env(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
-    """The environment of an example script run as a subprocess, as a user runs
-    it: without this process's `XLA_FLAGS` (each script sets up its own simulated
-    devices), and with one JAX persistent compilation cache for the session, so
-    that the second and later runs of a script (a resume test runs it up to four
-    times) load its compiled programs instead of compiling them again (about 20 s
-    of each transformer run). Only these scripts share it, and they run one at a
-    time: two processes writing one entry at once could read it half-written."""
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+def cached_env(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
+    """This process's environment plus one JAX persistent compilation cache for
+    the session, for subprocesses that run one at a time and compile the same
+    programs again and again (a resume test runs a script up to four times, about
+    20 s of each transformer run; each consumed-state scenario builds the same
+    steps): the second and later runs load the compiled programs instead of
+    compiling them. Never for processes that run at once (a multi-process job):
+    JAX writes an entry without a lock, so one could read another's half-written
+    entry. Each pytest-xdist worker has its own session, so its own cache."""
+    env = dict(os.environ)
     env["JAX_COMPILATION_CACHE_DIR"] = str(tmp_path_factory.mktemp("jax-cache"))
     env["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"
     return env
+
+
+@pytest.fixture(scope="session")
+def script_env(cached_env: dict[str, str]) -> dict[str, str]:
+    """The environment of an example script run as a subprocess, as a user runs
+    it: without this process's `XLA_FLAGS` (each script sets up its own simulated
+    devices), with the session's compilation cache (`cached_env`)."""
+    return {k: v for k, v in cached_env.items() if k != "XLA_FLAGS"}

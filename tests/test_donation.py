@@ -88,14 +88,14 @@ SCENARIOS = {
 @pytest.mark.slow
 @pytest.mark.parametrize("strategy", ["dp", "fsdp"])
 @pytest.mark.parametrize("scenario", sorted(SCENARIOS))
-def test_consumed_state(scenario, strategy):
+def test_consumed_state(scenario, strategy, cached_env):
     code = PRELUDE + "\n" + SCENARIOS[scenario] + "\nprint('OK')\n"
     proc = subprocess.run(
         [sys.executable, "-c", code],
         capture_output=True,
         text=True,
         timeout=300,
-        env={**__import__("os").environ, "STRATEGY": strategy},
+        env={**cached_env, "STRATEGY": strategy},
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert proc.stdout.strip().endswith("OK")
@@ -107,7 +107,7 @@ HOST_COPY_ENTRY_POINTS = ["step", "place_state", "lower", "eval", "save_checkpoi
 @pytest.mark.slow
 @pytest.mark.parametrize("strategy", ["dp", "fsdp"])
 @pytest.mark.parametrize("scenario", HOST_COPY_ENTRY_POINTS)
-def test_consumed_state_read_to_host(scenario, strategy):
+def test_consumed_state_read_to_host(scenario, strategy, cached_env):
     """A consumed state whose arrays were read to the host first
     (`jax.device_get`) is the same `ValueError`, never a SIGSEGV."""
     code = PRELUDE + "\n" + SCENARIOS[scenario] + "\nprint('OK')\n"
@@ -116,7 +116,7 @@ def test_consumed_state_read_to_host(scenario, strategy):
         capture_output=True,
         text=True,
         timeout=300,
-        env={**__import__("os").environ, "STRATEGY": strategy, "HOST_COPY": "1"},
+        env={**cached_env, "STRATEGY": strategy, "HOST_COPY": "1"},
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert proc.stdout.strip().endswith("OK")

@@ -461,7 +461,7 @@ def test_kill_9_at_any_moment_of_a_save_keeps_a_whole_checkpoint(tmp_path, mode)
 
 
 @pytest.mark.slow
-def test_sigterm_saves_and_the_rerun_resumes_bit_exactly(tmp_path):
+def test_sigterm_saves_and_the_rerun_resumes_bit_exactly(tmp_path, cached_env):
     script = SCRIPTS / "preempt_train.py"
     steps = "10"
     full = subprocess.run(
@@ -469,6 +469,7 @@ def test_sigterm_saves_and_the_rerun_resumes_bit_exactly(tmp_path):
         capture_output=True,
         text=True,
         timeout=300,
+        env=cached_env,
     )
     assert full.returncode == 0, full.stderr
     ckpt = tmp_path / "ckpt"
@@ -477,6 +478,7 @@ def test_sigterm_saves_and_the_rerun_resumes_bit_exactly(tmp_path):
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
+        env=cached_env,
     )
     for line in run.stdout:
         if line.split()[-2:] == ["step", "3"]:
@@ -492,6 +494,7 @@ def test_sigterm_saves_and_the_rerun_resumes_bit_exactly(tmp_path):
         capture_output=True,
         text=True,
         timeout=300,
+        env=cached_env,
     )
     assert rerun.returncode == 0, rerun.stderr
     assert f"resumed at {stopped}" in rerun.stdout
