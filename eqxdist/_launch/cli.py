@@ -14,8 +14,8 @@ or `sys.exit(n)` with `n` non-zero) instead of first waiting at its exit for the
 others, which wait for it. When a process has exited (even with status 0) and
 another has not `--exit-timeout` seconds later (default 60), each of the rest prints
 its threads' Python stacks (where it hangs), is killed, and the launcher exits with
-status 124 naming the process that hung. The launcher's last
-line names the first process that failed.
+status 124 naming the process that hung. The launcher's last line names the first
+process that failed.
 
 Signals to the launcher:
 

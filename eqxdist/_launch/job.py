@@ -166,6 +166,13 @@ def _signal_groups(procs: Sequence["subprocess.Popen[bytes]"], signum: int) -> N
             os.killpg(proc.pid, signum)
 
 
+def _give_time(procs: Sequence["subprocess.Popen[bytes]"], seconds: float) -> None:
+    """Give `procs` up to `seconds` to exit: return once all have, or then."""
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline and any(p.poll() is None for p in procs):
+        time.sleep(0.02)
+
+
 def stop(
     procs: Sequence["subprocess.Popen[bytes]"],
     first: int,
@@ -178,9 +185,7 @@ def stop(
     for fd in notices:
         with contextlib.suppress(OSError):  # that process has already ended
             os.write(fd, STOP_NOTICE)
-    deadline = time.monotonic() + grace
-    while time.monotonic() < deadline and any(p.poll() is None for p in procs):
-        time.sleep(0.02)
+    _give_time(procs, grace)
     # Also reaches grandchildren whose parent already exited.
     _signal_groups(procs, signal.SIGKILL)
     for proc in procs:
@@ -351,9 +356,7 @@ class Job:
         for i in hung:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(self.procs[i].pid, STACKS_SIGNAL)
-        deadline = time.monotonic() + _STACKS_WAIT
-        while time.monotonic() < deadline and any(p.poll() is None for p in self.procs):
-            time.sleep(0.05)
+        _give_time(self.procs, _STACKS_WAIT)
         stop(self.procs, signal.SIGKILL, 0.0)
         late = f"{_some(hung)} did not exit within {self.exit_timeout:g} s"
         them, their = ("them", "their") if len(hung) > 1 else ("it", "its")
