@@ -5,14 +5,16 @@ XLA's buffer assignment of the compiled training steps.
    of the train state (parameters + optimizer state) under `"dp"` and under
    `"fsdp"` with the tutorial's `min_weight_size=2**4`, measured on the placed
    arrays (device 0's shards), against the ideal `1/N` of data parallel.
-2. A deep MLP (16 blocks of 1024x1024, adamw, batch 64): for DP, whole-model FSDP,
-   per-block FSDP (`eqxdist.FSDP` around each block) and per-block FSDP with
-   `remat=True`, the per-device sizes `compiled.memory_analysis()` reports for the
-   compiled step: arguments (the sharded state and the batch), temporaries
-   (activations, gathered parameters, gradients) and their total with the
-   outputs that do not reuse donated buffers (the step's peak, at most); and the
-   all-gathers in its HLO (remat gathers again in the backward pass).
-   The model is abstract (`eqx.filter_eval_shape`): nothing is allocated.
+2. A deep MLP (16 blocks of 1024x1024, adamw, batch 64): for DP, whole-model FSDP
+   (weights gathered, and by default, where 64 rows make `fsdp_linears="auto"`
+   partition every layer's computation instead), per-block FSDP (`eqxdist.FSDP`
+   around each block) and per-block FSDP with `remat=True`, the per-device sizes
+   `compiled.memory_analysis()` reports for the compiled step: arguments (the
+   sharded state and the batch), temporaries (activations, gathered parameters,
+   gradients) and their total with the outputs that do not reuse donated
+   buffers (the step's peak, at most); and the all-gathers in its HLO (remat
+   gathers again in the backward pass). The model is abstract
+   (`eqx.filter_eval_shape`): nothing is allocated.
 
     python benchmarks/bench_memory.py
 
@@ -117,14 +119,21 @@ def deep_mlp_rows(
         "x": np.zeros((64, width), np.float32),
         "y": np.zeros((64, width), np.float32),
     }
+    # (strategy, wrapped per block, remat, fsdp_linears)
     variants = {
-        "dp": ("dp", False, False),
-        "fsdp (whole model)": ("fsdp", False, False),
-        "fsdp (per block)": ("fsdp", True, False),
-        "fsdp (per block, remat)": ("fsdp", True, True),
+        "dp": ("dp", False, False, "auto"),
+        "fsdp (whole model, weights gathered)": ("fsdp", False, False, "gather"),
+        "fsdp (whole model, default: layers partitioned)": (
+            "fsdp",
+            False,
+            False,
+            "auto",
+        ),
+        "fsdp (per block)": ("fsdp", True, False, "auto"),
+        "fsdp (per block, remat)": ("fsdp", True, True, "auto"),
     }
     rows = []
-    for label, (strategy, wrap, remat) in variants.items():
+    for label, (strategy, wrap, remat, linears) in variants.items():
         state = eqx.filter_eval_shape(
             lambda wrap=wrap, remat=remat: ed.TrainState.create(
                 _deep_mlp(mesh, depth, width, wrap, remat),
@@ -133,7 +142,12 @@ def deep_mlp_rows(
             )
         )
         step = ed.make_train_step(
-            _regression_loss, optimizer, mesh, strategy=strategy, min_weight_size=2**16
+            _regression_loss,
+            optimizer,
+            mesh,
+            strategy=strategy,
+            min_weight_size=2**16,
+            fsdp_linears=linears,
         )
         compiled = step.lower(state, batch).compile()
         memory = compiled.memory_analysis()

@@ -165,7 +165,9 @@ def _cases() -> dict[str, dict[str, Any]]:
 # -- the variants: each returns `step() -> token` (an output to block on) ----------
 
 
-def _eqxdist(case: dict[str, Any], mesh: Any, strategy: str) -> Callable[[], Any]:
+def _eqxdist(
+    case: dict[str, Any], mesh: Any, strategy: str, linears: str = "auto"
+) -> Callable[[], Any]:
     optimizer = optax.adamw(_tutorial.LEARNING_RATE)
     step = ed.make_train_step(
         case["loss"],
@@ -175,6 +177,7 @@ def _eqxdist(case: dict[str, Any], mesh: Any, strategy: str) -> Callable[[], Any
         num_minibatches=case["minibatches"],
         min_weight_size=MIN_WEIGHT_SIZE,
         max_steps_in_flight=IN_FLIGHT,
+        fsdp_linears=linears,
     )
     state = ed.TrainState.create(case["model"], optimizer, jax.random.key(3))
     batch = ed.shard_batch(case["batch"], ed.create_data_parallel_sharding(mesh))
@@ -466,6 +469,9 @@ VARIANTS: dict[str, Callable[[dict[str, Any], Any], Callable[[], Any]]] = {
     "hand-written": _hand_written,
     "eqxdist dp": functools.partial(_eqxdist, strategy="dp"),
     "eqxdist fsdp": functools.partial(_eqxdist, strategy="fsdp"),
+    "eqxdist fsdp, gathered": functools.partial(
+        _eqxdist, strategy="fsdp", linears="gather"
+    ),
     "flax tutorial": _flax_tutorial,
     "naive eqx": _naive,
     "gspmd dp": functools.partial(_gspmd, fsdp=False),

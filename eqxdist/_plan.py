@@ -16,6 +16,7 @@ import jax
 from jax.sharding import Mesh, PartitionSpec as P
 
 from ._fsdp import gather_tree, scatter_mean, unsynced_axes
+from ._partition import KeyPath, linear_paths
 from ._rules import (
     FsdpRule,
     ParamRules,
@@ -26,6 +27,8 @@ from ._rules import (
     spec_axes,
 )
 from ._utils import is_array, is_array_like, path_str
+
+WEIGHT = jax.tree_util.GetAttrKey("weight")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -43,6 +46,10 @@ class ModelPlan:
       `shard_map`: reduce-scattered over `fsdp_axis` where the optimizer state
       is sharded, so each device updates its share; `None` otherwise (gradients
       leave as `manual` says).
+    - `linears`: the key paths of the `eqx.nn.Linear` layers whose computation
+      FSDP can partition instead of gathering their weights (`_partition`): the
+      weight is the step's to gather and is sharded over `fsdp_axis` alone, on
+      its output features.
     """
 
     specs: Any
@@ -50,6 +57,7 @@ class ModelPlan:
     gather: Any
     fsdp_axis: str | None
     scatter: Any = None
+    linears: tuple[KeyPath, ...] = ()
 
     @property
     def grad_specs(self) -> Any:
@@ -97,13 +105,29 @@ class ModelPlan:
 
         return jax.tree.map(count, self.grad_specs, is_leaf=is_spec_leaf)
 
-    def gathered(self, tree: Any, *, combined: bool = False) -> Any:
+    def gathered(
+        self,
+        tree: Any,
+        *,
+        combined: bool = False,
+        partitioned: frozenset[KeyPath] = frozenset(),
+    ) -> Any:
         """Inside the step's `shard_map`: `tree`'s FSDP shards all-gathered as
         `gather` says (`combined`: their gradients reduce-scattered in one
-        collective per dtype, see `gather_tree`); `tree` itself without FSDP."""
+        collective per dtype, see `gather_tree`), except the weights of the
+        `partitioned` layers (of `linears`), which stay sharded; `tree` itself
+        without FSDP."""
         if self.gather is None or self.fsdp_axis is None:
             return tree
-        return gather_tree(tree, self.gather, self.fsdp_axis, combined=combined)
+        specs = self.gather
+        if partitioned:
+            weights = {(*path, WEIGHT) for path in partitioned}
+            specs = jax.tree_util.tree_map_with_path(
+                lambda path, s: P() if path in weights else s,
+                specs,
+                is_leaf=is_spec_leaf,
+            )
+        return gather_tree(tree, specs, self.fsdp_axis, combined=combined)
 
 
 def _sum_unsynced(grads: Any, specs: Any, axes: tuple[str, ...]) -> Any:
@@ -184,11 +208,27 @@ def plan_model(
         else (P() if s is not None else None)
         for s, o, b in zip(specs, own, boundary, strict=True)
     ]
+
+    # A layer's weight qualifies where it is exactly `P(fsdp_axis)` on its output
+    # features (rows), in `specs` and `gather` alike: no rule axis, not gathered
+    # by a module of its own or at the boundary.
+    def rows_only(spec: P | None) -> bool:
+        axis = fsdp.axis_name
+        return sharded_dim(spec, axis) == 0 and spec_axes(spec) == {axis}
+
+    by_path = {
+        p: rows_only(s) and rows_only(g)
+        for (p, _), s, g in zip(with_path, specs, gather, strict=True)
+    }
+    linears = tuple(
+        path for path in linear_paths(model) if by_path.get((*path, WEIGHT), False)
+    )
     return ModelPlan(
         jax.tree.unflatten(treedef, specs),
         jax.tree.unflatten(treedef, manual),
         jax.tree.unflatten(treedef, gather),
         fsdp.axis_name,
+        linears=linears,
     )
 
 

@@ -13,6 +13,7 @@ from ._accumulate import check_num_minibatches
 from ._compiled import CompiledStep
 from ._data_parallel import place
 from ._hlo import compiled_cost
+from ._partition import LINEAR_MODES
 from ._state import TrainState, as_optimizer, check_train_state
 from ._train import FSDP_GATHERS, StepMath, step_layout
 from ._utils import (
@@ -221,6 +222,7 @@ def make_train_step(
     max_steps_in_flight: int | None = 8,
     step_info: bool = False,
     skip_nonfinite: bool = False,
+    fsdp_linears: str = "auto",
 ) -> TrainStep:
     """Build a compiled, sharded training step `step(state, batch) -> (state,
     metrics)`.
@@ -311,6 +313,25 @@ def make_train_step(
       gradient buffer for the whole step; `"minibatch"` gathers and
       reduce-scatters once per minibatch, holding only shards between
       minibatches (less memory, `num_minibatches` times the communication).
+    - `fsdp_linears`: how `"fsdp"` runs an `eqx.nn.Linear` whose weight it shards
+      on the output features (the `"leading"` layout's choice for `(out, in)`
+      weights, unless `param_rules` name the weight or an `FSDP`/`Stacked`
+      module holds it): `"gather"` all-gathers the weight and reduce-scatters
+      its gradient (about `2 in out` elements received per device and step);
+      `"partition"` keeps the weight sharded and moves the layer's activations:
+      every device's input rows are all-gathered, each device computes its
+      block of output features for the whole batch and an all-to-all returns
+      every device its rows (about `2 rows (in + out / devices)` elements, for
+      `rows` global rows through the layer per step), and the weight's gradient
+      is computed where its block lives. `"auto"` (the default) chooses per
+      layer whichever moves fewer elements, from the rows each layer sees in a
+      shape-only trace of `loss_fn`: partitioning wins while the batch is small
+      against the layer (a deep MLP), gathering for a language model's many
+      tokens. The result is the same either way, up to rounding. A layer called
+      under `lax.cond` or `lax.while_loop` is always gathered (devices may take
+      different branches), and one called on anything but a vector (outside
+      `jax.vmap`) gathers its weight for that call. Reading a partitioned
+      layer's `weight` (weight tying) all-gathers it.
     - `use_scan`: see `accumulate_gradients`.
     - `max_steps_in_flight`: the bound on queued steps (`None`: unbounded).
     - `step_info`: return `(state, metrics, info)`, `info` a dict of replicated
@@ -345,14 +366,15 @@ def make_train_step(
 
     **Raises:**
 
-    `ValueError` for an unknown `strategy` or `fsdp_gather`, `num_minibatches <
-    1`, a negative `min_weight_size`, a `data_axis` or `fsdp_axis` not in `mesh`,
-    a rule naming an unknown or data axis; when called, `ValueError` for a batch
-    leaf whose leading dimension is not divisible by (devices along the data
-    axes) x `num_minibatches`, a non-scalar loss, a consumed state, an optimizer
-    state made by another optimizer, a rule that matches nothing or does not
-    divide its dimension, and `TypeError` if `state` is not a `TrainState` or
-    `loss_fn` returns something else than documented.
+    `ValueError` for an unknown `strategy`, `fsdp_gather` or `fsdp_linears`,
+    `num_minibatches < 1`, a negative `min_weight_size`, a `data_axis` or
+    `fsdp_axis` not in `mesh`, a rule naming an unknown or data axis; when
+    called, `ValueError` for a batch leaf whose leading dimension is not
+    divisible by (devices along the data axes) x `num_minibatches`, a non-scalar
+    loss, a consumed state, an optimizer state made by another optimizer, a rule
+    that matches nothing or does not divide its dimension, and `TypeError` if
+    `state` is not a `TrainState` or `loss_fn` returns something else than
+    documented.
 
     !!! Example
 
@@ -379,6 +401,12 @@ def make_train_step(
             "(gather once per step) or 'minibatch' (gather per minibatch: less "
             "memory, one all-gather and reduce-scatter per minibatch)."
         )
+    if fsdp_linears not in LINEAR_MODES:
+        raise ValueError(
+            f"make_train_step: unknown fsdp_linears {fsdp_linears!r}; use 'auto' "
+            "(per layer, whichever moves fewer elements), 'gather' (always gather "
+            "the weights) or 'partition' (partition every layer that can be)."
+        )
     math = StepMath(
         loss_fn,
         optimizer,
@@ -389,5 +417,6 @@ def make_train_step(
         fsdp_gather,
         step_info=step_info,
         skip_nonfinite=skip_nonfinite,
+        fsdp_linears=fsdp_linears,
     )
     return TrainStep(math, donate=donate, max_steps_in_flight=max_steps_in_flight)

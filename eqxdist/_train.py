@@ -29,7 +29,8 @@ from ._accumulate import (
 )
 from ._layout import Layout
 from ._metrics.tree import reduce_metrics
-from ._plan import ModelPlan
+from ._partition import KeyPath, choose, partitioned as partitioned_layers
+from ._plan import WEIGHT, ModelPlan
 from ._state import TrainState
 from ._statistics import NONFINITE, SQUARES, global_sums, local_sums
 from ._utils import AxisName, cast_floating, check_axis_bound, is_array, typecheck
@@ -170,14 +171,25 @@ class StepInputs:
         """The model's specs over the data axes: how its leaves enter the map."""
         return self.plan.manual
 
-    def gather(self, tree: Any, *, combined: bool = False) -> Any:
+    def gather(
+        self,
+        tree: Any,
+        *,
+        combined: bool = False,
+        partitioned: frozenset[KeyPath] = frozenset(),
+    ) -> Any:
         """Inside `shard_map`: FSDP-sharded leaves of `tree` all-gathered
         (`ModelPlan.gathered`)."""
-        return self.plan.gathered(tree, combined=combined)
+        return self.plan.gathered(tree, combined=combined, partitioned=partitioned)
 
-    def model(self, trained: Any, frozen: Any) -> Any:
-        """Inside `shard_map`: the model from its (gathered) array parts."""
-        return eqx.combine(trained, frozen, self.static)
+    def model(
+        self, trained: Any, frozen: Any, partitioned: frozenset[KeyPath] = frozenset()
+    ) -> Any:
+        """Inside `shard_map`: the model from its (gathered) array parts, the
+        `partitioned` layers (`_partition`) computing on their weights' shards."""
+        model = eqx.combine(trained, frozen, self.static)
+        axis = self.plan.fsdp_axis
+        return model if axis is None else partitioned_layers(model, partitioned, axis)
 
     def model_state(self, ms_arrays: Any) -> Any:
         return eqx.combine(ms_arrays, self.ms_static)
@@ -249,6 +261,7 @@ class StepMath(eqx.Module):
     fsdp_gather: str = eqx.field(static=True)
     step_info: bool = eqx.field(static=True, default=False)
     skip_nonfinite: bool = eqx.field(static=True, default=False)
+    fsdp_linears: str = eqx.field(static=True, default="auto")
 
     def __call__(self, state: TrainState, batch: Any) -> tuple[TrainState, Any]:
         self.layout.check_rows(batch, self.num_minibatches, traced=True)
@@ -269,6 +282,7 @@ class StepMath(eqx.Module):
             counts,
             grad_kinds,
             wants_value or self.skip_nonfinite,
+            _shapes(state.model),
         )
         grads, value, scale, metrics, new_ms, *grad_sums = inputs.shard_map(
             per_device,
@@ -329,12 +343,58 @@ class StepMath(eqx.Module):
         info = step_statistics(grad_sums[0], update_sums, param_sums, skipped)
         return new_state, (metrics, info)
 
-    def _materialise(self, inputs: StepInputs, p: Any, combined: bool = False) -> Any:
+    def _materialise(
+        self,
+        inputs: StepInputs,
+        partitioned: frozenset[KeyPath],
+        p: Any,
+        combined: bool = False,
+    ) -> Any:
         # Cast before the gather, so that FSDP's all-gathers (and the
         # reduce-scatters of their gradients) move the compute dtype; back to the
         # parameters' dtype after, so gradients add up in it.
-        full = inputs.gather(cast_floating(p, self.compute_dtype), combined=combined)
+        full = inputs.gather(
+            cast_floating(p, self.compute_dtype),
+            combined=combined,
+            partitioned=partitioned,
+        )
         return jax.tree.map(lambda f, x: f.astype(x.dtype), full, p)
+
+    def _partitioned(
+        self, inputs: StepInputs, shapes: Any, p: Any, ms: Any, local: Any, key: Any
+    ) -> frozenset[KeyPath]:
+        """Inside the step's `shard_map`: the FSDP `Linear` layers whose
+        computation this step partitions instead of gathering their weights
+        (`_partition.choose`, from a shape-only trace of the loss on one
+        minibatch). Only trained weights: a frozen one has no gradient to save."""
+        plan = inputs.plan
+        if plan.fsdp_axis is None or not plan.linears:
+            return frozenset()
+        trained = {path for path, _ in jax.tree_util.tree_flatten_with_path(p)[0]}
+        paths = [q for q in plan.linears if (*q, WEIGHT) in trained]
+        n = self.num_minibatches
+        loss = CheckedLoss(self.loss_fn, inputs.with_state)
+        minibatch = jax.tree.map(
+            lambda x: jax.ShapeDtypeStruct((x.shape[0] // n, *x.shape[1:]), x.dtype),
+            local,
+        )
+
+        def call_loss(model: Any, ms: Any, minibatch: Any, key: Any) -> Any:
+            model = cast_floating(model, self.compute_dtype)
+            return loss(
+                model, inputs.model_state(ms), inputs.local_batch(minibatch), key
+            )
+
+        return choose(
+            self.fsdp_linears,
+            paths,
+            shapes,
+            call_loss,
+            (_shapes(ms), minibatch, _shapes(key)),
+            devices=self.layout.mesh.shape[plan.fsdp_axis],
+            calls_per_step=n,
+            weight_moves=1 if self.fsdp_gather == "step" else n,
+        )
 
     def _per_device(
         self,
@@ -342,6 +402,7 @@ class StepMath(eqx.Module):
         counts: Any,
         grad_kinds: tuple[str, ...],
         wants_value: bool,
+        shapes: Any,
         p: Any,
         f: Any,
         ms: Any,
@@ -351,11 +412,14 @@ class StepMath(eqx.Module):
         axes = self.layout.data_axes
         frozen_full = inputs.gather(f)
         loss = CheckedLoss(self.loss_fn, inputs.with_state)
+        partitioned = self._partitioned(inputs, shapes, p, ms, local_batch, key)
 
         def loss_of(full: Any, ms: Any, minibatch: Any, k: Any) -> Any:
             if k is not None:
                 k = fold_rng_over_axis(k, axes)
-            model = inputs.model(cast_floating(full, self.compute_dtype), frozen_full)
+            model = inputs.model(
+                cast_floating(full, self.compute_dtype), frozen_full, partitioned
+            )
             return loss(model, inputs.model_state(ms), minibatch, k)
 
         def run(loss_of: Callable[..., Any], diff: Any) -> Accumulated:
@@ -366,12 +430,15 @@ class StepMath(eqx.Module):
         if self.fsdp_gather == "step":
             # Gather once, accumulate full-size gradients over the minibatches,
             # reduce-scatter once (the VJP of the gather), all of them together.
-            materialise = functools.partial(self._materialise, inputs, combined=True)
+            materialise = functools.partial(
+                self._materialise, inputs, partitioned, combined=True
+            )
             full, pullback = jax.vjp(materialise, p)
             out = run(loss_of, full)
             (grads,) = pullback(out.grads)
         else:
-            out = run(lambda q, *rest: loss_of(self._materialise(inputs, q), *rest), p)
+            materialise = functools.partial(self._materialise, inputs, partitioned)
+            out = run(lambda q, *rest: loss_of(materialise(q), *rest), p)
             grads = out.grads
         plan = inputs.plan
         grads = plan.sum_gradients(grads, axes)
@@ -390,6 +457,13 @@ class StepMath(eqx.Module):
             *outputs,
             _gradient_sums(grads, plan, counts, scale, self.layout, grad_kinds),
         )
+
+
+def _shapes(tree: Any) -> Any:
+    """`tree` with a `jax.ShapeDtypeStruct` at each array leaf."""
+    return jax.tree.map(
+        lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype) if is_array(x) else x, tree
+    )
 
 
 def statistics_kinds(
