@@ -259,16 +259,21 @@ class CompiledStep:
 
     # -- calling -------------------------------------------------------------------
 
-    def lower(self, state: Any, batch: Any) -> Any:
-        """`jax.jit(...).lower` of the compiled function for these arguments."""
+    def trace(self, state: Any, batch: Any) -> Any:
+        """`jax.jit(...).trace` of the compiled function for these arguments: its
+        `jaxpr`, and `.lower()`."""
         if self.check_batch is not None:
             self.check_batch(batch)
         entry, state = self.entry(state, batch)
         batch_leaves = jax.tree.leaves(batch)
-        return entry.fn.lower(
+        return entry.fn.trace(
             *self._state_arrays(entry, state),
             [batch_leaves[i] for i in entry.batch_arrays],
         )
+
+    def lower(self, state: Any, batch: Any) -> Any:
+        """`jax.jit(...).lower` of the compiled function for these arguments."""
+        return self.trace(state, batch).lower()
 
     def _forget(self, _: Any) -> None:
         self._last_arrays = ([], [])

@@ -57,3 +57,18 @@ def all_gather_invariant(
     `axis_name` (inside `jax.shard_map` with `check_vma=True`); not public yet."""
     gather = _internal("jax._src.lax.parallel", "all_gather_invariant")
     return gather(x, axis_name, axis=axis, tiled=tiled)
+
+
+def shard_map_manual_axes(params: Any) -> frozenset[str]:
+    """The mesh axes a traced `jax.shard_map` equation makes manual (its
+    `axis_names`), from the equation's parameters, whose name JAX changes between
+    releases."""
+    for key in ("newly_manual_axes", "manual_axes"):
+        if key in params:
+            return frozenset(params[key])
+    raise MissingInternalError(
+        f"eqxdist reads a traced shard_map's manual axes from its parameters, but "
+        f"JAX {jax.__version__} names none of them 'newly_manual_axes' or "
+        f"'manual_axes' ({sorted(params)}); use a JAX version eqxdist supports (see "
+        "its pyproject.toml) or report it to eqxdist."
+    )

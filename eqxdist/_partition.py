@@ -28,9 +28,9 @@ from typing import Any
 import equinox as eqx
 import jax
 import jax.numpy as jnp
-from jax.extend import core as jex_core
 
 from ._fsdp import gather_leaf
+from ._jaxpr import sub_jaxprs
 from ._utils import is_array_like
 
 KeyPath = tuple[Any, ...]
@@ -162,16 +162,6 @@ def _tagged(model: Any, paths: Sequence[KeyPath]) -> Any:
     return jax.tree_util.tree_map_with_path(tag, model, is_leaf=is_candidate)
 
 
-def _sub_jaxprs(value: Any) -> list[Any]:
-    if isinstance(value, jex_core.ClosedJaxpr):
-        return [value.jaxpr]
-    if isinstance(value, jex_core.Jaxpr):
-        return [value]
-    if isinstance(value, tuple | list):
-        return [j for v in value for j in _sub_jaxprs(v)]
-    return []
-
-
 def _walk(
     jaxpr: Any,
     times: int,
@@ -201,7 +191,7 @@ def _walk(
         )
         inner_branched = branched or name in ("cond", "while")
         for value in eqn.params.values():
-            for sub in _sub_jaxprs(value):
+            for sub in sub_jaxprs(value):
                 _walk(sub, inner_times, inner_branched, rows, unsure, in_features)
 
 

@@ -13,6 +13,7 @@ from ._accumulate import check_num_minibatches
 from ._compiled import CompiledStep
 from ._data_parallel import place
 from ._hlo import compiled_cost
+from ._jaxpr import matmul_flops
 from ._partition import LINEAR_MODES
 from ._state import TrainState, as_optimizer, check_train_state
 from ._train import FSDP_GATHERS, StepMath, step_layout
@@ -116,10 +117,22 @@ class TrainStep:
         return self._cache.lower(state, batch)
 
     def cost(self, state: TrainState, batch: PyTree[Any]) -> dict[str, float]:
-        """XLA's cost analysis of the compiled step for these arguments, totalled
-        over the mesh's devices: at least `"flops"` (per step, all devices), for
-        `ed.mfu`. `state` may be abstract, as for `lower`."""
-        return compiled_cost(self.lower(state, batch), self.mesh.size)
+        """The cost of one step for these arguments, all devices together.
+        `state` may be abstract, as for `lower`.
+
+        - `"flops"` and XLA's other entries: XLA's cost analysis of the compiled
+          step, totalled over the mesh's devices. It counts a loop's body once (a
+          `lax.scan` over `num_minibatches`, or a `Stacked` model's layers) and, on
+          a GPU, leaves out what XLA hands to libraries such as cuBLAS.
+        - `"model_flops"`: the FLOPs of every matrix product and convolution of the
+          step as JAX traced it, each loop's body counted as often as it runs
+          (`while_loop`s once), the same on every backend: what `ed.mfu` wants,
+          and what `ed.train_loop` uses."""
+        check_train_state(state, "train step")
+        traced = self._cache.trace(state, batch)
+        cost = compiled_cost(traced.lower(), self.mesh.size)
+        cost["model_flops"] = float(matmul_flops(traced.jaxpr))
+        return cost
 
     def _init(self, init_fn: Callable[..., Any], args: tuple[Any, ...]) -> Any:
         """`init_fn` under `jax.jit`, its outputs placed by this step's state

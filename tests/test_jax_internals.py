@@ -46,3 +46,22 @@ def test_all_gather_invariant_gathers(mesh8):
 
     out = jax.shard_map(per_device, mesh=mesh8, in_specs=P("data"), out_specs=P())(x)
     np.testing.assert_array_equal(np.asarray(out), np.arange(8.0))
+
+
+def test_shard_map_manual_axes_of_a_traced_shard_map():
+    mesh = ed.create_device_mesh({"data": 4, "model": 2})
+
+    def f(x):
+        body = jax.shard_map(
+            lambda s: s * 2,
+            mesh=mesh,
+            in_specs=P("data"),
+            out_specs=P("data"),
+            axis_names={"data"},
+        )
+        return body(x)
+
+    (eqn,) = jax.make_jaxpr(f)(jnp.ones((8, 2))).jaxpr.eqns
+    assert _jax.shard_map_manual_axes(eqn.params) == {"data"}
+    with pytest.raises(_jax.MissingInternalError, match=re.escape(jax.__version__)):
+        _jax.shard_map_manual_axes({"mesh": mesh, "jaxpr": None})

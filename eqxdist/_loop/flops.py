@@ -56,7 +56,7 @@ def mfu(
     """Model FLOP utilisation: the fraction of the devices' peak dense bfloat16
     FLOP/s that a step achieves, `flops_per_step / seconds_per_step / sum(peaks)`.
 
-    Use it with `TrainStep.cost(state, batch)["flops"]` (or an analytic count,
+    Use it with `TrainStep.cost(state, batch)["model_flops"]` (or an analytic count,
     e.g. 6 x parameters x tokens for a transformer) and a measured step time.
 
     **Arguments:**

@@ -188,12 +188,12 @@ def _rows(batch: Any) -> int | None:
 
 
 def _auto_flops(step: TrainStep, state: Any, batch: Any, devices: list[Any]) -> Any:
-    """The step's FLOPs from XLA, only where `mfu` can use them (a known device:
-    the cost analysis compiles the step once more)."""
+    """The step's model FLOPs (`TrainStep.cost`), only where `mfu` can use them (a
+    known device: the cost analysis compiles the step once more)."""
     if any(peak_flops(d) is None for d in devices):
         return None
     abstract = eqx.filter_eval_shape(lambda s: s, state)
-    return step.cost(abstract, batch)["flops"]
+    return step.cost(abstract, batch)["model_flops"]
 
 
 @typecheck
@@ -260,8 +260,9 @@ def train_loop(
     - `stop_at`: stop at this step although the run goes to `num_steps` (to split
       a run; the progress bar still counts to `num_steps`).
     - `tokens_per_step`: tokens in a global batch, for `tokens_per_sec`.
-    - `flops_per_step`: FLOPs of one step (all devices) for `mfu`; `"auto"` asks
-      XLA (`TrainStep.cost`) when the devices' peak is known; `None`: no MFU.
+    - `flops_per_step`: FLOPs of one step (all devices) for `mfu`; `"auto"` counts
+      the step's matrix products (`TrainStep.cost`'s `"model_flops"`) when the
+      devices' peak is known; `None`: no MFU.
     - `progress`, `name`, `show`: the `Progress` display (`None`: a bar on a
       terminal), its label and the logged values it shows.
     - `watchdog_timeout`: end the process with every thread's stack and status 1

@@ -1,0 +1,76 @@
+"""Reading traced programs (jaxprs): the sub-programs of an equation, and the
+matrix-product FLOPs of a whole step.
+
+XLA's cost analysis is no model-FLOP count: it counts a loop's body once (a
+`lax.scan` over minibatches or over a `Stacked` model's layers, whatever its
+length), and on a GPU it leaves out work XLA hands to libraries. The jaxpr still
+has every loop's length and every product as JAX traced it, so the count here is
+the same on every backend.
+"""
+
+import math
+from typing import Any
+
+from jax.extend import core as jex_core
+
+from ._jax import shard_map_manual_axes
+
+
+def sub_jaxprs(value: Any) -> list[Any]:
+    """The jaxprs in one parameter of an equation (a `scan`'s body, a `cond`'s
+    branches, a nested `jit`'s program, ...), open."""
+    if isinstance(value, jex_core.ClosedJaxpr):
+        return [value.jaxpr]
+    if isinstance(value, jex_core.Jaxpr):
+        return [value]
+    if isinstance(value, tuple | list):
+        return [j for v in value for j in sub_jaxprs(v)]
+    return []
+
+
+def _dot_flops(eqn: Any) -> int:
+    # Two FLOPs (a multiply and an add) per output element and contracted index.
+    (lhs_contract, _), _ = eqn.params["dimension_numbers"]
+    lhs = eqn.invars[0].aval.shape
+    out = eqn.outvars[0].aval.shape
+    return int(2 * math.prod(out) * math.prod(lhs[d] for d in lhs_contract))
+
+
+def _conv_flops(eqn: Any) -> int:
+    # Each output element is a dot over the kernel's window and its group's input
+    # features: the kernel's size over its output features.
+    rhs = eqn.invars[1].aval.shape
+    out_features = rhs[eqn.params["dimension_numbers"].rhs_spec[0]]
+    out = eqn.outvars[0].aval.shape
+    return int(2 * math.prod(out) * (math.prod(rhs) // out_features))
+
+
+def matmul_flops(jaxpr: Any) -> int:
+    """The FLOPs of the matrix products (`dot_general`) and convolutions of
+    `jaxpr` (a `ClosedJaxpr` or `Jaxpr`) for one run of it: a `scan`'s body
+    counted `length` times, a `jax.shard_map`'s body once per device of its manual
+    axes (its shapes are one device's), a `cond`'s costliest branch, and a
+    `while_loop`'s body once (its trip count is known only when it runs)."""
+    if isinstance(jaxpr, jex_core.ClosedJaxpr):
+        jaxpr = jaxpr.jaxpr
+    total = 0
+    for eqn in jaxpr.eqns:
+        name = eqn.primitive.name
+        if name == "dot_general":
+            total += _dot_flops(eqn)
+        elif name == "conv_general_dilated":
+            total += _conv_flops(eqn)
+        elif name == "cond":
+            total += max(matmul_flops(b) for b in eqn.params["branches"])
+        else:
+            times = 1
+            if name == "scan":
+                times = int(eqn.params["length"])
+            elif name == "shard_map":
+                shape = eqn.params["mesh"].shape
+                times = math.prod(shape[a] for a in shard_map_manual_axes(eqn.params))
+            inner = sum(
+                matmul_flops(sub) for v in eqn.params.values() for sub in sub_jaxprs(v)
+            )
+            total += times * inner
+    return total
