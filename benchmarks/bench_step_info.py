@@ -7,15 +7,15 @@
    per repeat, and the median and spread (min-max) over repeats are printed,
    with the compiled steps' bytes accessed per device (`cost_analysis()`,
    deterministic) against the plain step's. Goal: <= 1.03.
-2. `TrainStep.init_state` of an 8 x 1024^2 MLP (Adam) under FSDP: the compiled
-   init's per-device peak bytes (outputs + temporaries, from
-   `memory_analysis()`) against the per-device share of the state. Goal:
-   <= 1.25x. Building the state on one device and placing it holds the whole
-   state (8x the share) on that device. Printed twice: with XLA:CPU's default
-   (concurrency-optimised) scheduler, which runs the layers' random
-   initialisers side by side and keeps their threefry working arrays (about
-   one shard per layer) as temporaries, and in a child process with
-   `--xla_cpu_enable_concurrency_optimized_scheduler=false`.
+2. `TrainStep.init_state` of an 8 x 1024^2 MLP (Adam) under FSDP: the most
+   bytes a device holds while it runs (`TrainStep.init_peak_bytes`: the
+   compiled programs' outputs and temporaries, from `memory_analysis()`)
+   against the per-device share of the state. Goal: <= 1.25x. Beside it, the
+   same state built by one `jax.jit` with the same output shardings, which
+   XLA:CPU's default scheduler runs with the layers' random initialisers side
+   by side (their threefry working arrays, about one shard per layer, as
+   temporaries); building the state on one device and placing it holds the
+   whole state (8x the share) on that device.
 
     python benchmarks/bench_step_info.py            # 8 x 1024^2, about a minute
     python benchmarks/bench_step_info.py --quick    # 4 x 256^2, seconds
@@ -26,8 +26,6 @@ The script sets up 8 simulated CPU devices itself (before JAX starts).
 import argparse
 import os
 import statistics
-import subprocess
-import sys
 import time
 from typing import Any
 
@@ -38,6 +36,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+from jax.sharding import NamedSharding, PartitionSpec as P
 
 import eqxdist as ed
 
@@ -148,8 +147,10 @@ def bench_init(args: argparse.Namespace) -> None:
     step = ed.make_train_step(
         loss_fn, optimizer, mesh, strategy="fsdp", min_weight_size=2**14
     )
-    memory = step.lower_init(init_fn, jax.random.key(0)).compile().memory_analysis()
-    abstract = eqx.filter_eval_shape(init_fn, jax.random.key(0))
+    key = jax.random.key(0)
+    peak = step.init_peak_bytes(init_fn, key)
+    programs = len(step.lower_init(init_fn, key))
+    abstract = eqx.filter_eval_shape(init_fn, key)
     total = sum(
         x.size * x.dtype.itemsize
         for x in jax.tree.leaves(abstract)
@@ -157,30 +158,26 @@ def bench_init(args: argparse.Namespace) -> None:
         and not jnp.issubdtype(x.dtype, jax.dtypes.prng_key)
     )
     share = total / len(jax.devices())
-    peak = memory.output_size_in_bytes + memory.temp_size_in_bytes
+    # The whole state as one program, placed as init_state places it.
+    shardings = jax.tree.map(
+        lambda spec: NamedSharding(mesh, spec),
+        eqx.filter(step.state_specs(abstract), lambda x: x is not None),
+        is_leaf=lambda x: isinstance(x, P),
+    )
+    whole = jax.jit(
+        lambda k: eqx.filter(init_fn(k), eqx.is_array), out_shardings=shardings
+    )
+    memory = whole.lower(key).compile().memory_analysis()
+    one = memory.output_size_in_bytes + memory.temp_size_in_bytes
     mib = 2**20
     print(
         f"init_state {args.depth} x {args.width}^2 fsdp: state {total / mib:.1f} MiB, "
-        f"per-device share {share / mib:.2f} MiB; compiled init per device: outputs "
-        f"{memory.output_size_in_bytes / mib:.2f} MiB, temporaries "
-        f"{memory.temp_size_in_bytes / mib:.2f} MiB, peak {peak / share:.2f}x the "
-        f"share (unsharded create + place_state: {total / share:.0f}x)"
+        f"per-device share {share / mib:.2f} MiB; per device at most "
+        f"{peak / mib:.2f} MiB = {peak / share:.3f}x the share ({programs} "
+        f"programs); as one program {one / mib:.2f} MiB = {one / share:.2f}x "
+        f"(temporaries {memory.temp_size_in_bytes / mib:.2f} MiB); unsharded "
+        f"create + place_state: {total / share:.0f}x"
     )
-
-
-SCHEDULER_FLAG = "--xla_cpu_enable_concurrency_optimized_scheduler=false"
-
-
-def bench_init_without_concurrency_scheduler() -> None:
-    """The same compiled init with XLA:CPU's memory-first scheduler. XLA reads the
-    flag once per process (a per-compile `compiler_options` entry is ignored), so
-    this runs in a child process."""
-    env = dict(os.environ)
-    env["XLA_FLAGS"] = f"{env.get('XLA_FLAGS', '')} {SCHEDULER_FLAG}".strip()
-    args = [sys.executable, __file__, "--init-only", *sys.argv[1:]]
-    out = subprocess.run(args, env=env, capture_output=True, text=True, check=True)
-    print(f"with XLA_FLAGS={SCHEDULER_FLAG}:")
-    print("  " + out.stdout.strip())
 
 
 def main() -> None:
@@ -191,16 +188,11 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=128)
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--repeats", type=int, default=7)
-    parser.add_argument("--init-only", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.quick:
         args.width, args.depth, args.steps, args.repeats = 256, 4, 4, 3
-    if args.init_only:
-        bench_init(args)
-        return
     bench_overhead(args)
     bench_init(args)
-    bench_init_without_concurrency_scheduler()
 
 
 if __name__ == "__main__":

@@ -13,6 +13,7 @@ from ._accumulate import check_num_minibatches
 from ._compiled import CompiledStep
 from ._data_parallel import place
 from ._hlo import compiled_cost
+from ._init import ShardedInit, peak_bytes, sharded_init
 from ._jaxpr import matmul_flops
 from ._partition import LINEAR_MODES
 from ._state import TrainState, as_optimizer, check_train_state
@@ -23,7 +24,6 @@ from ._utils import (
     check_array_leaves,
     check_compute_dtype,
     check_not_consumed,
-    is_array,
     is_array_like,
     state_like,
     typecheck,
@@ -134,10 +134,9 @@ class TrainStep:
         cost["model_flops"] = float(matmul_flops(traced.jaxpr))
         return cost
 
-    def _init(self, init_fn: Callable[..., Any], args: tuple[Any, ...]) -> Any:
-        """`init_fn` under `jax.jit`, its outputs placed by this step's state
-        specs (found from its abstract output), and the arguments to call it
-        with: the arrays of `args`."""
+    def _init(self, init_fn: Callable[..., Any], args: tuple[Any, ...]) -> ShardedInit:
+        """`init_fn(*args)` as jitted programs whose outputs are placed by this
+        step's state specs (found from its abstract output)."""
         abstract = eqx.filter_eval_shape(init_fn, *args)
         if not isinstance(abstract, TrainState):
             raise TypeError(
@@ -152,15 +151,7 @@ class TrainStep:
             specs,
             is_leaf=lambda x: x is None,
         )
-        dynamic, static = eqx.partition(args, is_array)
-        _, state_static = eqx.partition(abstract, is_array_like)
-
-        def build(dynamic: Any) -> Any:
-            return eqx.filter(init_fn(*eqx.combine(dynamic, static)), is_array)
-
-        out_shardings = eqx.filter(shardings, lambda x: x is not None)
-        jitted = jax.jit(build, out_shardings=out_shardings)
-        return jitted, dynamic, state_static
+        return sharded_init(init_fn, args, abstract, shardings)
 
     def init_state(self, init_fn: Callable[..., Any], *args: Any) -> TrainState:
         """A fresh state built straight into this step's layout: `init_fn(*args)`
@@ -168,6 +159,11 @@ class TrainStep:
         under `jax.jit` with the step's state shardings as its output shardings,
         so no device ever holds more than its share of the parameters and the
         optimizer state. Use it for a model too large for one device.
+
+        The state is built in a few groups of consecutive leaves, each of at most
+        an eighth of a device's share, one compiled program per group, so that
+        the initialisers' working arrays (random bits being drawn) are those of
+        one group: `init_peak_bytes` tells what a device holds at most.
 
         The result equals `step.place_state(init_fn(*args))` leaf for leaf
         (bit-identical for initialisers whose values do not change under `jit`,
@@ -181,16 +177,19 @@ class TrainStep:
         `TypeError` if `init_fn(*args)` does not return a `TrainState`; the
         errors of `state_specs` for a state this step cannot take.
         """
-        jitted, dynamic, static = self._init(init_fn, args)
-        state: TrainState = eqx.combine(jitted(dynamic), static)
+        state: TrainState = self._init(init_fn, args)()
         return state
 
-    def lower_init(self, init_fn: Callable[..., Any], *args: Any) -> Any:
-        """`jax.jit(...).lower` of `init_state(init_fn, *args)`, e.g. for
-        `.compile().memory_analysis()`: what each device holds while the state is
-        built."""
-        jitted, dynamic, _ = self._init(init_fn, args)
-        return jitted.lower(dynamic)
+    def lower_init(self, init_fn: Callable[..., Any], *args: Any) -> list[Any]:
+        """`jax.jit(...).lower` of each program `init_state(init_fn, *args)` runs,
+        in order, e.g. for `.compile().memory_analysis()` or `.as_text()`."""
+        return self._init(init_fn, args).lower()
+
+    def init_peak_bytes(self, init_fn: Callable[..., Any], *args: Any) -> int:
+        """The most bytes a device holds while `init_state(init_fn, *args)` runs,
+        from XLA's memory analysis of its compiled programs (the groups already
+        built, and one group's outputs and temporaries); nothing is allocated."""
+        return peak_bytes(self.lower_init(init_fn, *args))
 
     def __call__(self, state: TrainState, batch: PyTree[Any]) -> tuple[Any, ...]:
         """One training step; see `make_train_step`."""

@@ -1,0 +1,111 @@
+"""Building a train state straight into its shardings (`TrainStep.init_state`), a
+group of leaves at a time.
+
+One `jax.jit` of the whole initialiser draws every layer's random numbers in the
+same program, and XLA may schedule them side by side: on CPU its default scheduler
+keeps each layer's random-number working arrays alive together, about one
+parameter shard per layer on top of the state. Built as a few programs, each
+returning a run of consecutive leaves (XLA drops the rest of the initialiser from
+each), a device holds at most the leaves already built, one group's leaves and one
+group's working arrays.
+"""
+
+import dataclasses
+import functools
+import math
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+
+from ._utils import is_array, is_array_like
+
+INIT_GROUPS = 8
+"""Groups of leaves `init_state` builds the state in, each at most this fraction
+of a device's share of the state (a larger leaf is a group of its own)."""
+
+
+def leaf_groups(sizes: Sequence[int], groups: int = INIT_GROUPS) -> list[list[int]]:
+    """Consecutive runs of the indices of `sizes`, each adding up to at most
+    `sum(sizes) / groups` (or holding a single larger entry); an entry of size 0
+    (a key) joins the run before it."""
+    budget = sum(sizes) / groups
+    out: list[list[int]] = []
+    current: list[int] = []
+    held = 0
+    for i, size in enumerate(sizes):
+        if current and size and held + size > budget:
+            out.append(current)
+            current, held = [], 0
+        current.append(i)
+        held += size
+    return [*out, current] if current else out
+
+
+def _device_bytes(leaf: Any, sharding: Any) -> int:
+    if jnp.issubdtype(leaf.dtype, jax.dtypes.prng_key):
+        return 0  # a key: a few bytes
+    return int(math.prod(sharding.shard_shape(leaf.shape)) * leaf.dtype.itemsize)
+
+
+@dataclasses.dataclass(frozen=True)
+class ShardedInit:
+    """`init_fn(*args)` as a few jitted programs (`programs`, in order), each
+    building one group of the state's array leaves into its sharding."""
+
+    programs: list[Any]
+    dynamic: Any
+    static: Any
+    treedef: Any
+
+    def lower(self) -> list[Any]:
+        return [program.lower(self.dynamic) for program in self.programs]
+
+    def __call__(self) -> Any:
+        leaves: list[Any] = []
+        for program in self.programs:
+            # One group at a time: the next starts once this one's working arrays
+            # are gone.
+            leaves += jax.block_until_ready(program(self.dynamic))
+        return eqx.combine(jax.tree.unflatten(self.treedef, leaves), self.static)
+
+
+def sharded_init(
+    init_fn: Callable[..., Any], args: tuple[Any, ...], abstract: Any, shardings: Any
+) -> ShardedInit:
+    """`init_fn(*args)` (whose abstract value is `abstract`) built into
+    `shardings` (a tree like `abstract`, `None` at its non-array leaves)."""
+    arrays, static = eqx.partition(abstract, is_array_like)
+    shapes, treedef = jax.tree.flatten(arrays)
+    targets = jax.tree.leaves(eqx.filter(shardings, lambda x: x is not None))
+    dynamic, args_static = eqx.partition(args, is_array)
+
+    def build(indices: list[int], dynamic: Any) -> list[Any]:
+        state = init_fn(*eqx.combine(dynamic, args_static))
+        leaves = jax.tree.leaves(eqx.filter(state, is_array))
+        return [leaves[i] for i in indices]
+
+    sizes = [_device_bytes(x, s) for x, s in zip(shapes, targets, strict=True)]
+    programs = [
+        jax.jit(
+            functools.partial(build, indices),
+            out_shardings=[targets[i] for i in indices],
+        )
+        for indices in leaf_groups(sizes)
+    ]
+    return ShardedInit(programs, dynamic, static, treedef)
+
+
+def peak_bytes(lowered: Sequence[Any]) -> int:
+    """The most bytes a device holds while the `lowered` programs of a
+    `ShardedInit` run in turn: the outputs of those before, and one program's
+    outputs and temporaries."""
+    held = peak = 0
+    for program in lowered:
+        memory = program.compile().memory_analysis()
+        out = memory.output_size_in_bytes
+        peak = max(peak, held + out + memory.temp_size_in_bytes)
+        held += out
+    return peak
