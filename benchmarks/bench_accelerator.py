@@ -49,7 +49,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 import eqxdist as ed
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
-from _transformer import TransformerLM
+from _transformer import TransformerLM, benchmark_model
 
 HAND = "hand-written"
 
@@ -118,15 +118,7 @@ def _eqxdist(
 def run(config: dict[str, int], *, repeats: int, steps: int) -> list[dict[str, Any]]:
     devices = jax.devices()
     mesh = ed.create_data_parallel_mesh()
-    model = TransformerLM(
-        config["vocab"],
-        d_model=config["d_model"],
-        heads=config["heads"],
-        layers=config["layers"],
-        mlp_ratio=4,
-        max_len=config["seq_len"],
-        key=jax.random.key(0),
-    )
+    model = benchmark_model(config, jax.random.key(0))
     tokens = jax.random.randint(
         jax.random.key(1), (config["batch"], config["seq_len"] + 1), 0, config["vocab"]
     )

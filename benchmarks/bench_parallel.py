@@ -63,7 +63,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 import eqxdist as ed
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
-from _transformer import MEGATRON_RULES, TransformerLM
+from _transformer import MEGATRON_RULES, TransformerLM, benchmark_model
 
 ed.simulate_cpu_devices(8)  # before JAX starts its backend
 
@@ -115,18 +115,9 @@ def loss_fn(model: TransformerLM, batch: dict[str, jax.Array], key: Any) -> Any:
 
 
 def _setup(config: dict[str, Any]) -> dict[str, Any]:
-    vocab = config["vocab"]
-    model = TransformerLM(
-        vocab,
-        d_model=config["d_model"],
-        heads=config["heads"],
-        layers=config["layers"],
-        mlp_ratio=4,
-        max_len=config["seq_len"],
-        key=jax.random.key(0),
-    )
+    model = benchmark_model(config, jax.random.key(0))
     tokens = jax.random.randint(
-        jax.random.key(1), (config["batch"], config["seq_len"] + 1), 0, vocab
+        jax.random.key(1), (config["batch"], config["seq_len"] + 1), 0, config["vocab"]
     )
     return {"model": model, "batch": {"tokens": np.asarray(tokens)}}
 

@@ -112,6 +112,20 @@ class TransformerLM(eqx.Module):
         return jax.vmap(self.head)(jax.vmap(self.norm)(x))
 
 
+def benchmark_model(config: dict[str, int], key: jax.Array) -> TransformerLM:
+    """The benchmarks' transformer: `config` names `vocab`, `d_model`, `heads`,
+    `layers` and `seq_len`; the MLP is 4 times as wide as the residual stream."""
+    return TransformerLM(
+        config["vocab"],
+        d_model=config["d_model"],
+        heads=config["heads"],
+        layers=config["layers"],
+        mlp_ratio=4,
+        max_len=config["seq_len"],
+        key=key,
+    )
+
+
 # Tensor parallelism in the Megatron layout: paths are inside the model, as
 # `jax.tree_util.keystr` writes them (".blocks[0].attn.query.weight"); eqx.nn.Linear
 # weights are (out_features, in_features). Column-parallel layers split their output

@@ -9,6 +9,7 @@ import numpy as np
 import optax
 import pytest
 from jax.sharding import PartitionSpec as P
+from reference import max_diff, train_one_device
 
 import eqxdist as ed
 from eqxdist._partition import partition_pays
@@ -71,29 +72,13 @@ def weighted_loss(model, batch, key):
 
 
 def reference(model, data, optimizer, weighted):
-    params, static = eqx.partition(model, eqx.is_inexact_array)
-    opt_state = optimizer.init(params)
-
-    def loss(p, batch):
-        per_row = losses(eqx.combine(p, static), batch)
+    def loss(model, batch):
+        per_row = losses(model, batch)
         if weighted:
             return jnp.sum(batch["w"] * per_row) / batch["w"].sum()
         return per_row.mean()
 
-    for batch in data:
-        grads = jax.grad(loss)(params, batch)
-        updates, opt_state = optimizer.update(grads, opt_state, params)
-        params = eqx.apply_updates(params, updates)
-    return eqx.combine(params, static)
-
-
-def max_diff(a, b):
-    la = jax.tree.leaves(eqx.filter(a, eqx.is_array))
-    lb = jax.tree.leaves(eqx.filter(b, eqx.is_array))
-    return max(
-        float(np.max(np.abs(np.asarray(x) - np.asarray(y))))
-        for x, y in zip(la, lb, strict=True)
-    )
+    return train_one_device(model, data, optimizer, loss)
 
 
 def make_step(loss_fn, optimizer, setup="fsdp", **kwargs):
@@ -217,17 +202,9 @@ def test_weight_tying_and_frozen_layers_train_as_one_device_does():
         lambda m: m.frozen, trainable, jax.tree.map(lambda _: False, trainable.frozen)
     )
 
-    params, static = eqx.partition(Tied(), trainable)
-    opt_state = optimizer.init(params)
-
-    def loss(p, batch):
-        return losses(eqx.combine(p, static), batch).mean()
-
-    for batch in data:
-        grads = jax.grad(loss)(params, batch)
-        updates, opt_state = optimizer.update(grads, opt_state, params)
-        params = eqx.apply_updates(params, updates)
-    want = eqx.combine(params, static)
+    want = train_one_device(
+        Tied(), data, optimizer, lambda m, b: losses(m, b).mean(), trainable
+    )
 
     step = make_step(mean_loss, optimizer, fsdp_linears="partition")
     state = ed.TrainState.create(

@@ -11,6 +11,7 @@ import numpy as np
 import optax
 import pytest
 from jax.sharding import PartitionSpec as P
+from reference import max_diff, train_one_device
 
 import eqxdist as ed
 from eqxdist._init import leaf_groups
@@ -84,29 +85,13 @@ def weighted_loss(model, batch, key):
 
 def reference_token_mean(model, data, optimizer):
     """Single-device training on the token-weighted mean of the global batch."""
-    params, static = eqx.partition(model, eqx.is_inexact_array)
-    opt_state = optimizer.init(params)
 
-    def loss(p, batch):
-        losses = token_losses(eqx.combine(p, static), batch)
+    def loss(model, batch):
         mask = batch["mask"]
-        return jnp.sum(jnp.where(mask, losses, 0.0)) / jnp.maximum(mask.sum(), 1)
+        masked = jnp.where(mask, token_losses(model, batch), 0.0)
+        return jnp.sum(masked) / jnp.maximum(mask.sum(), 1)
 
-    for batch in data:
-        grads = jax.grad(loss)(params, batch)
-        updates, opt_state = optimizer.update(grads, opt_state, params)
-        params = eqx.apply_updates(params, updates)
-    return eqx.combine(params, static)
-
-
-def max_diff(a, b):
-    la = jax.tree.leaves(eqx.filter(a, eqx.is_array))
-    lb = jax.tree.leaves(eqx.filter(b, eqx.is_array))
-    assert len(la) == len(lb)
-    return max(
-        float(np.max(np.abs(np.asarray(x) - np.asarray(y))))
-        for x, y in zip(la, lb, strict=True)
-    )
+    return train_one_device(model, data, optimizer, loss)
 
 
 # -- weighted losses ---------------------------------------------------------------
