@@ -29,11 +29,12 @@ def train_one_device(
 
 
 def max_diff(a: Any, b: Any) -> float:
-    """The largest absolute difference between the array leaves of `a` and `b`."""
+    """The largest absolute difference between the array leaves of `a` and `b`
+    (in float32, so that bfloat16 leaves compare too)."""
     la = jax.tree.leaves(eqx.filter(a, eqx.is_array))
     lb = jax.tree.leaves(eqx.filter(b, eqx.is_array))
     assert len(la) == len(lb)
     return max(
-        float(np.max(np.abs(np.asarray(x) - np.asarray(y))))
+        float(np.max(np.abs(np.asarray(x, np.float32) - np.asarray(y, np.float32))))
         for x, y in zip(la, lb, strict=True)
     )

@@ -14,6 +14,7 @@ import numpy as np
 import optax
 import pytest
 from jax.sharding import PartitionSpec as P
+from reference import max_diff
 
 import eqxdist as ed
 
@@ -74,15 +75,6 @@ def _reference(model, batches):
     return model
 
 
-def _max_diff(a, b):
-    pairs = zip(
-        jax.tree.leaves(eqx.filter(a, eqx.is_array)),
-        jax.tree.leaves(eqx.filter(b, eqx.is_array)),
-        strict=True,
-    )
-    return max(float(np.max(np.abs(np.asarray(x) - np.asarray(y)))) for x, y in pairs)
-
-
 @pytest.fixture(scope="module")
 def reference():
     return _reference(Net(jax.random.key(0)), _batches())
@@ -107,7 +99,7 @@ def test_replica_and_data_axes(reference, strategy):
         min_weight_size=64,
     )
     state, metrics = _train(step)
-    assert _max_diff(state.model, reference) < 1e-5
+    assert max_diff(state.model, reference) < 1e-5
     if strategy == "fsdp":
         # HSDP: sharded over "data" (4 ways), replicated over "replica".
         spec = step.state_specs(state).model.up.weight
@@ -131,7 +123,7 @@ def test_megatron_rules(reference, strategy):
         min_weight_size=64,
     )
     state, _ = _train(step)
-    assert _max_diff(state.model, reference) < 1e-5
+    assert max_diff(state.model, reference) < 1e-5
     specs = step.state_specs(state)
     up, down = specs.model.up.weight, specs.model.down.weight
     if strategy == "dp":
@@ -160,7 +152,7 @@ def test_rules_with_tuple_axes_and_eval(reference):
     )
     step = ed.make_train_step(loss_fn, OPTIMIZER, mesh, **layout)
     state, _ = _train(step)
-    assert _max_diff(state.model, reference) < 1e-5
+    assert max_diff(state.model, reference) < 1e-5
 
     def eval_fn(model, batch, mask):
         logits = jax.vmap(model)(batch["x"])
@@ -381,7 +373,7 @@ def test_bf16_with_rules_compiles_and_matches_dp():
             state, _ = step(state, batch)
         assert state.model.up.weight.dtype == jnp.float32
         results.append(state.model)
-    assert _max_diff(*results) < 5e-3
+    assert max_diff(*results) < 5e-3
 
 
 def _all_gathers(hlo):
@@ -433,4 +425,4 @@ def test_megatron_rules_with_accumulation(reference, fsdp_gather):
         fsdp_gather=fsdp_gather,
     )
     state, _ = _train(step)
-    assert _max_diff(state.model, reference) < 1e-5
+    assert max_diff(state.model, reference) < 1e-5

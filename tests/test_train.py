@@ -8,6 +8,7 @@ import numpy as np
 import optax
 import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
+from reference import max_diff
 
 import eqxdist as ed
 
@@ -58,15 +59,6 @@ def _single_device(model, batches, optimizer=OPTIMIZER):
     return model, losses
 
 
-def _max_diff(a, b):
-    pairs = zip(
-        jax.tree.leaves(eqx.filter(a, eqx.is_array)),
-        jax.tree.leaves(eqx.filter(b, eqx.is_array)),
-        strict=True,
-    )
-    return max(float(np.max(np.abs(np.asarray(x) - np.asarray(y)))) for x, y in pairs)
-
-
 def _train(step, model, batches, key=1):
     state = ed.TrainState.create(model, OPTIMIZER, jax.random.key(key))
     history = []
@@ -107,7 +99,7 @@ def test_dp_fsdp_and_single_device_training_agree(mesh8, rng):
             min_weight_size=16,
         )
         state, history = _train(step, _model(), batches)
-        assert _max_diff(state.model, reference) < 1e-5, strategy
+        assert max_diff(state.model, reference) < 1e-5, strategy
         assert int(state.step) == 3
         for metrics, ref_loss in zip(history, ref_losses, strict=True):
             total, count = metrics["loss"]
@@ -128,7 +120,7 @@ def test_per_block_fsdp_matches_single_device(mesh8, rng, remat):
     assert state.model.layers[2].weight.sharding.spec == P()
     mu = state.opt_state[1][0].mu
     assert mu.layers[0].module.weight.sharding.spec == P("data", None)
-    assert _max_diff(state.model, reference) < 1e-5
+    assert max_diff(state.model, reference) < 1e-5
 
 
 def test_state_is_placed_sharded_and_compiled_once(mesh8, rng, caplog):
@@ -193,8 +185,8 @@ def test_minibatches_give_the_same_update(mesh8, rng):
         results.append(state.model)
         assert int(metrics["loss"][1]) == 32
         assert int(metrics["accuracy"].total.value) == 32
-    assert _max_diff(results[0], results[1]) < 1e-6
-    assert _max_diff(results[1], results[2]) < 1e-6
+    assert max_diff(results[0], results[1]) < 1e-6
+    assert max_diff(results[1], results[2]) < 1e-6
 
 
 def test_one_two_four_and_eight_devices_agree(rng):
@@ -207,7 +199,7 @@ def test_one_two_four_and_eight_devices_agree(rng):
                 loss_fn, OPTIMIZER, mesh, strategy=strategy, min_weight_size=0
             )
             state, _ = _train(step, _model(), batches)
-            assert _max_diff(state.model, reference) < 1e-5, (n, strategy)
+            assert max_diff(state.model, reference) < 1e-5, (n, strategy)
 
 
 def test_metrics_are_reduced_over_devices(mesh8, rng):
@@ -270,13 +262,13 @@ def test_accumulate_gradients_sums_metrics_and_averages_grads(rng):
         for use_scan in (True, False)
     ]
     for grads, metrics in results:
-        assert _max_diff(grads, full_grads) < 1e-6
+        assert max_diff(grads, full_grads) < 1e-6
         total, count = metrics["loss"]
         assert int(count) == 12
         expected = float(loss_fn(model, batch, None)[0]) * 12
         np.testing.assert_allclose(total, expected, rtol=1e-5)
         assert int(metrics["accuracy"].total.value) == 12
-    assert _max_diff(results[0][0], results[1][0]) < 1e-7  # scan and loop
+    assert max_diff(results[0][0], results[1][0]) < 1e-7  # scan and loop
 
 
 @pytest.mark.parametrize("use_scan", [True, False])
@@ -319,7 +311,7 @@ def test_accumulate_gradients_inside_shard_map_with_check_vma(
     # JAX sums the replicated parameters' gradients over the 8 devices: 8 times the
     # gradient of the global mean.
     (_, _), full = eqx.filter_value_and_grad(loss_fn, has_aux=True)(model, batch, None)
-    assert _max_diff(grads, jax.tree.map(lambda g: 8 * g, full)) < 1e-5
+    assert max_diff(grads, jax.tree.map(lambda g: 8 * g, full)) < 1e-5
     rows = batch["x"].reshape(8, 4, 8)
     np.testing.assert_allclose(states, rows.sum(axis=(1, 2)), rtol=1e-5)
     losses = optax.softmax_cross_entropy_with_integer_labels(

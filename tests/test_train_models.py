@@ -10,6 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from reference import max_diff
 
 import eqxdist as ed
 
@@ -89,16 +90,6 @@ def _reference(model, model_state, batches, n, optimizer=OPTIMIZER, trainable=No
     return eqx.combine(params, frozen), model_state
 
 
-def _max_diff(a, b):
-    la = jax.tree.leaves(eqx.filter(a, eqx.is_array))
-    lb = jax.tree.leaves(eqx.filter(b, eqx.is_array))
-    assert len(la) == len(lb)
-    return max(
-        float(np.max(np.abs(np.asarray(x) - np.asarray(y))))
-        for x, y in zip(la, lb, strict=True)
-    )
-
-
 @pytest.mark.parametrize("strategy", ["dp", "fsdp"])
 @pytest.mark.parametrize("n", [1, 2])
 def test_batchnorm_matches_single_device(mesh8, strategy, n):
@@ -121,8 +112,8 @@ def test_batchnorm_matches_single_device(mesh8, strategy, n):
     )
     for batch in batches:
         state, metrics = step(state, batch)
-    assert _max_diff(state.model, ref_model) < 1e-5
-    assert _max_diff(state.model_state, ref_state) < 1e-5
+    assert max_diff(state.model, ref_model) < 1e-5
+    assert max_diff(state.model_state, ref_state) < 1e-5
     # The running statistics moved (they are not the initial zeros/ones), and the
     # model state comes back replicated.
     means = [x for x in jax.tree.leaves(state.model_state) if x.ndim == 1]
@@ -196,7 +187,7 @@ def test_frozen_leaves_never_change(mesh8, strategy):
         )(params)
         updates, opt_state = OPTIMIZER.update(grads, opt_state, params)
         params = eqx.apply_updates(params, updates)
-    assert _max_diff(state.model, eqx.combine(params, frozen)) < 1e-5
+    assert max_diff(state.model, eqx.combine(params, frozen)) < 1e-5
 
 
 def test_frozen_leaves_are_inputs_not_constants(mesh8):
@@ -254,8 +245,8 @@ def test_bf16_compute_close_to_bf16_reference(mesh8):
                 grads, opt_state, eqx.filter(params, eqx.is_inexact_array)
             )
             params = eqx.apply_updates(params, updates)
-        diff = _max_diff(state.model, params)
-        print(strategy, diff, _max_diff(params, model))
+        diff = max_diff(state.model, params)
+        print(strategy, diff, max_diff(params, model))
         assert diff < 5e-3
         f32 = ed.make_train_step(
             _mlp_loss, opt, mesh8, strategy=strategy, min_weight_size=16
@@ -264,7 +255,7 @@ def test_bf16_compute_close_to_bf16_reference(mesh8):
         for batch in batches:
             s32, _ = f32(s32, batch)
         # bf16 differs from float32 training (the cast is real).
-        assert _max_diff(state.model, s32.model) > 1e-6
+        assert max_diff(state.model, s32.model) > 1e-6
 
 
 def test_bf16_fsdp_gathers_move_bf16(mesh8):
@@ -338,7 +329,7 @@ def test_fsdp_accumulation_values(mesh8, gather):
         for batch in batches:
             state, metrics = step(state, batch)
         results.append((state.model, metrics))
-    assert _max_diff(results[0][0], results[1][0]) < 1e-5
+    assert max_diff(results[0][0], results[1][0]) < 1e-5
     np.testing.assert_allclose(
         results[0][1]["loss"][0], results[1][1]["loss"][0], rtol=1e-5
     )

@@ -16,6 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from reference import max_diff
 
 import eqxdist as ed
 
@@ -102,16 +103,6 @@ def reference(model, model_state, data, optimizer, n=1, devices=8):
         )
         params = eqx.apply_updates(params, updates)
     return eqx.combine(params, static), model_state, opt_state
-
-
-def max_diff(a, b):
-    la = jax.tree.leaves(eqx.filter(a, eqx.is_array))
-    lb = jax.tree.leaves(eqx.filter(b, eqx.is_array))
-    assert len(la) == len(lb)
-    return max(
-        float(np.max(np.abs(np.asarray(x, np.float32) - np.asarray(y, np.float32))))
-        for x, y in zip(la, lb, strict=True)
-    )
 
 
 SETUPS = {

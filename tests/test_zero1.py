@@ -4,11 +4,11 @@ single-device Optax training on the same global data, 8 simulated devices."""
 
 import equinox as eqx
 import jax
-import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
 from jax.sharding import PartitionSpec as P
+from reference import max_diff
 
 import eqxdist as ed
 
@@ -77,17 +77,6 @@ def _train(mesh, strategy, batches, **kw):
     return step, jax.block_until_ready(state)
 
 
-def _max_diff(a, b):
-    return max(
-        float(jnp.max(jnp.abs(x - y)))
-        for x, y in zip(
-            jax.tree.leaves(eqx.filter(a, eqx.is_array)),
-            jax.tree.leaves(eqx.filter(b, eqx.is_array)),
-            strict=True,
-        )
-    )
-
-
 @pytest.fixture(scope="module")
 def trained(mesh8):
     batches = _batches()
@@ -101,9 +90,9 @@ def trained(mesh8):
 def test_zero1_trains_as_dp_and_single_device(trained):
     _, dp = trained["dp"]
     _, zero1 = trained["zero1"]
-    assert _max_diff(zero1.model, dp.model) < 1e-5
-    assert _max_diff(zero1.model, trained["single"]) < 1e-5
-    assert _max_diff(zero1.opt_state, dp.opt_state) < 1e-5
+    assert max_diff(zero1.model, dp.model) < 1e-5
+    assert max_diff(zero1.model, trained["single"]) < 1e-5
+    assert max_diff(zero1.opt_state, dp.opt_state) < 1e-5
     assert int(zero1.step) == 3
 
 
@@ -154,14 +143,14 @@ def test_zero1_with_hsdp_axes_and_rules():
     step, hsdp = _train(
         hsdp_mesh, "zero1", batches, data_axis=("replica", "data"), fsdp_axis="data"
     )
-    assert _max_diff(hsdp.model, single) < 1e-5
+    assert max_diff(hsdp.model, single) < 1e-5
     mu = hsdp.opt_state[0].mu.layers[1].weight
     assert step.state_specs(hsdp).opt_state[0].mu.layers[1].weight == P("data", None)
     assert mu.addressable_shards[0].data.shape == (16, 64)
     tp_mesh = ed.create_device_mesh({"data": 4, "model": 2})
     rule = [(r"layers\[1\]\.weight", P(None, "model"))]
     step, tp = _train(tp_mesh, "zero1", batches, param_rules=rule)
-    assert _max_diff(tp.model, single) < 1e-5
+    assert max_diff(tp.model, single) < 1e-5
     specs = step.state_specs(tp)
     assert specs.model.layers[1].weight == P(None, "model")
     assert specs.opt_state[0].mu.layers[1].weight == P("data", "model")
@@ -217,5 +206,5 @@ def test_zero1_with_frozen_leaves(mesh8):
         )(trained)
         updates, opt_state = OPTIMIZER.update(grads, opt_state, trained)
         trained = eqx.apply_updates(trained, updates)
-    assert _max_diff(state.model, eqx.combine(trained, frozen)) < 1e-5
-    assert _max_diff(state.model.layers[1], model.layers[1]) == 0.0
+    assert max_diff(state.model, eqx.combine(trained, frozen)) < 1e-5
+    assert max_diff(state.model.layers[1], model.layers[1]) == 0.0
