@@ -656,7 +656,14 @@ def training(tmp_path_factory, mesh8):
     assert result.returncode == 0, explain(result)
     runs = {
         name: dict(np.load(out / f"{name}.npz"))
-        for name in ("dp", "fsdp", "fsdp_step2", "fsdp_resumed", "from_one_process")
+        for name in (
+            "dp",
+            "fsdp",
+            "fsdp_step2",
+            "fsdp_resumed",
+            "from_one_process",
+            "fsdp_init",
+        )
     }
     runs["results"] = json.loads((out / "results.json").read_text())
     return reference, runs, out, result
@@ -703,6 +710,14 @@ def test_resume_on_2_processes_equals_the_uninterrupted_run(training):
     assert "P('data', None)" in runs["results"]["restored_specs"]  # FSDP layout
     assert_same_arrays(runs["fsdp_resumed"], runs["fsdp"])
     assert runs["results"]["fsdp_resumed"] == runs["results"]["fsdp"][2:]
+
+
+@pytest.mark.slow
+def test_init_state_on_2_processes_equals_the_state_built_on_one(training):
+    _, runs, _, _ = training
+    # Every process runs init_state's programs (one per group of leaves) in turn.
+    assert_same_arrays(runs["fsdp_init"], common.flat(common.make_state()))
+    assert "P('data', None)" in runs["results"]["init_specs"]
 
 
 @pytest.mark.slow

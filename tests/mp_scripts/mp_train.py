@@ -8,6 +8,8 @@
   writing its shards; the values go to `OUT/fsdp_step2.npz`), then restores it into
   a fresh abstract target and trains the remaining steps again
   (`OUT/fsdp_resumed.npz`: must equal the uninterrupted run);
+- builds a fresh state straight into the FSDP layout with `init_state`
+  (`OUT/fsdp_init.npz`: must equal the state built on one process);
 - restores `CKPT1` (a data-parallel checkpoint the test saved from one process) into
   an FSDP-sharded target on these 2 x 4 devices (`OUT/from_one_process.npz`).
 """
@@ -76,6 +78,13 @@ results["restored_specs"] = sorted(
 state, rest, _ = common.train(step, restored, 2, common.STEPS)
 results["fsdp_resumed"] = rest
 dump("fsdp_resumed", state)
+
+# A fresh state built straight into the FSDP layout, by every process together.
+initial = step.init_state(common.make_state)
+results["init_specs"] = sorted(
+    {str(x.sharding.spec) for x in jax.tree.leaves(initial) if eqx.is_array(x)}
+)
+dump("fsdp_init", initial)
 
 from_one = ed.restore_checkpoint(ckpt1, target, step=2)
 results["from_one_process_specs"] = sorted(
