@@ -19,7 +19,9 @@ from typing import Any
 import equinox as eqx
 import jax
 import jax.numpy as jnp
+from jax.sharding import Mesh, NamedSharding
 
+from ._state import TrainState
 from ._utils import is_array, is_array_like
 
 INIT_GROUPS = 8
@@ -73,13 +75,32 @@ class ShardedInit:
 
 
 def sharded_init(
-    init_fn: Callable[..., Any], args: tuple[Any, ...], abstract: Any, shardings: Any
+    caller: str,
+    init_fn: Callable[..., Any],
+    args: tuple[Any, ...],
+    state_specs: Callable[[TrainState], Any],
+    mesh: Mesh,
 ) -> ShardedInit:
-    """`init_fn(*args)` (whose abstract value is `abstract`) built into
-    `shardings` (a tree like `abstract`, `None` at its non-array leaves)."""
+    """`init_fn(*args)`, which must return a `TrainState`, built into the
+    shardings `state_specs` gives its abstract value on `mesh`."""
+    abstract = eqx.filter_eval_shape(init_fn, *args)
+    if not isinstance(abstract, TrainState):
+        raise TypeError(
+            f"{caller}: `init_fn(*args)` must return an eqxdist.TrainState (e.g. "
+            "`lambda key: ed.TrainState.create(Net(key), optimizer, key)`); it "
+            f"returns {type(abstract).__name__}."
+        )
     arrays, static = eqx.partition(abstract, is_array_like)
     shapes, treedef = jax.tree.flatten(arrays)
-    targets = jax.tree.leaves(eqx.filter(shardings, lambda x: x is not None))
+    # A sharding at each array leaf, `None` (no leaf) elsewhere: in leaf order.
+    targets = jax.tree.leaves(
+        jax.tree.map(
+            lambda x, spec: NamedSharding(mesh, spec) if is_array_like(x) else None,
+            abstract,
+            state_specs(abstract),
+            is_leaf=lambda x: x is None,
+        )
+    )
     dynamic, args_static = eqx.partition(args, is_array)
 
     def build(indices: list[int], dynamic: Any) -> list[Any]:

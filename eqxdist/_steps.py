@@ -4,9 +4,8 @@
 from collections.abc import Callable, Sequence
 from typing import Any
 
-import equinox as eqx
 import jax
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from jax.sharding import Mesh, PartitionSpec as P
 from jaxtyping import PyTree
 
 from ._accumulate import check_num_minibatches
@@ -24,7 +23,6 @@ from ._utils import (
     check_array_leaves,
     check_compute_dtype,
     check_not_consumed,
-    is_array_like,
     state_like,
     typecheck,
 )
@@ -134,24 +132,8 @@ class TrainStep:
         cost["model_flops"] = float(matmul_flops(traced.jaxpr))
         return cost
 
-    def _init(self, init_fn: Callable[..., Any], args: tuple[Any, ...]) -> ShardedInit:
-        """`init_fn(*args)` as jitted programs whose outputs are placed by this
-        step's state specs (found from its abstract output)."""
-        abstract = eqx.filter_eval_shape(init_fn, *args)
-        if not isinstance(abstract, TrainState):
-            raise TypeError(
-                "init_state: `init_fn(*args)` must return an eqxdist.TrainState "
-                f"(e.g. `lambda key: ed.TrainState.create(Net(key), optimizer, "
-                f"key)`); it returns {type(abstract).__name__}."
-            )
-        specs = self.state_specs(abstract)
-        shardings = jax.tree.map(
-            lambda x, s: NamedSharding(self.mesh, s) if is_array_like(x) else None,
-            abstract,
-            specs,
-            is_leaf=lambda x: x is None,
-        )
-        return sharded_init(init_fn, args, abstract, shardings)
+    def _init(self, caller: str, init_fn: Callable[..., Any], args: Any) -> ShardedInit:
+        return sharded_init(caller, init_fn, args, self.state_specs, self.mesh)
 
     def init_state(self, init_fn: Callable[..., Any], *args: Any) -> TrainState:
         """A fresh state built straight into this step's layout: `init_fn(*args)`
@@ -177,19 +159,19 @@ class TrainStep:
         `TypeError` if `init_fn(*args)` does not return a `TrainState`; the
         errors of `state_specs` for a state this step cannot take.
         """
-        state: TrainState = self._init(init_fn, args)()
+        state: TrainState = self._init("init_state", init_fn, args)()
         return state
 
     def lower_init(self, init_fn: Callable[..., Any], *args: Any) -> list[Any]:
         """`jax.jit(...).lower` of each program `init_state(init_fn, *args)` runs,
         in order, e.g. for `.compile().memory_analysis()` or `.as_text()`."""
-        return self._init(init_fn, args).lower()
+        return self._init("lower_init", init_fn, args).lower()
 
     def init_peak_bytes(self, init_fn: Callable[..., Any], *args: Any) -> int:
         """The most bytes a device holds while `init_state(init_fn, *args)` runs,
         from XLA's memory analysis of its compiled programs (the groups already
         built, and one group's outputs and temporaries); nothing is allocated."""
-        return peak_bytes(self.lower_init(init_fn, *args))
+        return peak_bytes(self._init("init_peak_bytes", init_fn, args).lower())
 
     def __call__(self, state: TrainState, batch: PyTree[Any]) -> tuple[Any, ...]:
         """One training step; see `make_train_step`."""

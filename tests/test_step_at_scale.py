@@ -530,3 +530,5 @@ def test_init_state_mistakes(mesh8):
     step = ed.make_train_step(mean_loss, optax.sgd(0.1), mesh8)
     with pytest.raises(TypeError, match="init_state: `init_fn\\(\\*args\\)` must"):
         step.init_state(lambda key: mlp(), jax.random.key(0))
+    with pytest.raises(TypeError, match="init_peak_bytes: `init_fn\\(\\*args\\)` must"):
+        step.init_peak_bytes(lambda key: mlp(), jax.random.key(0))
