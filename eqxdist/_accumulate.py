@@ -10,7 +10,13 @@ import jax.numpy as jnp
 from jaxtyping import PRNGKeyArray, PyTree
 
 from ._metrics.tree import check_metrics, merge_metrics
-from ._utils import check_rows, is_array, typecheck
+from ._utils import (
+    call_with_axes,
+    check_callable_takes,
+    check_rows,
+    is_array,
+    typecheck,
+)
 
 
 def check_num_minibatches(num_minibatches: int, caller: str) -> None:
@@ -29,17 +35,31 @@ class CheckedLoss:
     taken as it is. `weighted` says which one `loss_fn` returned (known once it
     has been traced)."""
 
-    def __init__(self, loss_fn: Callable[..., Any], with_state: bool) -> None:
+    def __init__(
+        self,
+        loss_fn: Callable[..., Any],
+        with_state: bool,
+        axes: tuple[str, ...] = (),
+    ) -> None:
         self.loss_fn = loss_fn
         self.with_state = with_state
+        self.axes = axes  # the mesh axes bound where it runs, for errors
         self.weighted: bool | None = None
 
     def __call__(self, model: Any, model_state: Any, batch: Any, key: Any) -> Any:
         with_state = self.with_state
         if with_state:
-            out = self.loss_fn(model, model_state, batch, key)
+            check_callable_takes(
+                self.loss_fn,
+                ("model", "model_state", "batch", "key"),
+                "loss_fn",
+                " (the state has a model_state)",
+            )
+            args: tuple[Any, ...] = (model, model_state, batch, key)
         else:
-            out = self.loss_fn(model, batch, key)
+            check_callable_takes(self.loss_fn, ("model", "batch", "key"), "loss_fn")
+            args = (model, batch, key)
+        out = call_with_axes(self.loss_fn, args, "loss_fn", self.axes)
         if not (isinstance(out, tuple) and len(out) == (3 if with_state else 2)):
             arity = (
                 "(loss, metrics, new_model_state)" if with_state else "(loss, metrics)"
@@ -60,10 +80,12 @@ class CheckedLoss:
 
 def _scalar(x: Any, what: str) -> None:
     if not is_array(x) or jnp.shape(x) != ():
+        # A traced array's class (`LinearizeTracer`, ...) says nothing to a user.
+        kind = "an array" if is_array(x) else f"a {type(x).__name__}"
         raise ValueError(
-            f"loss_fn must return {what}; got {type(x).__name__} of shape "
-            f"{jnp.shape(x)}. Reduce it, e.g. with `.mean()` (or `.sum()` for a "
-            "weighted loss's sum)."
+            f"loss_fn must return {what}; got {kind} of shape {jnp.shape(x)}. "
+            "Reduce it, e.g. with `.mean()` (or `.sum()` for a weighted loss's "
+            "sum)."
         )
 
 

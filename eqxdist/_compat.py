@@ -18,6 +18,7 @@ from ._data_parallel import (
     shard_model_state,
 )
 from ._mesh import (
+    AxisTypes,
     MeshShape,
     _check_devices,
     create_data_parallel_mesh,
@@ -76,10 +77,16 @@ class DeviceMeshManager(eqx.Module):
         return self._devices if devices is None else devices
 
     def create_device_mesh(
-        self, mesh_shape: MeshShape, *, devices: Sequence[jax.Device] | None = None
+        self,
+        mesh_shape: MeshShape,
+        *,
+        devices: Sequence[jax.Device] | None = None,
+        axis_types: AxisTypes = "auto",
     ) -> Mesh:
         """`create_device_mesh` over this manager's devices."""
-        return create_device_mesh(mesh_shape, devices=self._pick(devices))
+        return create_device_mesh(
+            mesh_shape, devices=self._pick(devices), axis_types=axis_types
+        )
 
     def create_data_parallel_mesh(
         self,
@@ -87,10 +94,14 @@ class DeviceMeshManager(eqx.Module):
         *,
         axis_name: str = "data",
         devices: Sequence[jax.Device] | None = None,
+        axis_types: AxisTypes = "auto",
     ) -> Mesh:
         """`create_data_parallel_mesh` over this manager's devices."""
         return create_data_parallel_mesh(
-            num_devices, axis_name=axis_name, devices=self._pick(devices)
+            num_devices,
+            axis_name=axis_name,
+            devices=self._pick(devices),
+            axis_types=axis_types,
         )
 
     def create_model_parallel_mesh(
@@ -99,10 +110,14 @@ class DeviceMeshManager(eqx.Module):
         *,
         axis_name: str = "model",
         devices: Sequence[jax.Device] | None = None,
+        axis_types: AxisTypes = "auto",
     ) -> Mesh:
         """`create_model_parallel_mesh` over this manager's devices."""
         return create_model_parallel_mesh(
-            num_devices, axis_name=axis_name, devices=self._pick(devices)
+            num_devices,
+            axis_name=axis_name,
+            devices=self._pick(devices),
+            axis_types=axis_types,
         )
 
     def create_hybrid_mesh(
@@ -113,6 +128,7 @@ class DeviceMeshManager(eqx.Module):
         data_axis: str = "data",
         model_axis: str = "model",
         devices: Sequence[jax.Device] | None = None,
+        axis_types: AxisTypes = "auto",
     ) -> Mesh:
         """`create_hybrid_mesh` over this manager's devices."""
         return create_hybrid_mesh(
@@ -121,6 +137,7 @@ class DeviceMeshManager(eqx.Module):
             data_axis=data_axis,
             model_axis=model_axis,
             devices=self._pick(devices),
+            axis_types=axis_types,
         )
 
     def get_mesh_info(self, mesh: Mesh) -> dict[str, Any]:

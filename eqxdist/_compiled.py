@@ -16,6 +16,7 @@ import jax.numpy as jnp
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from ._data_parallel import place, shard_batch
+from ._mesh import on_mesh
 from ._utils import (
     check_not_consumed,
     flatten_up_to,
@@ -204,7 +205,7 @@ class CompiledStep:
         ]
         entry.shardings = (updated, kept, batch_shardings)
 
-        def run(
+        def compute(
             updated_arrays: list[Any], kept_arrays: list[Any], batch_arrays: list[Any]
         ) -> Any:
             new_state, aux = self.fn(
@@ -217,10 +218,14 @@ class CompiledStep:
                     f"from {entry.state_def} to {new_def}; the optimizer state and "
                     "the model state must keep their structure between steps."
                 )
+            return [new_leaves[i] for i in entry.updated], aux
+
+        def run(*arrays: list[Any]) -> Any:
+            new, aux = on_mesh(compute, self.mesh)(*arrays)
             # A token that is ready when the step is: never donated, so the bound on
             # steps in flight can wait on it.
             token = jnp.zeros((), jnp.int32)
-            return [new_leaves[i] for i in entry.updated], aux, token
+            return new, aux, token
 
         return jax.jit(
             run,
@@ -294,7 +299,7 @@ class CompiledStep:
             # Donation deletes every donated array at once: one look is enough to
             # catch a state that another step consumed since.
             if updated and was_donated(updated[0]):
-                check_not_consumed(state, self.name)
+                check_not_consumed(state, self.name, returned=True)
         else:
             entry, state = self.entry(state, batch)
             self._last = entry

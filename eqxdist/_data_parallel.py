@@ -21,6 +21,8 @@ from ._utils import (
     is_array,
     map_arrays,
     path_str,
+    plural,
+    strong_types,
     typecheck,
 )
 
@@ -101,8 +103,8 @@ def shard_batch(batch: PyTree[Any], sharding: NamedSharding) -> PyTree[Any]:
                 scope = "this process's" if local != total else "the"
                 raise ValueError(
                     f"shard_batch: leaf {path_str(path)} has leading dimension {rows},"
-                    f" which is not divisible by {scope} {local} shards along "
-                    f"{batch_axes!r}; make the batch size a multiple of {local}."
+                    f" which is not divisible by {scope} {plural(local, 'shard')} "
+                    f"along {batch_axes!r}; make the batch size a multiple of {local}."
                 )
             target = row_sharding
         arrays.append(leaf)
@@ -150,7 +152,7 @@ def place(tree: Any, specs: Any, mesh: Mesh, *, copy: bool = False) -> Any:
     so that donating it never deletes the caller's arrays (replicating a
     single-device array otherwise reuses that device's buffer). Works when `mesh`
     spans several processes, each passing the same values."""
-    arrays, static = eqx.partition(tree, is_array)
+    arrays, static = eqx.partition(strong_types(tree), is_array)
     shardings = jax.tree.map(lambda _, s: NamedSharding(mesh, s), arrays, specs)
     if mesh.is_multi_process:
         placed = jax.tree.map(_put_global, arrays, shardings)

@@ -22,8 +22,10 @@ from ._train import StepInputs, step_layout
 from ._utils import (
     AxisName,
     batch_rows,
+    call_with_axes,
     cast_floating,
     check_array_leaves,
+    check_callable_takes,
     check_compute_dtype,
     flatten_up_to,
     is_array,
@@ -72,9 +74,17 @@ class EvalMath(eqx.Module):
         model = split.model(trained, split.gather(f))
         local = split.local_batch(local)
         if split.with_state:
-            out = self.eval_fn(model, split.model_state(ms), local, mask)
+            check_callable_takes(
+                self.eval_fn,
+                ("model", "model_state", "batch", "mask"),
+                "eval_fn",
+                " (the state has a model_state)",
+            )
+            args: tuple[Any, ...] = (model, split.model_state(ms), local, mask)
         else:
-            out = self.eval_fn(model, local, mask)
+            check_callable_takes(self.eval_fn, ("model", "batch", "mask"), "eval_fn")
+            args = (model, local, mask)
+        out = call_with_axes(self.eval_fn, args, "eval_fn", self.layout.data_axes)
         check_metrics(out, "eval_fn")
         return reduce_metrics(out, self.layout.data_axes)
 

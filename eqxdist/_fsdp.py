@@ -14,7 +14,7 @@ from typing import Any
 import equinox as eqx
 import jax
 import jax.numpy as jnp
-from jax.sharding import Mesh, PartitionSpec as P
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from jaxtyping import PyTree
 
 from ._data_parallel import place
@@ -26,6 +26,7 @@ from ._rules import (
     is_spec_leaf,
     leaf_plan,
     merge_specs,
+    restrict,
     sharded_dim,
     spec_axes,
 )
@@ -366,6 +367,26 @@ def axis_is_bound(axis_name: str) -> bool:
     return True
 
 
+def _typed_gathered(module: Any, axis_name: str) -> Any:
+    """`module` with `axis_name` dropped from the types of its leaves where an
+    `Explicit` mesh axis puts it there (`jax.sharding.reshard`: an all-gather,
+    whose gradient is a reduce-scatter), so the wrapped module computes on full
+    parameters under plain `jax.jit` as it does under an `Auto` mesh, where XLA
+    decides. Leaves whose types name no such axis are kept as they are."""
+
+    def gather(x: Any) -> Any:
+        if not isinstance(x, jax.Array):  # tracers are `jax.Array`s too
+            return x
+        sharding = jax.typeof(x).sharding
+        others = spec_axes(sharding.spec) - {axis_name}
+        if len(others) == len(spec_axes(sharding.spec)):
+            return x
+        spec = restrict(sharding.spec, tuple(others)) or P()
+        return jax.sharding.reshard(x, NamedSharding(sharding.mesh, spec))
+
+    return jax.tree.map(gather, module)
+
+
 def check_mesh(mesh: Any, caller: str) -> None:
     """A `TypeError` naming the value when `mesh` is not a `jax.sharding.Mesh`."""
     if not isinstance(mesh, Mesh):
@@ -559,7 +580,7 @@ class FSDP(SelfGathering):
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         """Call the wrapped module with full parameters (gathered if sharded)."""
         if not axis_is_bound(self.axis_name):
-            return self.module(*args, **kwargs)
+            return _typed_gathered(self.module, self.axis_name)(*args, **kwargs)
         plan = self.gather_plan()
         if all(dim is None for dim in plan):
             return self.module(*args, **kwargs)

@@ -22,7 +22,7 @@ import jax.numpy as jnp
 from jax.sharding import Mesh, NamedSharding
 
 from ._state import TrainState
-from ._utils import is_array, is_array_like
+from ._utils import is_array, is_array_like, strong_types
 
 INIT_GROUPS = 8
 """Groups of leaves `init_state` builds the state in, each at most this fraction
@@ -104,7 +104,7 @@ def sharded_init(
     dynamic, args_static = eqx.partition(args, is_array)
 
     def build(indices: list[int], dynamic: Any) -> list[Any]:
-        state = init_fn(*eqx.combine(dynamic, args_static))
+        state = strong_types(init_fn(*eqx.combine(dynamic, args_static)))
         leaves = jax.tree.leaves(eqx.filter(state, is_array))
         return [leaves[i] for i in indices]
 

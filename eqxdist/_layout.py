@@ -18,7 +18,8 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from ._data_parallel import local_shard_count
 from ._fsdp import CPU_FSDP_OPTIONS
-from ._plan import Planner, structure_key
+from ._mesh import auto_mesh
+from ._plan import Planner, structure_key, warn_if_unsharded
 from ._rules import (
     FsdpRule,
     ParamRules,
@@ -37,6 +38,7 @@ from ._utils import (
     flatten_up_to,
     is_array,
     is_array_like,
+    plural,
     state_like,
 )
 
@@ -51,10 +53,22 @@ def _replicated(tree: Any) -> Any:
     return jax.tree.map(lambda x: P() if is_array_like(x) else None, tree)
 
 
+def _is_masked(x: Any) -> bool:
+    return isinstance(x, optax.MaskedNode)
+
+
 def _state_names(opt_state: Any) -> str:
     """The optimizer state's node types, to name the optimizer in an error."""
     nodes = opt_state if isinstance(opt_state, tuple | list) else (opt_state,)
     return ", ".join(type(x).__name__ for x in nodes) or type(opt_state).__name__
+
+
+def describe_state(opt_state: Any) -> str:
+    """An optimizer state in a few words, for an error: its node types and how
+    many array leaves it has (its full tree structure runs to pages)."""
+    count = len(jax.tree.leaves(opt_state))
+    leaves = "1 leaf" if count == 1 else f"{count} leaves"
+    return f"({_state_names(opt_state)}) with {leaves}"
 
 
 class Layout:
@@ -108,6 +122,8 @@ class Layout:
                 "batch is split over."
             )
         self.mesh = mesh
+        # What the step's `shard_map`s run on (`_mesh.on_mesh`).
+        self.compute_mesh = auto_mesh(mesh)
         self.strategy = strategy
         self.caller = caller
         self.data_axes = data_axes
@@ -154,12 +170,17 @@ class Layout:
         if all(s == P() for s in jax.tree.leaves(param_specs)):
             return _replicated(opt_state)
         try:
+            # Masked transformations (`optax.masked`, `multi_transform`, Muon)
+            # hold an `optax.MaskedNode` where a parameter has no state: a node
+            # without leaves, kept as it is so the specs keep the state's
+            # structure.
             specs = optax.tree_map_params(
                 optimizer,
-                lambda _, spec: spec,
+                lambda leaf, spec: leaf if _is_masked(leaf) else spec,
                 opt_state,
                 param_specs,
                 transform_non_params=lambda x: P() if is_array_like(x) else None,
+                is_leaf=_is_masked,
             )
         except Exception as e:  # whatever the optimizer's `init` raises on it
             rules = " with param_rules" if self.rules else ""
@@ -210,14 +231,21 @@ class Layout:
             # is sharded over `fsdp_axis` as FSDP would shard the parameters.
             treedef = jax.tree.structure(state.model)
             leaves = jax.tree.leaves(state.model)
-            spec_leaves = flatten_up_to(state.model, param_specs)
-            param_specs = jax.tree.unflatten(
-                treedef,
-                [
-                    None if s is None else self.opt_fsdp.spec(tuple(x.shape), s)
-                    for x, s in zip(leaves, spec_leaves, strict=True)
-                ],
+            spec_leaves = [
+                None if s is None else self.opt_fsdp.spec(tuple(x.shape), s)
+                for x, s in zip(
+                    leaves, flatten_up_to(state.model, param_specs), strict=True
+                )
+            ]
+            warn_if_unsharded(
+                spec_leaves,
+                [x for x, s in zip(leaves, spec_leaves, strict=True) if s is not None],
+                self.opt_fsdp,
+                self.caller,
+                "strategy='zero1'",
+                "optimizer state",
             )
+            param_specs = jax.tree.unflatten(treedef, spec_leaves)
         return state_like(
             state,
             model_specs,
@@ -262,6 +290,6 @@ class Layout:
             batch,
             divisor,
             self.caller,
-            f"{shards} devices along {self.data_axes} x num_minibatches="
+            f"{plural(shards, 'device')} along {self.data_axes} x num_minibatches="
             f"{num_minibatches} = {divisor}",
         )

@@ -1,20 +1,28 @@
 """Building device meshes: named axes over the devices of every process, and
 simulated CPU devices for running multi-device code on one machine."""
 
+import functools
 import math
 import os
 import re
-from collections.abc import Mapping, Sequence
+import warnings
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import jax
 import numpy as np
-from jax.sharding import AxisType, Mesh
+from jax.sharding import AxisType, Mesh, PartitionSpec as P
 
+from ._distributed import COORDINATOR_ENV
 from ._jax import backends_are_initialized
-from ._utils import typecheck
+from ._utils import plural, typecheck
 
 MeshShape = Mapping[str, int] | Sequence[tuple[str, int]]
+AxisTypes = str | tuple[AxisType, ...]
+"""The `axis_types` of the mesh builders: `"auto"`, `"explicit"` or one
+`AxisType` per axis."""
+
+_AXIS_TYPES = {"auto": AxisType.Auto, "explicit": AxisType.Explicit}
 
 _DEVICE_COUNT_FLAG = re.compile(r"--xla_force_host_platform_device_count=(\d+)")
 
@@ -28,7 +36,8 @@ def simulate_cpu_devices(count: int = 8) -> None:
     or `jax.devices()` is called (importing `jax` or `eqxdist` is fine). It sets
     `--xla_force_host_platform_device_count` in `XLA_FLAGS`, unless that flag is
     already set (by you, or by `python -m eqxdist.launch` for each process), which
-    then wins.
+    then wins (with a `UserWarning` when it sets another count outside the
+    launcher).
 
     **Raises:**
 
@@ -47,14 +56,26 @@ def simulate_cpu_devices(count: int = 8) -> None:
     if count < 1:
         raise ValueError(f"simulate_cpu_devices: `count` must be >= 1; got {count}.")
     flags = os.environ.get("XLA_FLAGS", "")
-    if _DEVICE_COUNT_FLAG.search(flags):
+    found = _DEVICE_COUNT_FLAG.search(flags)
+    if found:
+        # Under `python -m eqxdist.launch` the launcher's count per process is
+        # the one meant; anywhere else a different count is worth a word.
+        if int(found.group(1)) != count and COORDINATOR_ENV not in os.environ:
+            warnings.warn(
+                f"simulate_cpu_devices({count}): XLA_FLAGS already sets "
+                f"--xla_force_host_platform_device_count={found.group(1)}, which "
+                f"wins: JAX will have {found.group(1)} CPU devices, not {count}. "
+                "Unset that flag to simulate this count.",
+                stacklevel=2,
+            )
         return
     if backends_are_initialized():
         if jax.device_count() == count:
             return
         raise RuntimeError(
             f"simulate_cpu_devices: JAX has already started with "
-            f"{jax.device_count()} devices, so {count} can no longer be simulated; "
+            f"{plural(jax.device_count(), 'device')}, so {count} can no longer be "
+            "simulated; "
             "call it before creating any array (or set XLA_FLAGS="
             f"--xla_force_host_platform_device_count={count} before starting Python)."
         )
@@ -117,6 +138,25 @@ def _parse_shape(mesh_shape: Any) -> list[tuple[str, int]]:
     return [(name, int(size)) for name, size in pairs]
 
 
+def _axis_types(
+    axis_types: AxisTypes, names: tuple[str, ...], caller: str
+) -> tuple[AxisType, ...]:
+    if isinstance(axis_types, str):
+        if axis_types not in _AXIS_TYPES:
+            raise ValueError(
+                f"{caller}: `axis_types`={axis_types!r} is not a kind of axis; use "
+                f"{list(_AXIS_TYPES)} or a tuple of jax.sharding.AxisType, one per "
+                "axis."
+            )
+        return (_AXIS_TYPES[axis_types],) * len(names)
+    if len(axis_types) != len(names):
+        raise ValueError(
+            f"{caller}: `axis_types` has {len(axis_types)} entries for the "
+            f"{len(names)} axes {names}; give one AxisType per axis."
+        )
+    return tuple(axis_types)
+
+
 def _check_devices(devices: Sequence[Any], caller: str) -> None:
     """`TypeError` for an entry that is not a `jax.Device`; `ValueError` for a device
     listed twice (a mesh would put it at two positions and mis-shard arrays)."""
@@ -138,7 +178,10 @@ def _check_devices(devices: Sequence[Any], caller: str) -> None:
 
 @typecheck
 def create_device_mesh(
-    mesh_shape: MeshShape, *, devices: Sequence[jax.Device] | None = None
+    mesh_shape: MeshShape,
+    *,
+    devices: Sequence[jax.Device] | None = None,
+    axis_types: AxisTypes = "auto",
 ) -> Mesh:
     """Build a `jax.sharding.Mesh` with named axes.
 
@@ -149,17 +192,23 @@ def create_device_mesh(
       devices the other axes leave".
     - `devices`: the devices to use, default `jax.devices()` (every process's devices
       in a multi-process run). The first `prod(sizes)` of them are used, in order.
+    - `axis_types`: `"auto"` (the default: `AxisType.Auto` axes, so `jax.jit` and
+      `jax.shard_map` accept unsharded inputs and XLA decides the sharding of
+      every intermediate), `"explicit"` (`AxisType.Explicit` axes, what
+      `jax.make_mesh` builds by default: arrays carry their sharding in their
+      type), or a tuple of `AxisType`s, one per axis. Every eqxdist function
+      takes either kind, with the same results.
 
     **Returns:**
 
-    A mesh whose axes are `AxisType.Auto`, so `jax.jit` and `jax.shard_map` accept
-    unsharded inputs as well as sharded ones.
+    The mesh.
 
     **Raises:**
 
     `ValueError` for an empty shape, a size of 0 or below -1, several `-1`s, a `-1`
-    that does not divide the device count, empty or duplicate names, or more devices
-    than available ("Not enough devices"); `TypeError` for a non-int size.
+    that does not divide the device count, empty or duplicate names, more devices
+    than available ("Not enough devices"), or `axis_types` of the wrong length or
+    an unknown name; `TypeError` for a non-int size.
 
     !!! Example
 
@@ -188,7 +237,8 @@ def create_device_mesh(
     if needed > len(available):
         raise ValueError(
             f"create_device_mesh: Not enough devices: mesh {dict(pairs)} needs "
-            f"{needed} devices but only {len(available)} are available."
+            f"{plural(needed, 'device')} but only {len(available)} "
+            f"{'is' if len(available) == 1 else 'are'} available."
         )
     grid = np.empty(needed, dtype=object)
     grid[:] = available[:needed]
@@ -196,15 +246,20 @@ def create_device_mesh(
     return Mesh(
         grid.reshape([size for _, size in pairs]),
         names,
-        axis_types=(AxisType.Auto,) * len(names),
+        axis_types=_axis_types(axis_types, names, "create_device_mesh"),
     )
 
 
 def _one_axis_mesh(
-    num_devices: int | None, axis_name: str, devices: Sequence[jax.Device] | None
+    num_devices: int | None,
+    axis_name: str,
+    devices: Sequence[jax.Device] | None,
+    axis_types: AxisTypes,
 ) -> Mesh:
     return create_device_mesh(
-        {axis_name: -1 if num_devices is None else num_devices}, devices=devices
+        {axis_name: -1 if num_devices is None else num_devices},
+        devices=devices,
+        axis_types=axis_types,
     )
 
 
@@ -214,9 +269,11 @@ def create_data_parallel_mesh(
     *,
     axis_name: str = "data",
     devices: Sequence[jax.Device] | None = None,
+    axis_types: AxisTypes = "auto",
 ) -> Mesh:
     """A 1-D mesh for data parallelism (and FSDP) over `num_devices` devices (default:
-    all of them) with the axis `axis_name`. Errors as `create_device_mesh`.
+    all of them) with the axis `axis_name`. `axis_types` and errors as
+    `create_device_mesh`.
 
     !!! Example
 
@@ -224,7 +281,7 @@ def create_data_parallel_mesh(
         mesh = ed.create_data_parallel_mesh()  # Mesh('data': 8)
         ```
     """
-    return _one_axis_mesh(num_devices, axis_name, devices)
+    return _one_axis_mesh(num_devices, axis_name, devices, axis_types)
 
 
 @typecheck
@@ -233,10 +290,12 @@ def create_model_parallel_mesh(
     *,
     axis_name: str = "model",
     devices: Sequence[jax.Device] | None = None,
+    axis_types: AxisTypes = "auto",
 ) -> Mesh:
     """A 1-D mesh for model (tensor) parallelism over `num_devices` devices (default:
-    all of them) with the axis `axis_name`. Errors as `create_device_mesh`."""
-    return _one_axis_mesh(num_devices, axis_name, devices)
+    all of them) with the axis `axis_name`. `axis_types` and errors as
+    `create_device_mesh`."""
+    return _one_axis_mesh(num_devices, axis_name, devices, axis_types)
 
 
 @typecheck
@@ -247,9 +306,11 @@ def create_hybrid_mesh(
     data_axis: str = "data",
     model_axis: str = "model",
     devices: Sequence[jax.Device] | None = None,
+    axis_types: AxisTypes = "auto",
 ) -> Mesh:
     """A 2-D `(data_axis, model_axis)` mesh of `data_parallel_size x
     model_parallel_size` devices; either size may be `-1` ("the rest").
+    `axis_types` as `create_device_mesh`.
 
     !!! Example
 
@@ -260,6 +321,7 @@ def create_hybrid_mesh(
     return create_device_mesh(
         [(data_axis, data_parallel_size), (model_axis, model_parallel_size)],
         devices=devices,
+        axis_types=axis_types,
     )
 
 
@@ -282,3 +344,64 @@ def get_mesh_info(mesh: Mesh) -> dict[str, Any]:
         "local_devices": sum(d.process_index == jax.process_index() for d in devices),
         "platform": devices[0].platform,
     }
+
+
+# -- the meshes JAX builds ------------------------------------------------------------
+#
+# `jax.make_mesh` builds `Explicit` axes (JAX 0.9+): arrays carry their sharding in
+# their type, and every operation must know its output's sharding, which a loss
+# written for one device (`x @ w` on a weight sharded over a model axis) does not
+# say. eqxdist's steps place arrays on the caller's mesh, so that what they return
+# works in the caller's own Explicit-mode code, but compute on the same devices
+# with every axis `Auto`, where XLA's partitioner decides, as it does for a mesh
+# `create_device_mesh` builds: the same program on either kind.
+
+
+def explicit_axes(mesh: Mesh) -> tuple[str, ...]:
+    """The axes of `mesh` whose type is `Explicit`."""
+    return tuple(
+        name
+        for name, kind in zip(mesh.axis_names, mesh.axis_types, strict=True)
+        if kind == AxisType.Explicit
+    )
+
+
+@functools.cache
+def _auto_copy(mesh: Mesh) -> Mesh:
+    return Mesh(
+        mesh.devices,
+        mesh.axis_names,
+        axis_types=(AxisType.Auto,) * len(mesh.axis_names),
+    )
+
+
+def auto_mesh(mesh: Mesh) -> Mesh:
+    """`mesh` itself when none of its axes is `Explicit`; else the same devices and
+    names with every axis `Auto` (one object per mesh): the mesh a step's
+    `shard_map`s run on inside `in_auto_axes`."""
+    return _auto_copy(mesh) if explicit_axes(mesh) else mesh
+
+
+def on_mesh(fn: Callable[..., Any], mesh: Mesh) -> Callable[..., Any]:
+    """`fn` traced on `mesh` with every axis `Auto` (`auto_mesh`), for a
+    `jax.jit` whose arguments and results live on `mesh`.
+
+    The context mesh is `auto_mesh(mesh)` whatever the caller has set (e.g.
+    `jax.set_mesh(mesh)` with `Explicit` axes), so `fn`'s `shard_map`s on
+    `auto_mesh(mesh)` find the mesh they name, and values made inside a
+    `shard_map` (a constant such as BatchNorm's counter) have the type of those
+    passed in, as Equinox's `State.set` requires. Arguments with `Explicit` axes
+    in their types are retyped as `Auto` (no data moves: the layout stays the one
+    `jit` was given) and results take `jit`'s `out_shardings`. Unlike
+    `jax.sharding.auto_axes`, no sharding constraint is added, so an Explicit mesh
+    compiles the very program an Auto mesh does."""
+    explicit = bool(explicit_axes(mesh))
+    auto = auto_mesh(mesh).abstract_mesh
+
+    def run(*args: Any) -> Any:
+        with jax.sharding.use_abstract_mesh(auto):
+            if explicit:
+                args = jax.tree.map(lambda x: jax.sharding.reshard(x, P()), args)
+            return fn(*args)
+
+    return run

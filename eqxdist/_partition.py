@@ -138,26 +138,45 @@ _TAG = "eqxdist_linear_"
 _TAG_RE = re.compile(_TAG + r"(\d+)")
 
 
+class _Replaced:
+    """The indices of the tagged layers whose weight the traced loss replaces
+    (hashed by identity: one object per trace, held as a static field)."""
+
+    def __init__(self) -> None:
+        self.indices: set[int] = set()
+
+
 class _Tagged(eqx.Module):
     """A `Linear` whose operations carry a name scope, so that a trace says which
-    layer each matrix product belongs to."""
+    layer each matrix product belongs to.
+
+    Reading its `weight` as anything but an array means `eqx.tree_at` is looking
+    for the leaf to replace (`eqx.nn.SpectralNorm` and `WeightNorm` replace their
+    layer's weight before calling it): a partitioned layer holds a shard, not a
+    weight to replace, so such a layer is noted in `replaced` and gathered."""
 
     linear: eqx.nn.Linear
     index: int = eqx.field(static=True)
+    replaced: _Replaced = eqx.field(static=True)
 
     def __getattr__(self, name: str) -> Any:
-        return getattr(self.linear, name)
+        value = getattr(self.linear, name)
+        if name == "weight" and not is_array_like(value):
+            self.replaced.indices.add(self.index)
+        return value
 
     def __call__(self, x: Any, *, key: Any = None) -> Any:
         with jax.named_scope(f"{_TAG}{self.index}"):
             return self.linear(x, key=key)
 
 
-def _tagged(model: Any, paths: Sequence[KeyPath]) -> Any:
+def _tagged(model: Any, paths: Sequence[KeyPath], replaced: _Replaced) -> Any:
     index = {p: i for i, p in enumerate(paths)}
 
     def tag(path: KeyPath, x: Any) -> Any:
-        return _Tagged(x, index[path]) if path in index and is_candidate(x) else x
+        if path in index and is_candidate(x):
+            return _Tagged(x, index[path], replaced)
+        return x
 
     return jax.tree_util.tree_map_with_path(tag, model, is_leaf=is_candidate)
 
@@ -229,12 +248,13 @@ def choose(
     with_path, _ = jax.tree_util.tree_flatten_with_path(model, is_leaf=is_candidate)
     layers = dict(with_path)
     in_features = [layers[p].in_features for p in paths]
-    arrays, rest = eqx.partition(_tagged(model, paths), is_array_like)
+    replaced = _Replaced()
+    arrays, rest = eqx.partition(_tagged(model, paths, replaced), is_array_like)
     jaxpr = jax.make_jaxpr(lambda a, *xs: call_loss(eqx.combine(a, rest), *xs))(
         arrays, *args
     ).jaxpr
     rows: dict[int, int] = {}
-    unsure: set[int] = set()
+    unsure = set(replaced.indices)
     _walk(jaxpr, 1, False, rows, unsure, in_features)
     chosen = []
     for i, path in enumerate(paths):

@@ -10,6 +10,7 @@ read through `planner(model)`.
 
 import dataclasses
 import math
+import warnings
 from typing import Any
 
 import jax
@@ -194,6 +195,7 @@ def plan_model(
             scatter,
         )
     specs, own = leaf_plan(model, fsdp, rule_specs, paths, caller)
+    warn_if_unsharded(specs, leaves, fsdp, caller, "strategy='fsdp'", "parameter")
     boundary = [
         o and s is not None and bool(spec_axes(s) - set(data_axes))
         for s, o in zip(specs, own, strict=True)
@@ -230,6 +232,46 @@ def plan_model(
         fsdp.axis_name,
         linears=linears,
     )
+
+
+def warn_if_unsharded(
+    specs: list[P | None],
+    leaves: list[Any],
+    rule: FsdpRule,
+    caller: str,
+    strategy: str,
+    what: str,
+) -> None:
+    """A `UserWarning` when a strategy asked to shard over `rule.axis_name`
+    shards nothing (every leaf at or under `min_weight_size`): the user asked
+    for FSDP (ZeRO-1) and would silently get data parallelism's memory."""
+    sizes = [math.prod(x.shape) for x in leaves if is_array_like(x)]
+    if not sizes or any(rule.axis_name in spec_axes(s) for s in specs):
+        return
+    largest = max(sizes)
+    if largest > rule.min_weight_size:
+        why = (
+            f"no dimension of its arrays of more than min_weight_size="
+            f"{rule.min_weight_size:,} elements is divisible by the "
+            f"{rule.axis_size} devices of {rule.axis_name!r}"
+        )
+    else:
+        why = (
+            f"its largest array has {largest:,} elements, not more than "
+            f"min_weight_size={rule.min_weight_size:,} (arrays this small stay "
+            "replicated, as under 'dp'); pass a smaller `min_weight_size` (e.g. "
+            f"{_smaller(largest)}) to shard them"
+        )
+    warnings.warn(
+        f"{caller}: {strategy} shards no {what} of this model over "
+        f"{rule.axis_name!r}: {why}.",
+        stacklevel=2,
+    )
+
+
+def _smaller(size: int) -> str:
+    # A power of two under the largest array, so that it is sharded.
+    return f"2**{max(0, (size - 1).bit_length() - 1)}"
 
 
 def structure_key(tree: Any) -> Any:

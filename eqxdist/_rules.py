@@ -20,7 +20,7 @@ import jax
 from jax.sharding import Mesh, PartitionSpec as P
 from jaxtyping import PyTree
 
-from ._utils import check_min_weight_size, is_array_like, typecheck
+from ._utils import check_min_weight_size, is_array_like, plural, typecheck
 
 LAYOUTS = ("largest", "leading")
 """The FSDP layouts: `"largest"` (the largest divisible
@@ -290,7 +290,7 @@ class ParamRules:
                 raise ValueError(
                     f"{self.caller}: param_rules pattern {pattern!r}: dimension "
                     f"{dim} of {path} (shape {shape}) has size {shape[dim]}, not "
-                    f"divisible by the {size} devices of {entry!r}."
+                    f"divisible by the {plural(size, 'device')} of {entry!r}."
                 )
 
 

@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import optax
 from jaxtyping import Array, Int, PRNGKeyArray
 
-from ._utils import is_array_like, typecheck
+from ._utils import is_array_like, strong_types, typecheck
 
 
 def _is_inexact(x: Any) -> bool:
@@ -106,6 +106,7 @@ class TrainState(eqx.Module):
             ```
         """
         optimizer = as_optimizer(optimizer, "TrainState.create")
+        model, model_state = strong_types(model), strong_types(model_state)
         mask: tuple[bool, ...] | None = None
         if trainable is not None:
             missing = object()

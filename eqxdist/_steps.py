@@ -14,6 +14,7 @@ from ._data_parallel import place
 from ._hlo import compiled_cost
 from ._init import ShardedInit, peak_bytes, sharded_init
 from ._jaxpr import matmul_flops
+from ._layout import describe_state
 from ._partition import LINEAR_MODES
 from ._state import TrainState, as_optimizer, check_train_state
 from ._train import FSDP_GATHERS, StepMath, step_layout
@@ -89,12 +90,12 @@ class TrainStep:
             jax.eval_shape(self.optimizer.init, state.params())
         )
         if expected != jax.tree.structure(state.opt_state):
+            made = jax.eval_shape(self.optimizer.init, state.params())
             raise ValueError(
                 "train step: `state.opt_state` is not what this step's optimizer "
-                "makes (`optimizer.init` gives a state of structure "
-                f"{expected}, the state holds {jax.tree.structure(state.opt_state)})."
-                " Create the state with the same optimizer you pass to "
-                "make_train_step."
+                f"makes: `optimizer.init` gives {describe_state(made)}, the state "
+                f"holds {describe_state(state.opt_state)}. Create the state with "
+                "the same optimizer you pass to make_train_step."
             )
         return self.layout.state_specs(state, self.optimizer)
 

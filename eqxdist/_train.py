@@ -9,7 +9,6 @@ three together."""
 
 import dataclasses
 import functools
-import inspect
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -17,7 +16,7 @@ import equinox as eqx
 import jax
 import jax.numpy as jnp
 import optax
-from jax.sharding import AxisType, Mesh, PartitionSpec as P
+from jax.sharding import Mesh, PartitionSpec as P
 from jaxtyping import Array, PRNGKeyArray
 
 from ._accumulate import (
@@ -33,6 +32,15 @@ from ._partition import KeyPath, choose, partitioned as partitioned_layers
 from ._plan import WEIGHT, ModelPlan
 from ._state import TrainState
 from ._statistics import NONFINITE, SQUARES, global_sums, local_sums
+from ._update import (
+    apply_update,
+    finish_gradients,
+    gradient_finishers,
+    keep_if,
+    reads_value,
+    step_statistics,
+    update_unless,
+)
 from ._utils import AxisName, cast_floating, check_axis_bound, is_array, typecheck
 
 FSDP_GATHERS = ("step", "minibatch")
@@ -106,24 +114,6 @@ def sync_model_state(model_state: Any, axes: tuple[str, ...]) -> Any:
         return _first_device(x, axes)
 
     return jax.tree.map(sync, model_state)
-
-
-def shard_map_mesh(mesh: Mesh, axes: tuple[str, ...], with_state: bool) -> Mesh:
-    """The mesh a step's `shard_map` runs on: `mesh`, with a trailing size-1 axis
-    when a model state is carried and every axis of `mesh` is manual.
-
-    Inside a fully manual `shard_map` traced values carry the manual mesh in their
-    type while fresh constants do not, so `eqx.nn.State.set(index,
-    jnp.array(False))` (BatchNorm's `mode="ema"` flag) fails Equinox's check that
-    a value keeps its type. One automatic axis of size 1 leaves the computation
-    unchanged and gives traced values and constants the same type."""
-    if not with_state or not set(mesh.axis_names) <= set(axes):
-        return mesh
-    return Mesh(
-        mesh.devices[..., None],
-        (*mesh.axis_names, "_eqxdist_auto"),
-        axis_types=(*mesh.axis_types, AxisType.Auto),
-    )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -215,34 +205,12 @@ class StepInputs:
         batch_specs = layout.batch_specs(self.batch_arrays)
         return jax.shard_map(
             per_device,
-            mesh=shard_map_mesh(layout.mesh, layout.data_axes, self.with_state),
+            mesh=layout.compute_mesh,
             in_specs=(self.manual, self.manual, P(), batch_specs, *extra_specs),
             out_specs=out_specs,
             axis_names=frozenset(layout.data_axes),
             check_vma=False,
         )(self.trained, self.frozen, self.ms_arrays, self.batch_arrays, *extra)
-
-
-def reads_value(optimizer: Any, params: Any, opt_state: Any) -> bool:
-    """Whether `optimizer.update` takes Optax's extra argument `value` (the loss,
-    as `optax.contrib.reduce_on_plateau` needs it) and reads it: only then does
-    the step reduce the loss across devices for it."""
-    try:
-        signature = inspect.signature(optimizer.update)
-    except (TypeError, ValueError):
-        return False
-    if not any(
-        p.name == "value" or p.kind is inspect.Parameter.VAR_KEYWORD
-        for p in signature.parameters.values()
-    ):
-        return False
-
-    def update(value: Any) -> Any:
-        return optimizer.update(params, opt_state, params, value=value)
-
-    jaxpr = jax.make_jaxpr(update)(jnp.zeros((), jnp.float32)).jaxpr
-    value = jaxpr.invars[0]
-    return value in jaxpr.outvars or any(value in e.invars for e in jaxpr.eqns)
 
 
 class StepMath(eqx.Module):
@@ -302,7 +270,7 @@ class StepMath(eqx.Module):
                     specs=plan.specs,
                     manual=plan.grad_specs,
                     axes=layout.data_axes,
-                    mesh=layout.mesh,
+                    mesh=layout.compute_mesh,
                     kinds=update_kinds,
                 )
                 if update_kinds  # here, so that a skipped step reads no update
@@ -337,7 +305,7 @@ class StepMath(eqx.Module):
             plan.specs,
             plan.manual,
             layout.data_axes,
-            layout.mesh,
+            layout.compute_mesh,
             (SQUARES,),
         )
         info = step_statistics(grad_sums[0], update_sums, param_sums, skipped)
@@ -373,7 +341,7 @@ class StepMath(eqx.Module):
         trained = {path for path, _ in jax.tree_util.tree_flatten_with_path(p)[0]}
         paths = [q for q in plan.linears if (*q, WEIGHT) in trained]
         n = self.num_minibatches
-        loss = CheckedLoss(self.loss_fn, inputs.with_state)
+        loss = CheckedLoss(self.loss_fn, inputs.with_state, self.layout.data_axes)
         minibatch = jax.tree.map(
             lambda x: jax.ShapeDtypeStruct((x.shape[0] // n, *x.shape[1:]), x.dtype),
             local,
@@ -411,7 +379,7 @@ class StepMath(eqx.Module):
     ) -> tuple[Any, ...]:
         axes = self.layout.data_axes
         frozen_full = inputs.gather(f)
-        loss = CheckedLoss(self.loss_fn, inputs.with_state)
+        loss = CheckedLoss(self.loss_fn, inputs.with_state, self.layout.data_axes)
         partitioned = self._partitioned(inputs, shapes, p, ms, local_batch, key)
 
         def loss_of(full: Any, ms: Any, minibatch: Any, k: Any) -> Any:
@@ -460,10 +428,16 @@ class StepMath(eqx.Module):
 
 
 def _shapes(tree: Any) -> Any:
-    """`tree` with a `jax.ShapeDtypeStruct` at each array leaf."""
-    return jax.tree.map(
-        lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype) if is_array(x) else x, tree
-    )
+    """`tree` with a `jax.ShapeDtypeStruct` at each array leaf, of the leaf's type
+    (its sharding too: inside `shard_map` under a mesh context a value's type
+    names the manual mesh, and Equinox's `State.set` compares types)."""
+
+    def shape(x: Any) -> Any:
+        if not is_array(x):
+            return x
+        return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=jax.typeof(x).sharding)
+
+    return jax.tree.map(shape, tree)
 
 
 def statistics_kinds(
@@ -518,120 +492,3 @@ def _over_devices(
     weight, loss_sum = jax.lax.psum(jnp.stack([out.weight, out.loss]), axes)
     devices = jax.lax.psum(1, axes)
     return divide_by_weight(loss_sum, weight), weight_scale(weight / devices)
-
-
-def _finished(g: Array, count: int | None, scale: Array | None) -> Array:
-    """A leaf's gradient from its sum over `count` devices (`sum_gradients`): the
-    mean's division as `lax.pmean` does it, then `scale`."""
-    if count is not None and count > 1:
-        g = g / count
-    return g if scale is None else (g * scale).astype(g.dtype)
-
-
-def gradient_finishers(counts: Any, scale: Array | None) -> Any:
-    """A tree like `counts` (`ModelPlan.mean_counts`) with, at each array leaf,
-    the elementwise function that turns that leaf's gradient sum into the step's
-    gradient: the update applies it to whole leaves (`finish_gradients`), the
-    gradient statistics to the slices each device reads (`local_sums`)."""
-    return jax.tree.map(
-        lambda c: functools.partial(_finished, count=c, scale=scale), counts
-    )
-
-
-def finish_gradients(grads: Any, counts: Any, scale: Array | None) -> Any:
-    """The step's gradients from what its `shard_map` returns: the sums over
-    devices `counts` (`ModelPlan.mean_counts`) says, and the weighted loss's
-    `scale`."""
-
-    def finish(count: int | None, g: Any) -> Any:
-        return _finished(g, count, scale) if is_array(g) else g
-
-    return jax.tree.map(finish, counts, grads, is_leaf=lambda x: x is None)
-
-
-def _applied(p: Any, u: Any) -> Any:
-    return (p + u).astype(p.dtype)
-
-
-def apply_update(
-    optimizer: optax.GradientTransformation,
-    grads: Callable[[], Any],
-    extra: dict[str, Any],
-    sums_of: Callable[[Any], dict[str, Array]] | None,
-    params: Any,
-    opt_state: Any,
-) -> tuple[Any, Any, dict[str, Array]]:
-    """`optimizer`'s update of `params` from `grads()` (`extra`: the keyword
-    arguments it reads, e.g. `value`): the new parameters and optimizer state,
-    and `sums_of(updates)` (the update's statistics; `{}` without it).
-
-    `grads` is called here, so that where this runs in a loop (`update_unless`)
-    the gradients' last elementwise steps run inside it, fused into the
-    optimizer's pass, instead of being written out as the loop's operand."""
-    updates, opt_state = optimizer.update(grads(), opt_state, params, **extra)
-    if sums_of is None:
-        new_params = jax.tree.map(_applied, params, updates)
-        return new_params, opt_state, {}
-    sums = sums_of(updates)
-    # An update that reads the parameters (weight decay) makes the sums read the
-    # old parameters, which the step overwrites in place; unless the writes depend
-    # on the sums, XLA copies every parameter to keep it for that read. `always`
-    # is true (a sum of squares is never negative; NaN < 0 is false) but XLA
-    # cannot know, so the select orders them.
-    always = jnp.logical_not(sums[SQUARES] < 0)
-    new_params = jax.tree.map(
-        lambda p, u: jnp.where(always, _applied(p, u), p), params, updates
-    )
-    return new_params, opt_state, sums
-
-
-def update_unless(
-    skipped: Array,
-    update: Callable[[Any, Any], tuple[Any, Any, dict[str, Array]]],
-    params: Any,
-    opt_state: Any,
-    kinds: tuple[str, ...],
-) -> tuple[Any, Any, dict[str, Array]]:
-    """`update(params, opt_state)`, or the inputs unchanged (and zero update sums
-    of `kinds`, those `update` returns) where `skipped`. A loop run once or not
-    at all: XLA updates a loop's carry in place, so a step that is not skipped
-    reads and writes what a plain step does (selects, or a `lax.cond`, make XLA
-    copy the state)."""
-
-    def body(carry: Any) -> Any:
-        _, params, opt_state, _ = carry
-        return (jnp.ones((), bool), *update(params, opt_state))
-
-    _, new_params, opt_state, sums = jax.lax.while_loop(
-        lambda carry: jnp.logical_not(carry[0]),
-        body,
-        (skipped, params, opt_state, {k: jnp.zeros((), jnp.float32) for k in kinds}),
-    )
-    return new_params, opt_state, sums
-
-
-def keep_if(skipped: Array, old: Any, new: Any) -> Any:
-    """`old` where `skipped`, else `new`, leaf by leaf (a select: the kept values
-    are bit-identical)."""
-
-    def pick(o: Any, n: Any) -> Any:
-        return jnp.where(skipped, o, n) if is_array(n) else n
-
-    return jax.tree.map(pick, old, new)
-
-
-def step_statistics(
-    grad_sums: dict[str, Array],
-    update_sums: dict[str, Array],
-    param_sums: dict[str, Array],
-    skipped: Array | None,
-) -> dict[str, Array]:
-    """`step_info` from the sums of squares (`global_sums`) of the gradients,
-    the update (zeros when the step was skipped) and the parameters."""
-    no = jnp.zeros((), jnp.float32)
-    return {
-        "grad_norm": jnp.sqrt(grad_sums[SQUARES]),
-        "update_norm": jnp.sqrt(update_sums[SQUARES]),
-        "param_norm": jnp.sqrt(param_sums[SQUARES]),
-        "skipped": no if skipped is None else skipped.astype(jnp.float32),
-    }

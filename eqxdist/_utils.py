@@ -1,5 +1,7 @@
 """Small helpers shared by every module: type checking, pytree walking, axis checks."""
 
+import inspect
+import re
 import weakref
 from collections.abc import Callable
 from types import TracebackType
@@ -36,6 +38,25 @@ def is_array_like(x: Any) -> bool:
     """An array leaf, concrete or abstract (`jax.ShapeDtypeStruct`, e.g. from
     `eqx.filter_eval_shape`): what layouts and restore targets are computed from."""
     return is_array(x) or isinstance(x, jax.ShapeDtypeStruct)
+
+
+def strong_types(tree: Any) -> Any:
+    """`tree` with every weakly typed array leaf (e.g. the `jnp.asarray(0.2)` of
+    `eqx.nn.PReLU(0.2)`) given a strong type of the same dtype; other leaves
+    kept. A step's update makes such leaves strong (`param + update`), so a
+    state that kept them weak would compile every step a second time."""
+
+    def strong(x: Any) -> Any:
+        if isinstance(x, jax.Array) and jax.typeof(x).weak_type:
+            return jnp.asarray(x, dtype=x.dtype)
+        return x
+
+    return jax.tree.map(strong, tree)
+
+
+def plural(count: int, noun: str) -> str:
+    """`"1 device"`, `"8 devices"`: a count and its noun, for messages."""
+    return f"{count} {noun}" if count == 1 else f"{count} {noun}s"
 
 
 def map_arrays(fn: Callable[[Any], Any], tree: Any) -> Any:
@@ -140,15 +161,32 @@ def deleted_leaf(tree: Any) -> str | None:
     return None
 
 
-def check_not_consumed(tree: Any, caller: str, argument: str = "state") -> None:
-    """Raise the `ValueError` of a consumed (donated) state; see `deleted_leaf`."""
+def check_not_consumed(
+    tree: Any, caller: str, argument: str = "state", *, returned: bool = False
+) -> None:
+    """Raise the `ValueError` of a consumed (donated) state; see `deleted_leaf`.
+    `returned`: `tree` is the state the step returned last, so its array can
+    only have been consumed through another state that shared it."""
     path = deleted_leaf(tree)
-    if path is not None:
+    if path is None:
+        return
+    shared = (
+        "one of its arrays was shared with another state (e.g. put into it with "
+        "`eqx.tree_at`) that a step consumed since: share arrays after the step "
+        "that donates them, share a copy (`jnp.copy`), or build the steps with "
+        "`donate=False`."
+    )
+    if returned:
         raise ValueError(
-            f"{caller}: `{argument}` was consumed by an earlier step (its array at "
-            f"{path} was donated and deleted); pass the state the step returned "
-            "instead."
+            f"{caller}: `{argument}` is the state this step returned, but its array "
+            f"at {path} was donated and deleted since by another step: pass the "
+            f"state that step returned. If it was not passed to one, {shared}"
         )
+    raise ValueError(
+        f"{caller}: `{argument}` was consumed by an earlier step (its array at "
+        f"{path} was donated and deleted); pass the state the step returned "
+        f"instead. If you did, {shared}"
+    )
 
 
 def check_rows(batch: Any, divisor: int, caller: str, why: str) -> None:
@@ -213,6 +251,54 @@ def state_like(
     return jax.tree.unflatten(
         jax.tree.structure(state), [leaf for part in parts for leaf in part]
     )
+
+
+def check_callable_takes(
+    fn: Callable[..., Any], arguments: tuple[str, ...], caller: str, why: str = ""
+) -> None:
+    """A `TypeError` naming `caller` and the call it makes, `caller(a, b, ...)`,
+    when `fn` cannot be called with `len(arguments)` positional arguments (e.g. a
+    loss written `loss_fn(model, x, y, key)` where the step calls
+    `loss_fn(model, batch, key)`), instead of Python's bare "missing argument".
+    Callables whose signature Python cannot read are not checked."""
+    try:
+        signature = inspect.signature(fn)
+    except (TypeError, ValueError):
+        return
+    try:
+        signature.bind(*arguments)
+    except TypeError as e:
+        name = getattr(fn, "__name__", type(fn).__name__)
+        call = f"{caller}({', '.join(arguments)})"
+        raise TypeError(
+            f"{caller} is called as `{call}`{why}, but `{name}{signature}` cannot "
+            f"take that ({e}). Write it as `{call}`: the batch is one argument "
+            "(unpack it inside, e.g. `x, y = batch`), and an argument it does not "
+            "use can be ignored."
+        ) from None
+
+
+def call_with_axes(
+    fn: Callable[..., Any], args: tuple[Any, ...], caller: str, axes: tuple[str, ...]
+) -> Any:
+    """`fn(*args)`, where `fn` is a user's function a step runs with the mesh
+    axes `axes` bound: JAX's `NameError` for another axis (a BatchNorm or
+    collective naming an axis that is not in the mesh, found 50 frames deep)
+    becomes a `ValueError` naming `caller`, the axis and the axes it can use."""
+    try:
+        return fn(*args)
+    except NameError as e:
+        found = re.search(r"unbound axis name: ([^.\s]+)", str(e))
+        if found is None:
+            raise
+        bound = f"the mesh axes {axes}" if axes else "no mesh axis"
+        raise ValueError(
+            f"{caller} uses the axis {found.group(1)!r}, which is not bound where "
+            f"the step runs it: it binds {bound} (and whatever `jax.vmap` axes "
+            f"{caller} names itself). Name one of those, e.g. "
+            "`eqx.nn.BatchNorm(..., axis_name=('batch', 'data'))` under "
+            "`jax.vmap(..., axis_name='batch')`."
+        ) from None
 
 
 def check_compute_dtype(dtype: Any, caller: str) -> Any:

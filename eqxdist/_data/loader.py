@@ -13,7 +13,7 @@ from jax.sharding import Mesh, NamedSharding
 from jaxtyping import PyTree
 
 from .._data_parallel import create_data_parallel_sharding
-from .._utils import AxisName, Closing, axis_names, typecheck
+from .._utils import AxisName, Closing, axis_names, plural, typecheck
 from .reader import Reader
 from .sources import as_source, check_read
 
@@ -146,7 +146,8 @@ class BatchLoader(Closing):
         if global_batch_size < 1 or global_batch_size % devices:
             raise ValueError(
                 f"{caller}: `global_batch_size`={global_batch_size} must be a "
-                f"positive multiple of the {devices} devices along {data_axis!r}."
+                f"positive multiple of the {plural(devices, 'device')} along "
+                f"{data_axis!r}."
             )
         if drop_remainder and global_batch_size > size:
             raise ValueError(

@@ -11,7 +11,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from .._utils import AxisName, is_array, path_str, typecheck
+from .._utils import AxisName, is_array, is_key_array, path_str, typecheck
 from .base import Metric
 
 
@@ -30,6 +30,13 @@ def check_metrics(metrics: Any, caller: str) -> None:
     anything but a `Metric`, an array, a Python number or `None`."""
     leaves = jax.tree_util.tree_flatten_with_path(metrics, is_leaf=is_metric)[0]
     for path, leaf in leaves:
+        if is_array(leaf) and is_key_array(leaf):
+            raise TypeError(
+                f"{caller}: metrics leaf {path_str(path)} is an array of PRNG keys "
+                f"({leaf.dtype}); a step adds its metrics up over minibatches and "
+                "devices, and keys cannot be added. Leave the key out of the "
+                "metrics, or return `jax.random.key_data(key)` for its bits."
+            )
         if is_metric(leaf) or _addable(leaf) or leaf is None:
             continue
         raise TypeError(

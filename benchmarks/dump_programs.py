@@ -1,0 +1,234 @@
+"""Dump the lowered programs of a fixed set of train and eval steps, to diff them
+across a refactor that must not change what the steps compute.
+
+Each case builds a small model (an MLP of `eqx.nn.Linear`s, a `Stacked` model, a
+BatchNorm model), lowers `make_train_step(...)` (or `make_eval_step`) on 8
+simulated CPU devices and writes `<out>/<case>.txt`: the StableHLO text with
+source locations stripped (they name lines of eqxdist's files, which a move
+changes without changing the program).
+
+    python benchmarks/dump_programs.py OUT_DIR [--mesh auto|explicit] [--case NAME]
+    diff -r BEFORE_DIR AFTER_DIR
+
+Run it on the commit before and after the change; an empty `diff -r` says the
+programs are byte-identical. `--mesh explicit` builds every mesh with
+`jax.make_mesh`'s default (Explicit) axes: its programs equal the Auto ones.
+"""
+
+import argparse
+import os
+import re
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+flags = os.environ.get("XLA_FLAGS", "")
+if "xla_force_host_platform_device_count" not in flags:
+    os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count=8"
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from jax.sharding import AxisType, PartitionSpec as P
+
+import eqxdist as ed
+
+OPTIMIZER = optax.adamw(1e-3)
+TP_RULES = [
+    (r"layers\[0\]\.weight", P("model", None)),
+    (r"layers\[1\]\.weight", P(None, "model")),
+]
+
+
+class _Block(eqx.Module):
+    linear: eqx.nn.Linear
+
+    def __init__(self, key: Any) -> None:
+        self.linear = eqx.nn.Linear(64, 64, key=key)
+
+    def __call__(self, x: Any) -> Any:
+        return x + jax.nn.gelu(self.linear(x))
+
+
+class _StackedNet(eqx.Module):
+    embed: eqx.nn.Linear
+    blocks: ed.Stacked
+    head: eqx.nn.Linear
+
+    def __init__(self, key: Any) -> None:
+        k1, k2, k3 = jax.random.split(key, 3)
+        self.embed = eqx.nn.Linear(16, 64, key=k1)
+        self.blocks = ed.Stacked([_Block(k) for k in jax.random.split(k2, 4)])
+        self.head = eqx.nn.Linear(64, 4, key=k3)
+
+    def __call__(self, x: Any) -> Any:
+        return self.head(self.blocks(self.embed(x)))
+
+
+class _BNNet(eqx.Module):
+    l1: eqx.nn.Linear
+    bn: eqx.nn.BatchNorm
+    l2: eqx.nn.Linear
+
+    def __init__(self, key: Any) -> None:
+        k1, k2 = jax.random.split(key)
+        self.l1 = eqx.nn.Linear(16, 64, key=k1)
+        self.bn = eqx.nn.BatchNorm(64, axis_name=("batch", "data"), mode="batch")
+        self.l2 = eqx.nn.Linear(64, 4, key=k2)
+
+    def __call__(self, x: Any, state: Any) -> Any:
+        h, state = self.bn(jax.nn.relu(self.l1(x)), state)
+        return self.l2(h), state
+
+
+def _mlp(key: Any) -> Any:
+    return eqx.nn.MLP(16, 4, 64, 2, key=key)
+
+
+def _loss(model: Any, batch: Any, key: Any) -> Any:
+    logits = jax.vmap(model)(batch["x"])
+    losses = optax.softmax_cross_entropy_with_integer_labels(logits, batch["y"])
+    return losses.mean(), {"loss": ed.Mean().update(losses)}
+
+
+def _weighted_loss(model: Any, batch: Any, key: Any) -> Any:
+    logits = jax.vmap(model)(batch["x"])
+    losses = optax.softmax_cross_entropy_with_integer_labels(logits, batch["y"])
+    return (losses.sum(), jnp.asarray(losses.shape[0], jnp.float32)), {}
+
+
+def _bn_loss(model: Any, state: Any, batch: Any, key: Any) -> Any:
+    logits, state = jax.vmap(
+        model, axis_name="batch", in_axes=(0, None), out_axes=(0, None)
+    )(batch["x"], state)
+    losses = optax.softmax_cross_entropy_with_integer_labels(logits, batch["y"])
+    return losses.mean(), {}, state
+
+
+def _eval_fn(model: Any, batch: Any, mask: Any) -> Any:
+    logits = jax.vmap(model)(batch["x"])
+    return {"accuracy": ed.Accuracy().update(logits, batch["y"], mask)}
+
+
+# name: (mesh shape, model, loss, make_train_step options)
+CASES: dict[str, tuple[dict[str, int], Callable[[Any], Any], Any, dict[str, Any]]] = {
+    "dp": ({"data": 8}, _mlp, _loss, {}),
+    "fsdp_gather": (
+        {"data": 8},
+        _mlp,
+        _loss,
+        {"strategy": "fsdp", "min_weight_size": 16, "fsdp_linears": "gather"},
+    ),
+    "fsdp_partition": (
+        {"data": 8},
+        _mlp,
+        _loss,
+        {"strategy": "fsdp", "min_weight_size": 16, "fsdp_linears": "partition"},
+    ),
+    "fsdp_2mb": (
+        {"data": 8},
+        _mlp,
+        _loss,
+        {"strategy": "fsdp", "min_weight_size": 16, "num_minibatches": 2},
+    ),
+    "hsdp": (
+        {"replica": 2, "data": 4},
+        _mlp,
+        _loss,
+        {"strategy": "fsdp", "min_weight_size": 16, "data_axis": ("replica", "data")},
+    ),
+    "tp_dp": ({"data": 4, "model": 2}, _mlp, _loss, {"param_rules": TP_RULES}),
+    "tp_fsdp": (
+        {"data": 4, "model": 2},
+        _mlp,
+        _loss,
+        {"strategy": "fsdp", "min_weight_size": 16, "param_rules": TP_RULES},
+    ),
+    "zero1": ({"data": 8}, _mlp, _loss, {"strategy": "zero1", "min_weight_size": 16}),
+    "stacked_fsdp": (
+        {"data": 8},
+        _StackedNet,
+        _loss,
+        {"strategy": "fsdp", "min_weight_size": 16},
+    ),
+    "stacked_tp": (
+        {"data": 4, "model": 2},
+        _StackedNet,
+        _loss,
+        {"param_rules": [(r"blocks\.layers\.linear\.weight", P(None, "model"))]},
+    ),
+    "weighted_info_skip": (
+        {"data": 8},
+        _mlp,
+        _weighted_loss,
+        {
+            "strategy": "fsdp",
+            "min_weight_size": 16,
+            "step_info": True,
+            "skip_nonfinite": True,
+        },
+    ),
+    "batchnorm_fsdp": (
+        {"data": 8},
+        _BNNet,
+        _bn_loss,
+        {"strategy": "fsdp", "min_weight_size": 16, "num_minibatches": 2},
+    ),
+}
+
+
+def _batch() -> dict[str, np.ndarray]:
+    rng = np.random.default_rng(0)
+    return {
+        "x": rng.normal(size=(32, 16)).astype(np.float32),
+        "y": rng.integers(0, 4, 32).astype(np.int32),
+    }
+
+
+def _strip(text: str) -> str:
+    """The program without source locations (`loc(...)` and `#loc` lines)."""
+    text = re.sub(r"^#loc.*\n", "", text, flags=re.MULTILINE)
+    return re.sub(r" loc\(#loc\d*\)", "", text)
+
+
+def lower_case(name: str, explicit: bool) -> str:
+    shape, make_model, loss, options = CASES[name]
+    kind = AxisType.Explicit if explicit else AxisType.Auto
+    mesh = jax.make_mesh(tuple(shape.values()), tuple(shape), axis_types=(kind,) * len(shape))
+    key = jax.random.key(0)
+    if make_model is _BNNet:
+        model, model_state = eqx.nn.make_with_state(_BNNet)(key)
+    else:
+        model, model_state = make_model(key), None
+    state = ed.TrainState.create(model, OPTIMIZER, key, model_state=model_state)
+    step = ed.make_train_step(loss, OPTIMIZER, mesh, **options)
+    return _strip(step.lower(state, _batch()).as_text())
+
+
+def lower_eval(explicit: bool) -> str:
+    kind = AxisType.Explicit if explicit else AxisType.Auto
+    mesh = jax.make_mesh((8,), ("data",), axis_types=(kind,))
+    step = ed.make_eval_step(_eval_fn, mesh, strategy="fsdp", min_weight_size=16)
+    return _strip(step.lower(_mlp(jax.random.key(0)), _batch()).as_text())
+
+
+def main(argv: list[str]) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("out", type=Path)
+    parser.add_argument("--mesh", choices=["auto", "explicit"], default="auto")
+    parser.add_argument("--case", action="append", choices=[*CASES, "eval"])
+    args = parser.parse_args(argv)
+    args.out.mkdir(parents=True, exist_ok=True)
+    explicit = args.mesh == "explicit"
+    for name in args.case or [*CASES, "eval"]:
+        text = lower_eval(explicit) if name == "eval" else lower_case(name, explicit)
+        (args.out / f"{name}.txt").write_text(text)
+        print(f"{name}: {len(text.splitlines())} lines")
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
