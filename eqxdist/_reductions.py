@@ -8,8 +8,16 @@ Two modes, chosen by `axis_name`:
 - `None`: *global* mode, for global (possibly sharded) arrays under `jax.jit` or
   eagerly; every array leaf with `ndim > 0` is reduced over all of its elements, and
   XLA inserts whatever communication the sharding needs.
+
+Non-array leaves pass through. A Python number passed through a collective *sum*
+is the trap: `lax.psum` would multiply it by the axis size, `reduce_sum` keeps it, so
+a count written as `x.shape[0]` silently stays one device's count. That one case
+warns (`UserWarning`, once per call site and leaf); a mean, maximum or minimum of a
+number that is the same on every device is that number, so they pass it silently.
 """
 
+import sys
+import warnings
 from collections.abc import Callable, Mapping
 from typing import Any, Literal, TypeAlias
 
@@ -77,8 +85,57 @@ def _reduce_checked(
         fn = _GLOBAL[op]
         return map_arrays(lambda x: fn(x) if jnp.ndim(x) > 0 else x, metrics)
     names = check_axis_bound(axis_name, caller, has_global_mode=True)
+    if op == "sum":
+        _warn_unsummed_numbers(metrics, names, caller)
     collective = _COLLECTIVE[op]
     return map_arrays(lambda x: collective(x, names), metrics)
+
+
+# Frames of these packages lie between the user's call and the check: our own
+# functions and methods, and the wrappers that type-check and bind them.
+_LIBRARY_MODULES = ("eqxdist", "jaxtyping", "beartype", "equinox")
+
+
+def _warn_unsummed_numbers(metrics: Any, names: tuple[str, ...], caller: str) -> None:
+    """Warn, at the user's call, for each Python number a collective sum passes
+    through (see the module's docstring)."""
+    numbers = [
+        (path, leaf)
+        for path, leaf in jax.tree_util.tree_flatten_with_path(metrics)[0]
+        if isinstance(leaf, int | float | complex) and not isinstance(leaf, bool)
+    ]
+    if not numbers:
+        return
+    frame = sys._getframe(1)
+    while frame.f_back is not None and (
+        str(frame.f_globals.get("__name__")).partition(".")[0] in _LIBRARY_MODULES
+        or frame.f_code.co_filename.startswith("<@beartype")
+    ):
+        frame = frame.f_back
+    size = 1
+    for name in names:
+        size *= jax.lax.axis_size(name)
+    axes = repr(names[0]) if len(names) == 1 else repr(names)
+    for path, number in numbers:
+        kind = type(number).__name__
+        message = (
+            f"{caller}: `metrics` leaf {path_str(path)} is the Python {kind} "
+            f"{number!r}, which is the same on every device, so it is NOT summed "
+            f"over {axes} ({size} devices): it comes back as {number!r}, where "
+            f"`jax.lax.psum` would give {number * size!r}. If it counts this "
+            f"device's examples, make it an array (`jnp.asarray({number!r})`, or "
+            "`jnp.sum(mask)`) and it is summed; if it is a constant, leave it out of "
+            "`metrics`."
+        )
+        warnings.warn_explicit(
+            message,
+            UserWarning,
+            frame.f_code.co_filename,
+            frame.f_lineno,
+            module=frame.f_globals.get("__name__"),
+            registry=frame.f_globals.setdefault("__warningregistry__", {}),
+            module_globals=frame.f_globals,
+        )
 
 
 @typecheck
@@ -121,7 +178,15 @@ def reduce_sum(
     metrics: PyTree[Any], axis_name: AxisName | None = "data"
 ) -> PyTree[Any]:
     """Sum every array leaf of `metrics` across devices (`lax.psum`), or over all
-    elements with `axis_name=None`. Otherwise as `reduce_mean`."""
+    elements with `axis_name=None`. Otherwise as `reduce_mean`.
+
+    !!! Warning "Counts must be arrays"
+
+        A Python number is the same on every device, so it passes through unsummed
+        (where `lax.psum` would multiply it by the axis size), and a collective
+        `reduce_sum` warns about it (`UserWarning`). Write a per-device count as an
+        array: `jnp.asarray(x.shape[0])` or `jnp.sum(mask)`, not `x.shape[0]`.
+    """
     return _reduce(metrics, "sum", axis_name, "reduce_sum")
 
 
@@ -194,9 +259,9 @@ def reduce_custom(
     for key, value in metrics.items():
         op = ops.get(key, "mean")
         if op is not None:
-            # Checked under its key, so that messages name the leaf's full path.
+            # Under its key, so that messages name the leaf's full path.
             _check_reducible({key: value}, op, axis_name is None, "reduce_custom")
-            value = _reduce_checked(value, op, axis_name, "reduce_custom")
+            value = _reduce_checked({key: value}, op, axis_name, "reduce_custom")[key]
         out[key] = value
     return out
 

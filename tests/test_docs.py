@@ -1,21 +1,153 @@
 """Every ```python block of the docs runs, page by page, in order, against the real
-code (blocks fenced as ```py are shown but not run). Keeps the docs honest."""
+code (blocks fenced as ```py are shown but not run), and prints what the page says
+it prints. Keeps the docs honest.
 
+How a page states what a block prints, and how that is compared with the output:
+see `stated_output.py`. Each page that uses a mesh also starts as a reader pastes
+it: its first block, run in a fresh process without `XLA_FLAGS`, gives the 8
+devices the pages are written for (so it calls `ed.simulate_cpu_devices(8)`
+itself)."""
+
+import contextlib
+import io
+import os
 import re
+import subprocess
+import sys
+import warnings
 from pathlib import Path
 
 import pytest
+from stated_output import Block, blocks_of, line_matches, mismatch, stated_output
 
-DOCS = Path(__file__).resolve().parent.parent / "docs"
+ROOT = Path(__file__).resolve().parent.parent
+DOCS = ROOT / "docs"
 PAGES = sorted(p for p in DOCS.rglob("*.md") if "```python" in p.read_text())
-BLOCK = re.compile(r"^( *)```python[^\n]*\n(.*?)^\1```", flags=re.S | re.M)
+# Pages under rework elsewhere: they run (with this process's 8 devices), but are
+# held to the conventions above only once that work adopts them; until then a
+# wrong or missing statement there is reported as an expected failure.
+REWORKED_ELSEWHERE = {"guides/loop.md"}
 
 
-@pytest.mark.parametrize("page", PAGES, ids=lambda p: str(p.relative_to(DOCS)))
-def test_doc_snippets_run(page: Path) -> None:
-    blocks = BLOCK.findall(page.read_text())
+def page_id(page: Path) -> str:
+    return str(page.relative_to(DOCS))
+
+
+@pytest.mark.parametrize("page", PAGES, ids=page_id)
+def test_doc_snippets_run_and_print_what_they_state(page: Path) -> None:
+    blocks = blocks_of(page)
     assert blocks, f"{page} has no python blocks"
     namespace: dict[str, object] = {"__name__": "__docs__"}
-    for i, (indent, code) in enumerate(blocks):
-        code = "\n".join(line[len(indent) :] for line in code.splitlines())
-        exec(compile(code, f"{page.name}[block {i}]", "exec"), namespace)
+    problems = []
+    for i, block in enumerate(blocks):
+        out = io.StringIO()
+        where = f"{page_id(page)}, block {i} (line {block.first_line})"
+        with contextlib.redirect_stdout(out), warnings.catch_warnings():
+            # No page shows the trap of summing a Python number across devices.
+            warnings.filterwarnings("error", message=r".*NOT summed")
+            exec(compile(block.code, where, "exec"), namespace)
+        printed = out.getvalue().splitlines()
+        stated = stated_output(block)
+        if stated.twice:
+            problems.append(
+                f"{where}: the print on page line(s) {stated.twice} states its "
+                "output, and so does the ```text block after: state it once"
+            )
+        elif stated.unstated and printed:
+            problems.append(
+                f"{where}: the print on page line(s) {stated.unstated} states "
+                "no output (a comment on it, or a ```text block after)"
+            )
+        elif stated.lines is None:
+            if printed:
+                problems.append(
+                    f"{where} prints, but states no output:\n  " + "\n  ".join(printed)
+                )
+        elif (difference := mismatch(stated.lines, printed)) is not None:
+            problems.append(f"{where} {difference}")
+    if problems and page_id(page) in REWORKED_ELSEWHERE:
+        pytest.xfail("\n\n".join(problems))
+    assert not problems, "\n\n".join(problems)
+
+
+def uses_a_mesh(page: Path) -> bool:
+    return any(re.search(r"create_\w*mesh\(", block.code) for block in blocks_of(page))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "page",
+    [p for p in PAGES if uses_a_mesh(p) and page_id(p) not in REWORKED_ELSEWHERE],
+    ids=page_id,
+)
+def test_doc_page_set_up_runs_as_pasted(page: Path, tmp_path: Path) -> None:
+    script = tmp_path / "set_up.py"
+    script.write_text(
+        blocks_of(page)[0].code + "\n\nimport jax\n\n"
+        "print('devices:', jax.device_count())\n"
+    )
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    env["PYTHONPATH"] = os.pathsep.join(
+        [str(ROOT), *filter(None, [env.get("PYTHONPATH")])]
+    )
+    out = subprocess.run(
+        [sys.executable, str(script)],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert out.stdout.splitlines()[-1] == "devices: 8", (
+        f"{page_id(page)}'s first block, pasted into a fresh Python, gives "
+        f"{out.stdout.splitlines()[-1]!r}: call `ed.simulate_cpu_devices(8)` in it "
+        "before anything starts JAX"
+    )
+
+
+@pytest.mark.parametrize(
+    ("stated", "printed", "matches"),
+    [
+        ("(64, 16) P('data',)", "(64, 16) P('data',)", True),
+        ("(64, 16)", "(64, 160)", False),
+        ("loss: 0.31", "loss: 0.3125", True),
+        ("loss: 0.31", "loss: 0.33", False),
+        ("accuracy: 0.102", "accuracy: 8.000000", False),
+        ("8", "8.0", False),
+        ("drift 4.18e-3", "drift 4.181e-3", True),
+        ("Mesh('data': 4, ...)", "Mesh('data': 4, 'model': 2)", True),
+        ("float32", "float32", True),
+        ("float32", "float16", False),
+    ],
+)
+def test_stated_line_matching(stated: str, printed: str, matches: bool) -> None:
+    assert line_matches(stated, printed) is matches
+
+
+def test_stated_lines_matching() -> None:
+    assert mismatch(["a", "...", "d"], ["a", "b", "c", "d", ""]) is None
+    assert mismatch(["a", "...", "d"], ["a", "d"]) is None
+    assert mismatch(["a", "...", "d"], ["a", "b"]) is not None
+    assert mismatch(["a", "b"], ["a"]) is not None
+
+
+def test_stated_output_forms() -> None:
+    code = (
+        "print(1)  # 1\n"
+        "for i in range(2):\n"
+        "    print(i)\n"
+        "# 0\n"
+        "# 1\n"
+        "x = 3  # a remark, not output\n"
+        "print(\n    x,\n)  # 3\n"
+    )
+    assert stated_output(Block(code, 10, None)) == (["1", "0", "1", "3"], [], [])
+    assert stated_output(Block("print(2)\nprint(3)  # 3\n", 10, None)) == (
+        ["3"],
+        [10],
+        [],
+    )
+    assert stated_output(Block("print(2)\n", 1, "2\n")) == (["2"], [], [])
+    assert stated_output(Block("print(2)  # 2\n", 1, "2\n")) == (["2"], [], [1])
+    assert stated_output(Block("x = 1  # 1\n", 1, None)) == (None, [], [])

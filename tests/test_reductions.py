@@ -1,3 +1,6 @@
+import warnings
+from contextlib import nullcontext
+
 import equinox as eqx
 import jax
 import jax.numpy as jnp
@@ -40,7 +43,11 @@ def test_collective_matches_numpy_on_global_data(op, data, mesh8):
             "data",
         )
 
-    out = per_device(step, mesh8, data)
+    # A Python number in a sum warns (see the tests of the warning below).
+    with (
+        pytest.warns(UserWarning, match="NOT summed") if op == "sum" else nullcontext()
+    ):
+        out = per_device(step, mesh8, data)
     per_dev = data.reshape(8, 2, 3)
     np.testing.assert_allclose(out["loss"], np_reduce(per_dev.mean((1, 2))), rtol=1e-6)
     np.testing.assert_allclose(
@@ -72,7 +79,8 @@ def test_non_array_leaves_pass_through_collective_mode(mesh8):
         return out["m"].value
 
     x = np.arange(8.0)
-    assert float(per_device(step, mesh8, x)) == x.sum()
+    with pytest.warns(UserWarning, match=r"\['f'\] is the Python float 3.5"):
+        assert float(per_device(step, mesh8, x)) == x.sum()
 
 
 @pytest.mark.parametrize("op", list(OPS))
@@ -304,3 +312,79 @@ def test_collectives_under_vmap_with_a_named_axis():
     np.testing.assert_array_equal(tiled(tree)["loss"], [[1.0, 3.0], [1.0, 3.0]])
     mean = jax.vmap(lambda t: ed.reduce_mean(t, "batch"), axis_name="batch")(tree)
     np.testing.assert_array_equal(mean["loss"], [2.0, 2.0])
+
+
+def test_python_number_in_a_collective_sum_warns_and_passes_through(mesh8):
+    # The trap: `lax.psum` multiplies a Python number by the axis size, as a count
+    # must be summed; `reduce_sum` passes it through (as every non-array leaf) and
+    # says so, at the line that called it.
+    def step(x):
+        n = x.shape[0]  # this device's rows, as a Python int
+        return ed.reduce_sum(
+            {"correct": (jnp.sum(x > 0), n), "array_n": jnp.asarray(n)}
+        )
+
+    x = np.arange(-4.0, 12.0)  # 2 rows per device, 11 positive
+    with pytest.warns(UserWarning) as record:
+        out = per_device(step, mesh8, x)
+    assert [w.filename for w in record] == [__file__]
+    message = str(record[0].message)
+    for part in [
+        "reduce_sum: `metrics` leaf ['correct'][1] is the Python int 2",
+        "NOT summed over 'data' (8 devices)",
+        "`jax.lax.psum` would give 16",
+        "`jnp.asarray(2)`",
+    ]:
+        assert part in message, message
+    # The result is what the contract says: the number unchanged, arrays summed.
+    assert int(out["correct"][0]) == 11 and int(out["correct"][1]) == 2
+    assert int(out["array_n"]) == 16
+
+
+def test_unsummed_number_warning_is_once_per_call_site(mesh8):
+    def step(x):
+        return ed.reduce_sum({"x": x.sum(), "n": 4})
+
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("default")
+        for rows in (8, 16):  # traced twice: the same call site, the same leaf
+            per_device(step, mesh8, np.ones(rows))
+    assert len(record) == 1 and "['n'] is the Python int 4" in str(record[0].message)
+
+
+def test_unsummed_number_warning_names_reduce_custom_and_methods(mesh8):
+    def step(x):
+        dm = ed.DistributedMetrics()
+        custom = ed.reduce_custom(
+            {"n": {"rows": 2, "x": x.sum()}, "lr": 0.1, "m": 3},
+            {"n": "sum", "m": "max"},
+        )
+        return custom, dm.reduce_sum({"k": 2.5})
+
+    with pytest.warns(UserWarning) as record:
+        custom, method = per_device(step, mesh8, np.ones(16))
+    messages = [str(w.message) for w in record]
+    assert len(messages) == 2, messages  # "lr" is averaged and "m" maximised: no trap
+    assert (
+        "reduce_custom: `metrics` leaf ['n']['rows'] is the Python int 2"
+        in (messages[0])
+    )
+    assert "reduce_sum: `metrics` leaf ['k'] is the Python float 2.5" in messages[1]
+    assert {w.filename for w in record} == {__file__}
+    assert custom["n"]["rows"] == 2 and float(custom["lr"]) == pytest.approx(0.1)
+    assert float(method["k"]) == 2.5
+
+
+def test_no_unsummed_number_warning_where_nothing_is_lost(mesh8):
+    def step(x):
+        tree = {"flag": True, "none": None, "name": "acc", "x": x.sum(), "n": 3}
+        for reduce in (ed.reduce_mean, ed.reduce_max, ed.reduce_min):
+            reduce(tree)
+        out = ed.reduce_sum({"flag": True, "none": None, "name": "acc", "x": x.sum()})
+        return out["x"]
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        per_device(step, mesh8, np.ones(8))
+        # Global mode reduces each array itself: no device axis, nothing to sum.
+        ed.reduce_sum({"x": jnp.ones(4), "n": 3}, axis_name=None)
