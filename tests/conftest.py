@@ -26,6 +26,15 @@ def mesh1() -> jax.sharding.Mesh:
     return ed.create_data_parallel_mesh(1)
 
 
+@pytest.fixture(params=["auto", "explicit"])
+def axis_types(request: pytest.FixtureRequest) -> str:
+    """The kind of axes a test's meshes have: eqxdist's builders' default
+    (`Auto`) and what `jax.make_mesh` builds by default (`Explicit`); every
+    function that takes a mesh gives the same results on both."""
+    kind: str = request.param
+    return kind
+
+
 @pytest.fixture
 def rng() -> np.random.Generator:
     return np.random.default_rng(0)

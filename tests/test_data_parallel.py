@@ -18,7 +18,8 @@ def test_create_data_parallel_sharding(mesh8):
         ed.create_data_parallel_sharding(mesh8, "batch")
 
 
-def test_shard_batch_values_and_shardings(mesh8, rng):
+def test_shard_batch_values_and_shardings(axis_types, rng):
+    mesh8 = ed.create_data_parallel_mesh(axis_types=axis_types)
     sharding = ed.create_data_parallel_sharding(mesh8)
     batch = {
         "inputs": rng.normal(size=(16, 5)).astype(np.float32),  # NumPy leaf
@@ -98,7 +99,8 @@ class MLP(eqx.Module):
         self.activation = jax.nn.relu
 
 
-def test_shard_model_state_replicate_keeps_module_type(mesh8):
+def test_shard_model_state_replicate_keeps_module_type(axis_types):
+    mesh8 = ed.create_data_parallel_mesh(axis_types=axis_types)
     model = MLP(jax.random.key(0))
     placed = ed.shard_model_state(model, mesh8)
     assert type(placed) is MLP
@@ -138,7 +140,8 @@ def test_placement_keeps_none_nodes_and_non_arrays_aligned(mesh8):
     assert sharded["lin"].weight.sharding.spec == P(None, "data")  # (8, 16)
 
 
-def test_shard_model_state_shard_uses_the_fsdp_rule(mesh8):
+def test_shard_model_state_shard_uses_the_fsdp_rule(axis_types):
+    mesh8 = ed.create_data_parallel_mesh(axis_types=axis_types)
     model = MLP(jax.random.key(0))
     placed = ed.shard_model_state(model, mesh8, "shard", min_weight_size=100)
     assert type(placed) is MLP and placed.activation is jax.nn.relu

@@ -38,14 +38,19 @@ PRELUDE = textwrap.dedent(
         host = jax.device_get(s2)
     s3, _ = step(s2, batch)   # s2 is consumed (donated) now
 
-    def expect_consumed(fn):
+    def expect_error(fn, *parts):
         try:
             fn()
         except ValueError as e:
-            assert "consumed by an earlier step" in str(e), e
-            assert "pass the state the step returned" in str(e), e
+            for part in parts:
+                assert part in str(e), e
         else:
             raise AssertionError("no ValueError")
+
+    def expect_consumed(fn):
+        expect_error(
+            fn, "consumed by an earlier step", "pass the state the step returned"
+        )
     """
 )
 
@@ -67,6 +72,16 @@ SCENARIOS = {
         "s5, _ = other(s4, batch)\n"
         "s4b, _ = step(s3, batch)\n"
         "np.testing.assert_array_equal(w4, s4b.model.layers[0].weight)"
+    ),
+    # An array of the step's own state put into another state (`eqx.tree_at`)
+    # goes when that state is consumed: the error names the sharing and its fixes.
+    "shared_array": (
+        "w = s3.model.layers[0].weight\n"
+        "shared = eqx.tree_at(lambda s: s.model.layers[0].weight, s1, w)\n"
+        "s4, _ = step(s3, batch)  # donates s3, and so `shared`'s weight\n"
+        "expect_error(lambda: step(shared, batch), 'consumed by an earlier step',"
+        " 'shared with another state',"
+        " 'donate=False')"
     ),
     # The caller's arrays survive: a fresh state (s1 is not the step's own) is
     # copied, and a model placed by the caller is used by two fresh states.

@@ -29,9 +29,10 @@ def _batch(rng, n):
 
 
 @pytest.mark.parametrize("strategy", ["dp", "fsdp"])
-def test_any_row_count_equals_single_device(mesh8, rng, strategy):
+def test_any_row_count_equals_single_device(axis_types, rng, strategy):
+    mesh = ed.create_data_parallel_mesh(axis_types=axis_types)
     model = eqx.nn.MLP(8, 4, 64, 1, key=jax.random.key(0))
-    step = ed.make_eval_step(eval_fn, mesh8, strategy=strategy, min_weight_size=16)
+    step = ed.make_eval_step(eval_fn, mesh, strategy=strategy, min_weight_size=16)
     for n in [1, 7, 13, 100, 129]:
         batch = _batch(rng, n)
         got = step(model, batch)

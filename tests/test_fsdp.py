@@ -249,7 +249,8 @@ def _deep(mesh, *, wrap, remat=False):
     return Deep(blocks, keys[3])
 
 
-def test_fsdp_module_places_its_leaves_and_calls_through(mesh8, rng):
+def test_fsdp_module_places_its_leaves_and_calls_through(axis_types, rng):
+    mesh8 = ed.create_data_parallel_mesh(axis_types=axis_types)
     plain = _deep(mesh8, wrap=False)
     model = _deep(mesh8, wrap=True)
     block = model.blocks[0]

@@ -102,8 +102,13 @@ BODIES = {
 }
 
 
-@pytest.mark.parametrize("body", sorted(BODIES))
-def test_fsdp_training_equals_single_device(mesh8, rng, body):
+@pytest.mark.parametrize(
+    ("body", "axis_types"),
+    [(body, "auto") for body in sorted(BODIES)]
+    + [("stacked", "explicit"), ("sequential_remat_leading", "explicit")],
+)
+def test_fsdp_training_equals_single_device(rng, body, axis_types):
+    mesh8 = ed.create_data_parallel_mesh(axis_types=axis_types)
     blocks = _blocks(4)
     reference = Model(Chain(tuple(blocks)), _head())
     model = Model(BODIES[body](blocks, mesh8), _head())

@@ -175,7 +175,7 @@ def test_simulate_cpu_devices_in_a_fresh_process():
         "import eqxdist as ed, jax; jax.numpy.ones(1); ed.simulate_cpu_devices(4)"
     )
     assert late.returncode != 0
-    assert "already started with 1 devices" in late.stderr
+    assert "already started with 1 device, so 4" in late.stderr
 
 
 @pytest.mark.slow

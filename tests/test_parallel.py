@@ -13,7 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from jax.sharding import PartitionSpec as P
+from jax.sharding import AxisType, PartitionSpec as P
 from reference import max_diff
 
 import eqxdist as ed
@@ -88,8 +88,8 @@ def _train(step):
 
 
 @pytest.mark.parametrize("strategy", ["dp", "fsdp"])
-def test_replica_and_data_axes(reference, strategy):
-    mesh = ed.create_device_mesh({"replica": 2, "data": 4})
+def test_replica_and_data_axes(reference, strategy, axis_types):
+    mesh = ed.create_device_mesh({"replica": 2, "data": 4}, axis_types=axis_types)
     step = ed.make_train_step(
         loss_fn,
         OPTIMIZER,
@@ -111,9 +111,14 @@ def test_replica_and_data_axes(reference, strategy):
     assert np.isfinite(float(metrics["loss"].compute())) and expected > 0
 
 
+# A mixed mesh: the data axis Explicit, the model axis Auto.
+MIXED = (AxisType.Explicit, AxisType.Auto)
+
+
+@pytest.mark.parametrize("axis_types", ["auto", "explicit", MIXED])
 @pytest.mark.parametrize("strategy", ["dp", "fsdp"])
-def test_megatron_rules(reference, strategy):
-    mesh = ed.create_device_mesh({"data": 4, "model": 2})
+def test_megatron_rules(reference, strategy, axis_types):
+    mesh = ed.create_device_mesh({"data": 4, "model": 2}, axis_types=axis_types)
     step = ed.make_train_step(
         loss_fn,
         OPTIMIZER,

@@ -262,3 +262,76 @@ def test_unknown_fsdp_linears_is_a_value_error(mesh8):
         ValueError, match="make_train_step: unknown fsdp_linears 'always'"
     ):
         ed.make_train_step(mean_loss, optax.sgd(0.1), mesh8, fsdp_linears="always")
+
+
+class NormedNet(eqx.Module):
+    """`Linear`s inside `eqx.nn.SpectralNorm` and `eqx.nn.WeightNorm`, which
+    replace their layer's weight (`eqx.tree_at`) before calling it."""
+
+    spectral: eqx.nn.SpectralNorm
+    weight_norm: eqx.nn.WeightNorm
+    head: eqx.nn.Linear
+
+    def __init__(self, key=0):
+        keys = jax.random.split(jax.random.key(key), 4)
+        linear = eqx.nn.Linear(WIDTH, WIDTH, key=keys[0])
+        self.spectral = eqx.nn.SpectralNorm(linear, "weight", key=keys[1])
+        self.weight_norm = eqx.nn.WeightNorm(eqx.nn.Linear(WIDTH, WIDTH, key=keys[2]))
+        self.head = eqx.nn.Linear(WIDTH, 3, key=keys[3])
+
+    def __call__(self, x, state):
+        h, state = self.spectral(x, state)
+        return self.head(jax.nn.gelu(self.weight_norm(jax.nn.gelu(h)))), state
+
+
+def normed_loss(model, state, batch, key):
+    del key
+    logits, state = jax.vmap(
+        model, in_axes=(0, None), out_axes=(0, None), axis_name="batch"
+    )(batch["x"], state)
+    losses = optax.softmax_cross_entropy_with_integer_labels(logits, batch["y"])
+    return losses.mean(), {}, state
+
+
+@pytest.mark.parametrize("linears", ["auto", "partition"])
+@pytest.mark.parametrize(
+    ("shape", "axes"),
+    [({"data": 8}, "data"), ({"replica": 2, "data": 4}, ("replica", "data"))],
+)
+def test_spectral_and_weight_norm_layers_are_gathered(shape, axes, linears):
+    optimizer = optax.adam(1e-2)
+    data = [batch_of(seed) for seed in range(3)]
+    model, model_state = eqx.nn.make_with_state(NormedNet)()
+
+    # Single device: plain Equinox and Optax, the model state carried along.
+    params, static = eqx.partition(model, eqx.is_inexact_array)
+    opt_state = optimizer.init(params)
+
+    def loss(params, state, batch):
+        value, _, state = normed_loss(eqx.combine(params, static), state, batch, None)
+        return value, state
+
+    ref_state = model_state
+    for batch in data:
+        grads, ref_state = jax.grad(loss, has_aux=True)(params, ref_state, batch)
+        updates, opt_state = optimizer.update(grads, opt_state, params)
+        params = eqx.apply_updates(params, updates)
+
+    step = ed.make_train_step(
+        normed_loss,
+        optimizer,
+        ed.create_device_mesh(shape),
+        strategy="fsdp",
+        data_axis=axes,
+        min_weight_size=16,
+        fsdp_linears=linears,
+    )
+    state = ed.TrainState.create(
+        model, optimizer, jax.random.key(0), model_state=model_state
+    )
+    for batch in data:
+        state, _ = step(state, batch)
+    assert max_diff(state.model, eqx.combine(params, static)) < 1e-5
+    assert max_diff(state.model_state, ref_state) < 1e-5
+    weight = state.model.spectral.layer.weight
+    assert weight.addressable_shards[0].data.size * 4 <= weight.size  # sharded

@@ -3,6 +3,8 @@ compiled): exact `PartitionSpec`s for dp, fsdp, HSDP, rules, `Stacked` and `FSDP
 modules and ZeRO-1, the shard_map boundary and gather specs, the cache, and the
 optimizer states that cannot be laid out."""
 
+import warnings
+
 import equinox as eqx
 import jax
 import jax.numpy as jnp
@@ -262,3 +264,29 @@ def test_lbfgs_under_fsdp_is_a_clear_error(mesh8):
     # Under dp without rules the state is replicated: no mapping needed.
     specs = ed.make_train_step(loss_fn, lbfgs, mesh8).state_specs(state)
     assert set(jax.tree.leaves(specs.opt_state)) == {P()}
+
+
+def test_a_strategy_that_shards_nothing_says_so(mesh8):
+    """FSDP (ZeRO-1) with every leaf at or under `min_weight_size` is data
+    parallelism's layout; the user asked for sharding, so they are told."""
+    model = MLP(jax.random.key(0))  # largest leaf: 64 x 64 = 4,096 elements
+    state = ed.TrainState.create(model, optax.adam(1e-3), jax.random.key(0))
+    for strategy, what in [("fsdp", "parameter"), ("zero1", "optimizer state")]:
+        layout = _layout(mesh8, strategy, min_weight_size=2**18)
+        with pytest.warns(UserWarning) as caught:
+            specs = layout.state_specs(state, optax.adam(1e-3))
+        message = str(caught[0].message)
+        assert f"strategy='{strategy}' shards no {what} of this model" in message
+        assert "largest array has 4,096 elements" in message
+        assert "min_weight_size=262,144" in message and "2**11" in message
+        assert all(s == P() for s in jax.tree.leaves(specs.model))
+    # Sharded over a dimension that divides: no warning.
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        _layout(mesh8, "fsdp", min_weight_size=2**11).state_specs(
+            state, optax.adam(1e-3)
+        )
+    # Large enough, but no dimension divisible by the devices: the reason named.
+    odd = {"w": jnp.ones((33, 33))}
+    with pytest.warns(UserWarning, match=r"no dimension of its arrays of more than"):
+        _layout(mesh8, "fsdp", min_weight_size=16).plan(odd)

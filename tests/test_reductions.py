@@ -34,7 +34,8 @@ def data(rng):
 
 
 @pytest.mark.parametrize("op", list(OPS))
-def test_collective_matches_numpy_on_global_data(op, data, mesh8):
+def test_collective_matches_numpy_on_global_data(op, data, axis_types):
+    mesh8 = ed.create_data_parallel_mesh(axis_types=axis_types)
     reduce, np_reduce = OPS[op]
 
     def step(x):
@@ -84,7 +85,8 @@ def test_non_array_leaves_pass_through_collective_mode(mesh8):
 
 
 @pytest.mark.parametrize("op", list(OPS))
-def test_global_mode_reduces_all_elements(op, data, mesh8):
+def test_global_mode_reduces_all_elements(op, data, axis_types):
+    mesh8 = ed.create_data_parallel_mesh(axis_types=axis_types)
     reduce, np_reduce = OPS[op]
     sharded = jax.device_put(data, NamedSharding(mesh8, P("data")))
     tree = {"x": sharded, "scalar": jnp.float32(2.5), "name": "acc", "count": 3}

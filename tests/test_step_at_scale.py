@@ -36,12 +36,12 @@ SETUPS = {
 }
 
 
-def make_step(setup, loss_fn, optimizer, **kwargs):
+def make_step(setup, loss_fn, optimizer, axis_types="auto", **kwargs):
     shape, axes, strategy, rules = SETUPS[setup]
     return ed.make_train_step(
         loss_fn,
         optimizer,
-        ed.create_device_mesh(shape),
+        ed.create_device_mesh(shape, axis_types=axis_types),
         strategy=strategy,
         data_axis=axes,
         param_rules=rules,
@@ -97,13 +97,16 @@ def reference_token_mean(model, data, optimizer):
 # -- weighted losses ---------------------------------------------------------------
 
 
-@pytest.mark.parametrize("n", [1, 4])
-@pytest.mark.parametrize("setup", ["dp", "fsdp", "hsdp"])
-def test_token_weighted_loss_matches_single_device(setup, n):
+@pytest.mark.parametrize(
+    ("setup", "n", "axis_types"),
+    [(s, n, "auto") for s in ["dp", "fsdp", "hsdp"] for n in [1, 4]]
+    + [("hsdp", 4, "explicit")],
+)
+def test_token_weighted_loss_matches_single_device(setup, n, axis_types):
     optimizer = optax.sgd(0.5)
     data = [token_batch(0), token_batch(1, empty=(5,), full=(0, 1))]
     want = reference_token_mean(mlp(), data, optimizer)
-    step = make_step(setup, weighted_loss, optimizer, num_minibatches=n)
+    step = make_step(setup, weighted_loss, optimizer, axis_types, num_minibatches=n)
     state = ed.TrainState.create(mlp(), optimizer, jax.random.key(0))
     for batch in data:
         state, metrics = step(state, batch)
@@ -178,13 +181,13 @@ def one_plain_step(model, optimizer, batch):
 
 
 @pytest.mark.parametrize("setup", sorted(SETUPS))
-def test_step_info_norms_match_single_device(setup):
+def test_step_info_norms_match_single_device(setup, axis_types):
     optimizer = optax.adamw(1e-2, weight_decay=0.1)
     batch = token_batch(3, empty=())
     model = mlp()
     grads, updates, new_params = one_plain_step(model, optimizer, batch)
 
-    step = make_step(setup, mean_loss, optimizer, step_info=True)
+    step = make_step(setup, mean_loss, optimizer, axis_types, step_info=True)
     state = ed.TrainState.create(model, optimizer, jax.random.key(0))
     state, _, info = step(state, batch)
     assert sorted(info) == ["grad_norm", "param_norm", "skipped", "update_norm"]
@@ -354,12 +357,20 @@ def spiked_batch(kind):
     return batch
 
 
-@pytest.mark.parametrize("kind", ["nan_row", "inf_grad"])
-@pytest.mark.parametrize("setup", ["dp", "fsdp", "hsdp"])
-def test_skip_nonfinite_leaves_the_state_bit_identical(setup, kind):
+@pytest.mark.parametrize(
+    ("setup", "kind", "axis_types"),
+    [(s, k, "auto") for s in ["dp", "fsdp", "hsdp"] for k in ["nan_row", "inf_grad"]]
+    + [("fsdp", "nan_row", "explicit")],
+)
+def test_skip_nonfinite_leaves_the_state_bit_identical(setup, kind, axis_types):
     optimizer = optax.adam(1e-2)
     step = make_step(
-        setup, stateful_loss, optimizer, step_info=True, skip_nonfinite=True
+        setup,
+        stateful_loss,
+        optimizer,
+        axis_types,
+        step_info=True,
+        skip_nonfinite=True,
     )
     state = ed.TrainState.create(
         mlp(), optimizer, jax.random.key(0), model_state={"seen": jnp.float32(0)}
@@ -434,13 +445,15 @@ def init_models(setup, mesh):
 
 
 @pytest.mark.parametrize(
-    "setup", ["dp", "fsdp", "hsdp", "fsdp_tp", "stacked", "fsdp_module"]
+    ("setup", "axis_types"),
+    [(s, "auto") for s in ["dp", "fsdp", "hsdp", "fsdp_tp", "stacked", "fsdp_module"]]
+    + [("fsdp_tp", "explicit"), ("stacked", "explicit")],
 )
-def test_init_state_equals_place_state(setup):
+def test_init_state_equals_place_state(setup, axis_types):
     layout = setup if setup in SETUPS else "fsdp"
-    mesh = ed.create_device_mesh(SETUPS[layout][0])
+    mesh = ed.create_device_mesh(SETUPS[layout][0], axis_types=axis_types)
     optimizer = optax.adam(1e-2)
-    step = make_step(layout, mean_loss, optimizer)
+    step = make_step(layout, mean_loss, optimizer, axis_types)
     build = init_models(setup, mesh)
 
     def init_fn(key):

@@ -86,14 +86,15 @@ class Deep(eqx.Module):
         return self.layers[-1](x)
 
 
-def test_dp_fsdp_and_single_device_training_agree(mesh8, rng):
+def test_dp_fsdp_and_single_device_training_agree(axis_types, rng):
+    mesh = ed.create_data_parallel_mesh(axis_types=axis_types)
     batches = [_batch(rng) for _ in range(3)]
     reference, ref_losses = _single_device(_model(), batches)
     for strategy in ("dp", "fsdp"):
         step = ed.make_train_step(
             loss_fn,
             OPTIMIZER,
-            mesh8,
+            mesh,
             strategy=strategy,
             num_minibatches=2,
             min_weight_size=16,
@@ -413,6 +414,74 @@ def test_bad_inputs_raise_clear_errors(mesh8, rng):
         ed.make_train_step(loss_only, OPTIMIZER, mesh8)(state, _batch(rng, 16))
 
 
+def _step_error(mesh, loss, state, batch, optimizer=OPTIMIZER):
+    with pytest.raises((TypeError, ValueError)) as info:
+        ed.make_train_step(loss, optimizer, mesh)(state, batch)
+    return str(info.value)
+
+
+def test_loss_mistakes_name_the_loss_the_leaf_and_the_fix(mesh8, rng):
+    """What real programs hit: each message names `loss_fn` (or the state), what
+    was wrong and what to write, never JAX's internals."""
+    state = ed.TrainState.create(_model(), OPTIMIZER, jax.random.key(0))
+    batch = _batch(rng, 16)
+
+    def key_metric(model, batch, key):
+        return loss_fn(model, batch, key)[0], {"key": key}
+
+    message = _step_error(mesh8, key_metric, state, batch)
+    assert "loss_fn: metrics leaf ['key'] is an array of PRNG keys" in message
+    assert "jax.random.key_data" in message
+
+    def four_arguments(model, x, y, key):
+        return jnp.mean(jax.vmap(model)(x)), {}
+
+    message = _step_error(mesh8, four_arguments, state, batch)
+    assert "loss_fn is called as `loss_fn(model, batch, key)`" in message
+    assert "four_arguments(model, x, y, key)" in message
+    assert "x, y = batch" in message
+
+    def vector(model, batch, key):
+        return jax.vmap(model)(batch["x"]).sum(-1), {}
+
+    message = _step_error(mesh8, vector, state, batch)
+    assert "got an array of shape (2,)" in message and "Tracer" not in message
+
+    # A BatchNorm naming an axis that is not in the mesh.
+    bn, bn_state = eqx.nn.make_with_state(eqx.nn.BatchNorm)(
+        8, axis_name=("batch", "devices"), mode="batch"
+    )
+
+    def bn_loss(model, model_state, batch, key):
+        out, model_state = jax.vmap(
+            model, axis_name="batch", in_axes=(0, None), out_axes=(0, None)
+        )(batch["x"], model_state)
+        return jnp.mean(out), {}, model_state
+
+    stateful = ed.TrainState.create(
+        bn, OPTIMIZER, jax.random.key(0), model_state=bn_state
+    )
+    message = _step_error(mesh8, bn_loss, stateful, batch)
+    assert "loss_fn uses the axis 'devices'" in message
+    assert "binds the mesh axes ('data',)" in message
+
+    sgd = ed.TrainState.create(
+        _model(), optax.sgd(0.1, momentum=0.9), jax.random.key(0)
+    )
+    message = _step_error(mesh8, loss_fn, sgd, batch)
+    assert "`optimizer.init` gives (" in message and "with 13 leaves" in message
+    assert "the state holds (TraceState, EmptyState)" in message
+    assert "PyTreeDef" not in message and len(message) < 400
+
+
+def test_eval_function_of_the_wrong_arity(mesh8, rng):
+    def eval_fn(model, x, y, mask):
+        return {}
+
+    with pytest.raises(TypeError, match=r"eval_fn is called as `eval_fn\(model, b"):
+        ed.make_eval_step(eval_fn, mesh8)(_model(), _batch(rng, 16))
+
+
 def test_per_block_remat_regathers_and_lowers_step_memory(mesh8):
     # A 4 x 512 x 512 MLP, lowered from an abstract state (nothing allocated).
     def regression_loss(model, batch, key):
@@ -441,3 +510,52 @@ def test_per_block_remat_regathers_and_lowers_step_memory(mesh8):
     # Without remat the gathered 1 MiB weights are kept for the backward pass
     # (4.3 MB of temporaries here; 2.6 MB with remat).
     assert temp[True] < 0.7 * temp[False]
+
+
+class _PReLUNet(eqx.Module):
+    linear: eqx.nn.Linear
+    act: eqx.nn.PReLU  # holds a weakly typed scalar, `jnp.asarray(0.2)`
+
+    def __init__(self, key):
+        self.linear = eqx.nn.Linear(8, 4, key=key)
+        self.act = eqx.nn.PReLU(0.2)
+
+    def __call__(self, x):
+        return self.act(self.linear(x))
+
+
+def test_weakly_typed_parameters_compile_the_step_once(mesh8, rng):
+    """The first update makes a weakly typed leaf strong (`param + update`); a
+    state that kept it weak would compile every step function twice."""
+    traces = []
+
+    def counting_loss(model, batch, key):
+        traces.append(1)
+        return jnp.mean(jax.vmap(model)(batch["x"]) ** 2), {}
+
+    model = _PReLUNet(jax.random.key(0))
+    assert jax.typeof(model.act.negative_slope).weak_type
+    hand_built = ed.TrainState(  # without TrainState.create
+        model,
+        OPTIMIZER.init(eqx.filter(model, eqx.is_inexact_array)),
+        jnp.zeros((), jnp.int32),
+        jax.random.key(0),
+    )
+    builds = {
+        "create": lambda step: ed.TrainState.create(
+            model, OPTIMIZER, jax.random.key(0)
+        ),
+        "init_state": lambda step: step.init_state(
+            lambda k: ed.TrainState.create(_PReLUNet(k), OPTIMIZER, k),
+            jax.random.key(0),
+        ),
+        "hand_built": lambda step: hand_built,
+    }
+    for name, build in builds.items():
+        traces.clear()
+        step = ed.make_train_step(counting_loss, OPTIMIZER, mesh8)
+        state = build(step)
+        for _ in range(3):
+            state, _ = step(state, _batch(rng, 16))
+        assert len(traces) == 1, name
+        assert not jax.typeof(state.model.act.negative_slope).weak_type

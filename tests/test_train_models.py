@@ -92,7 +92,8 @@ def _reference(model, model_state, batches, n, optimizer=OPTIMIZER, trainable=No
 
 @pytest.mark.parametrize("strategy", ["dp", "fsdp"])
 @pytest.mark.parametrize("n", [1, 2])
-def test_batchnorm_matches_single_device(mesh8, strategy, n):
+def test_batchnorm_matches_single_device(axis_types, strategy, n):
+    mesh8 = ed.create_data_parallel_mesh(axis_types=axis_types)
     key = jax.random.key(3)
     model, model_state = eqx.nn.make_with_state(BNNet)(key, ("batch", "data"))
     ref_model, ref_state = eqx.nn.make_with_state(BNNet)(key, "batch")

@@ -275,3 +275,91 @@ def test_fsdp_min_weight_size_not_an_int():
     assert proc.returncode == 0, proc.stderr
     assert "FSDP: `min_weight_size` must be an int" in proc.stdout
     assert "got str 'x'" in proc.stdout
+
+
+# -- optimizers whose state holds optax.MaskedNode ----------------------------------
+
+
+def _masked_optimizers():
+    def is_matrix(params):
+        return jax.tree.map(lambda x: x.ndim == 2, params)
+
+    def groups(params):
+        return jax.tree.map(lambda x: "matrix" if x.ndim == 2 else "vector", params)
+
+    return {
+        # Weight decay on the matrices only.
+        "masked": optax.chain(
+            optax.masked(optax.add_decayed_weights(0.1), is_matrix), optax.adam(1e-2)
+        ),
+        # One learning rate per group.
+        "multi_transform": optax.multi_transform(
+            {"matrix": optax.adam(1e-2), "vector": optax.sgd(0.1, momentum=0.9)},
+            groups,
+        ),
+        "muon": optax.contrib.muon(1e-2),
+    }
+
+
+LAYOUTS = {
+    # name: (mesh shape, make_train_step options)
+    "fsdp": ({"data": 8}, {"strategy": "fsdp"}),
+    "zero1": ({"data": 8}, {"strategy": "zero1"}),
+    "hsdp": (
+        {"replica": 2, "data": 4},
+        {"strategy": "fsdp", "data_axis": ("replica", "data")},
+    ),
+    "fsdp_tp": (
+        {"data": 4, "model": 2},
+        {
+            "strategy": "fsdp",
+            "param_rules": [
+                (r"layers\[0\]\.weight", jax.sharding.PartitionSpec("model"))
+            ],
+        },
+    ),
+}
+
+
+@pytest.mark.parametrize(
+    ("optimizer", "layout"),
+    [("muon", layout) for layout in LAYOUTS]
+    + [("multi_transform", "fsdp_tp"), ("multi_transform", "zero1")]
+    + [("masked", "hsdp")],
+)
+def test_masked_optimizer_states_are_laid_out_and_train(optimizer, layout):
+    optimizer = _masked_optimizers()[optimizer]
+    shape, options = LAYOUTS[layout]
+    data = batches()
+    ref_model, _, ref_opt = reference(_mlp(), None, data, optimizer)
+
+    step = ed.make_train_step(
+        mlp_loss,
+        optimizer,
+        ed.create_device_mesh(shape),
+        min_weight_size=16,
+        **options,
+    )
+    state = ed.TrainState.create(_mlp(), optimizer, jax.random.key(0))
+    for batch in data:
+        state, _ = step(state, batch)
+    assert max_diff(state.model, ref_model) < 1e-5
+    assert max_diff(state.opt_state, ref_opt) < 1e-5
+    # Each state leaf of the (16, 8) weight is laid out as the weight's share of
+    # it (its optimizer state under zero1), masked nodes kept where they are.
+    specs = step.state_specs(state)
+    weight = specs.model.layers[0].weight
+    assert "data" in str(weight) or layout == "zero1"
+    state_specs = [
+        s
+        for s, x in zip(
+            jax.tree.leaves(specs.opt_state, is_leaf=lambda s: s is None),
+            jax.tree.leaves(state.opt_state, is_leaf=lambda s: s is None),
+            strict=True,
+        )
+        if x is not None and x.shape == (16, 8)
+    ]
+    assert state_specs and all("data" in str(s) for s in state_specs)
+    assert jax.tree.structure(specs.opt_state, is_leaf=lambda s: s is None) == (
+        jax.tree.structure(state.opt_state, is_leaf=lambda s: s is None)
+    )

@@ -77,13 +77,14 @@ def _train(mesh, strategy, batches, **kw):
     return step, jax.block_until_ready(state)
 
 
-@pytest.fixture(scope="module")
-def trained(mesh8):
+@pytest.fixture(scope="module", params=["auto", "explicit"])
+def trained(request):
+    mesh = ed.create_data_parallel_mesh(axis_types=request.param)
     batches = _batches()
     return {
         "single": _single_device(MLP(jax.random.key(0)), batches),
-        "dp": _train(mesh8, "dp", batches),
-        "zero1": _train(mesh8, "zero1", batches),
+        "dp": _train(mesh, "dp", batches),
+        "zero1": _train(mesh, "zero1", batches),
     }
 
 

@@ -90,19 +90,28 @@ def test_round_trip_into_concrete_and_abstract_targets(tmp_path, state, mesh8):
 
 
 @pytest.mark.parametrize(
-    ("saved", "restored"), [("replicate", "shard"), ("shard", "replicate")]
+    ("saved", "restored", "devices", "kinds"),
+    [
+        (saved, restored, devices, ("auto", "auto"))
+        for saved, restored in [("replicate", "shard"), ("shard", "replicate")]
+        for devices in [8, 4]
+    ]
+    # Saved from one kind of mesh axes, restored into the other.
+    + [
+        ("shard", "shard", 8, ("auto", "explicit")),
+        ("shard", "replicate", 4, ("explicit", "auto")),
+    ],
 )
-@pytest.mark.parametrize("devices", [8, 4])
 def test_restore_under_another_strategy_and_device_count(
-    tmp_path, saved, restored, devices
+    tmp_path, saved, restored, devices, kinds
 ):
     model = eqx.nn.MLP(8, 4, 32, 2, key=jax.random.key(0))
-    mesh = ed.create_data_parallel_mesh()
+    mesh = ed.create_data_parallel_mesh(axis_types=kinds[0])
     ed.save_checkpoint(
         tmp_path, ed.shard_model_state(model, mesh, saved, min_weight_size=64), step=0
     )
     blank = eqx.nn.MLP(8, 4, 32, 2, key=jax.random.key(1))
-    target_mesh = ed.create_data_parallel_mesh(devices)
+    target_mesh = ed.create_data_parallel_mesh(devices, axis_types=kinds[1])
     target = ed.shard_model_state(blank, target_mesh, restored, min_weight_size=64)
     got = ed.restore_checkpoint(tmp_path, target)
     assert_same_tree(got, model)

@@ -49,6 +49,11 @@ def meshes():
             ("replica", "data"),
         ),
         "data x model": (ed.create_device_mesh({"data": 4, "model": 2}), "data"),
+        # What `jax.make_mesh` builds by default.
+        "explicit replica x data": (
+            ed.create_device_mesh({"replica": 2, "data": 4}, axis_types="explicit"),
+            ("replica", "data"),
+        ),
     }
 
 

@@ -165,7 +165,8 @@ def _numpy_reference(logits, labels, mask, weights):
     }
 
 
-def test_distributed_equals_global_data(mesh8, rng):
+def test_distributed_equals_global_data(axis_types, rng):
+    mesh8 = ed.create_data_parallel_mesh(axis_types=axis_types)
     data = _global_data(rng)
     expected = _numpy_reference(*data)
 
