@@ -898,6 +898,30 @@ def test_sigterm_to_one_of_2_processes_saves_and_the_rerun_resumes_bit_exactly(
     assert_same_npz(np.load(resumed), want)
 
 
+@pytest.mark.slow
+def test_sigterm_stops_orbaxs_check_first_loop_on_2_processes_at_a_saved_step(
+    tmp_path,
+):
+    """v0.2's contract, Orbax's shape: `if reached_preemption(step): save(step,
+    force=True); break`, with an interval that never saves otherwise. SIGTERM to
+    process 1: both processes stop at the same step, soon, and that step is saved
+    with its metadata (v0.3 waited for a save since the signal: the loop trained
+    on to its last step)."""
+    script, ckpt, out_file = SCRIPTS / "preempt_train.py", tmp_path / "ckpt", "o.npz"
+    status, out, err = preemption_run(
+        launcher_command(script, ckpt, tmp_path / out_file, "10", "check-first"),
+        victim=1,
+    )
+    assert status == 0, f"{out}\n{err}"
+    stopped = {int(m) for m in re.findall(r"\[\d\] preempted at (\d+)", out)}
+    assert len(stopped) == 1 and out.count("preempted at") == 2, out
+    (step,) = stopped
+    assert 3 <= step < 10 and not (tmp_path / out_file).exists()
+    with ed.CheckpointManager(ckpt) as manager:
+        assert manager.all_steps() == [step]
+        assert manager.metadata(step) == {"next_step": step}
+
+
 def assert_same_npz(got, want):
     assert sorted(want) == sorted(got)
     for name in want:
