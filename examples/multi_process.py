@@ -11,17 +11,23 @@ The data is a fixed, learnable set (inputs labelled by a simple rule), so the
 accuracy rises over the steps; step `i` uses a fixed block of it, so a resumed run
 sees the same batches as an uninterrupted one. Every process builds the same global
 batch and feeds the step its own rows.
-A `CheckpointManager` saves every `--checkpoint-every` steps in the background and
-keeps the newest `--keep`; started again with the same `--checkpoint-dir`, the run
-resumes from the latest complete one. SIGTERM to any process (or to the launcher),
-as a cluster scheduler sends on preemption, makes every process stop at the same
-step, save it and exit with status 0; the next run resumes from exactly there.
-`--crash-at STEP` makes process 1 (or the only process) raise at that step: the
-launcher stops the run at once, and the next run resumes where the last checkpoint
-left off.
+A `CheckpointManager` saves every `--checkpoint-every` steps and the last in the
+background and keeps the newest `--keep`; started again with the same
+`--checkpoint-dir`, the run resumes from the latest complete one. SIGTERM to any
+process (or to the launcher), as a cluster scheduler sends on preemption, makes
+every process stop at the same step, save it and exit with status 0; the next run
+resumes from exactly there.
+`--crash-at STEP` makes the last process raise at that step on the first attempt
+(`EQXDIST_RESTART_COUNT` 0): the launcher stops the run at once, and with
+`--max-restarts 1` it restarts the job, which resumes from the latest checkpoint and
+runs past that step:
+
+    python -m eqxdist.launch -n 2 -d 4 --max-restarts 1 examples/multi_process.py \\
+        --checkpoint-dir /tmp/ckpt3 --crash-at 15
 """
 
 import argparse
+import os
 from pathlib import Path
 
 import _tutorial
@@ -66,7 +72,8 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument(
         "--crash-at",
         type=int,
-        help="raise in the last process at this step",
+        help="raise in the last process at this step, on the launcher's first "
+        "attempt only (EQXDIST_RESTART_COUNT 0), so that a restart gets past it",
     )
     # More steps and a higher learning rate than the tutorial's timing run, so the
     # accuracy visibly rises on the learnable data.
@@ -154,8 +161,11 @@ def train(
     steps (accuracy rises), saves through `manager` and stops when preempted."""
     totals: dict[str, tuple[float, float]] = {}
     first = start
+    # The launcher counts its restarts; a crash on every attempt would show none.
+    first_attempt = os.environ.get("EQXDIST_RESTART_COUNT", "0") == "0"
+    crashes = first_attempt and jax.process_index() == jax.process_count() - 1
     for i in range(start, ARGS.steps):
-        if i == ARGS.crash_at and jax.process_index() == jax.process_count() - 1:
+        if i == ARGS.crash_at and crashes:
             raise RuntimeError(f"--crash-at {i}: process {jax.process_index()} fails")
         state, metrics = step(state, local_rows(batch_at(data, i)))
         for name, (total, count) in metrics.items():
@@ -163,8 +173,9 @@ def train(
             totals[name] = (old_total + float(total), old_count + float(count))
         preempted = False
         if manager is not None:
-            # Saves every --checkpoint-every steps, and at once when preempted.
-            manager.save(i + 1, state)
+            # Saves every --checkpoint-every steps, the last step, and at once
+            # when preempted.
+            manager.save(i + 1, state, force=i + 1 == ARGS.steps)
             preempted = manager.reached_preemption(i + 1)
         if preempted or (i + 1) % ARGS.log_every == 0 or i + 1 == ARGS.steps:
             ed.print_metrics(totals, f"Steps {first}-{i}")

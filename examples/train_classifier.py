@@ -9,10 +9,14 @@ batch of a step depends only on the seed and the step). Every epoch it evaluates
 a held-out set of 359 examples (not a multiple of 8) with `eqxdist.make_eval_step` —
 accuracy, macro-F1, loss — and saves a checkpoint with `eqxdist.CheckpointManager`
 whose metadata holds the loader's position (`--resume` continues the exact stream
-where a run stopped). It shows a progress bar (steps/s, ETA, live loss), writes
-every step's metrics to a JSONL file, prints a summary table (held-out metrics,
-per-device state bytes, step time, parameter agreement) and the confusion matrix,
-and with `--plot` draws the loss curves and the confusion matrix.
+where a run stopped). Ctrl-C or SIGTERM saves the step the run is at and exits
+(a second Ctrl-C stops at once); `--resume` continues from the latest checkpoint,
+and the logs drop what an interrupted run wrote past it, so no step is logged
+twice. It shows a progress bar (steps/s, ETA, live loss), writes every log
+point's metrics to a JSONL file and TensorBoard, prints a summary table (held-out
+metrics, per-device state bytes, step time, parameter agreement) and the
+confusion matrix, and with `--plot` draws the loss curves and the confusion
+matrix.
 
     python examples/train_classifier.py [--epochs 10] [--bf16] [--plot out.png]
 """
@@ -330,9 +334,13 @@ def train(strategy: str, data: tuple[np.ndarray, ...]) -> dict[str, Any]:
         "state": result.state,
         "first_epoch": first,
         "devices": mesh.size,
+        "epochs": result.step // steps_per_epoch,
         "test": test,
         "state_bytes": state_bytes_per_device(result.state),
-        "step_ms": 1e3 * result.seconds_per_step,
+        # None: no step ran (a --resume of a finished run).
+        "step_ms": None
+        if result.step == result.start_step
+        else (1e3 * result.seconds_per_step),
     }
 
 
@@ -424,6 +432,7 @@ def agreement(results: dict[str, dict[str, Any]]) -> bool:
         for k in ("accuracy", "macro_f1", "loss")
     )
     agree = early < tolerance and metrics_diff <= metric_tolerance
+    epochs = ref["epochs"]  # trained so far (`--stop-after`, `--resume`)
     floors = ("", "")
     if "reorder" in results:
         floors = tuple(
@@ -434,7 +443,7 @@ def agreement(results: dict[str, dict[str, Any]]) -> bool:
     print(
         f"\nparameters of {'/'.join(names)} agree: {'yes' if agree else 'NO'} (after "
         f"epoch 1: max abs diff {early:.2e}{floors[0]}, tolerance {tolerance:g})\n"
-        f"after epoch {ARGS.epochs}: max abs diff {final:.2e}{floors[1]}: rounding "
+        f"after epoch {epochs}: max abs diff {final:.2e}{floors[1]}: rounding "
         "noise amplified by Adam; held-out accuracy, macro-F1 and loss differ by at "
         f"most {metrics_diff:.1e} (tolerance {metric_tolerance:g})"
     )
@@ -455,19 +464,22 @@ def main() -> None:
     reference = results[first]["state"]
     print()
     header = (
-        f"{'strategy':<9}{'devices':>8}{'acc':>8}{'macro-F1':>10}{'loss':>8}"
-        f"{'state B/dev':>13}{'step ms':>9}{'max |Δ| vs ' + first:>18}"
+        f"{'strategy':<9}{'devices':>8}{'epochs':>7}{'acc':>8}{'macro-F1':>10}"
+        f"{'loss':>8}{'state B/dev':>13}{'step ms':>9}{'max |Δ| vs ' + first:>18}"
     )
     print(header)
     print("-" * len(header))
     for name, result in results.items():
         test = result["test"]
+        ms = result["step_ms"]
         print(
-            f"{name:<9}{result['devices']:>8}{test['accuracy']:>8.4f}"
-            f"{test['macro_f1']:>10.4f}{test['loss']:>8.4f}"
-            f"{result['state_bytes']:>13,}{result['step_ms']:>9.2f}"
+            f"{name:<9}{result['devices']:>8}{result['epochs']:>7}"
+            f"{test['accuracy']:>8.4f}{test['macro_f1']:>10.4f}{test['loss']:>8.4f}"
+            f"{result['state_bytes']:>13,}{'-' if ms is None else f'{ms:.2f}':>9}"
             f"{max_param_diff(result['state'], reference):>18.2e}"
         )
+    if any(r["step_ms"] is None for r in results.values()):
+        print("(step ms -: the run was complete already; nothing trained)")
     if "reorder" in results:
         print("(reorder: one device, each minibatch's rows in another order)")
     print("\nheld-out confusion matrix (rows: true digit, columns: predicted):")
@@ -480,4 +492,14 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    except KeyboardInterrupt:
+        # Ctrl-C outside the loop (loading, compiling) or a second one inside it;
+        # a first one inside the loop saves and exits by itself.
+        print(
+            f"interrupted; {ARGS.out}/<strategy>/ keeps the latest checkpoint: "
+            "--resume continues from it",
+            file=sys.stderr,
+        )
+        sys.exit(130)  # 128 + SIGINT, as for the loop's own exit

@@ -1,8 +1,12 @@
-"""The examples keep working: every one answers `--help`, and the main job trains
-and reports that the strategies agree. Each runs in its own process, as a user would
-run it."""
+"""The examples keep working: every one answers `--help`, the main job trains and
+reports that the strategies agree, stops cleanly on Ctrl-C and resumes, and the
+multi-process example recovers from a crash by a restart. Each runs in its own
+process, as a user would run it."""
 
 import json
+import os
+import re
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -13,6 +17,15 @@ ROOT = Path(__file__).resolve().parent.parent
 EXAMPLES = sorted(
     p for p in (ROOT / "examples").glob("*.py") if not p.name.startswith("_")
 )
+
+# `python` with SIGINT at its default, as a terminal's Ctrl-C finds it, although
+# a run in the background (CI) inherits it ignored: reset, then exec Python.
+WITH_SIGINT = [
+    sys.executable,
+    "-c",
+    "import os, signal, sys; signal.signal(signal.SIGINT, signal.SIG_DFL); "
+    "os.execv(sys.executable, [sys.executable, *sys.argv[1:]])",
+]
 
 
 def _run(
@@ -94,6 +107,7 @@ def test_main_job_resumes_exactly(tmp_path: Path, script_env: dict[str, str]) ->
     with ed.CheckpointManager(tmp_path / "split" / "dp") as manager:
         assert manager.latest_step() == 11
         assert manager.metadata(11) == {"loader_step": 11, "seed": 0, "batch_size": 128}
+    assert re.search(r"\ndp +8 +1 ", first.stdout), first.stdout  # epochs trained
     other = _run(
         script_env, *args, "--out", str(tmp_path / "split"), "--resume", "--seed", "1"
     )
@@ -113,3 +127,77 @@ def test_quickstart_runs(script_env: dict[str, str]) -> None:
     out = _run(script_env, "examples/quickstart.py")
     assert out.returncode == 0, out.stderr
     assert "data-parallel step vs single program" in out.stdout
+
+
+@pytest.mark.slow
+def test_main_job_ctrl_c_saves_and_resume_logs_each_step_once(
+    tmp_path: Path, script_env: dict[str, str]
+) -> None:
+    """Ctrl-C in the middle of epoch 2 saves the step the run is at and ends it
+    with one line and status 130 (it was a long `KeyboardInterrupt` traceback,
+    nothing saved); `--resume` then logs every step once; a `--resume` of the
+    finished run says there is nothing to run (it printed `nan` step times)."""
+    import eqxdist as ed
+
+    args = ["examples/train_classifier.py", "--epochs", "2", "--strategies", "dp"]
+    args += ["--log-every", "1", "--out", str(tmp_path)]
+    run = subprocess.Popen(
+        [*WITH_SIGINT, *args],
+        cwd=ROOT,
+        env=script_env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    assert run.stdout is not None
+    lines = []
+    for line in run.stdout:
+        lines.append(line)
+        if "dp step 13/22 " in line:  # the plain progress line of step 13
+            run.send_signal(signal.SIGINT)
+            break
+    rest, err = run.communicate(timeout=240)
+    out = "".join(lines) + rest
+    assert run.returncode == 130, out + err
+    stopped = re.search(r"dp interrupted \(Ctrl-C\): saved step (\d+), exiting\n", out)
+    assert stopped, out
+    saved = int(stopped[1])
+    assert 13 < saved < 22 and "Traceback" not in err, err
+    assert ed.latest_step(tmp_path / "dp") == saved
+    resumed = _run(script_env, *args, "--resume")
+    assert resumed.returncode == 0, resumed.stderr
+    assert f"dp resumed at step {saved}" in resumed.stdout
+    rows = [
+        json.loads(line)
+        for line in (tmp_path / "dp" / "metrics.jsonl").read_text().splitlines()
+    ]
+    assert [r["step"] for r in rows if "loss" in r] == list(range(1, 23))
+    assert [r["step"] for r in rows if "eval_loss" in r] == [11, 22]
+    again = _run(script_env, *args, "--resume")
+    assert again.returncode == 0, again.stderr
+    assert "dp already at step 22 of 22: nothing to run" in again.stdout
+    assert "nan" not in again.stdout and re.search(r"\ndp .* - ", again.stdout)
+
+
+@pytest.mark.slow
+def test_multi_process_example_restarts_past_a_crash(tmp_path: Path) -> None:
+    """`--crash-at` crashes the first attempt only, so `--max-restarts 1` shows a
+    restart that resumes from the latest checkpoint and finishes (the crash came
+    back after every restart)."""
+    import eqxdist as ed
+
+    # No shared compilation cache: the processes run at once (see `cached_env`).
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    out = _run(
+        env, "-m", "eqxdist.launch", "-n", "2", "-d", "2", "--max-restarts", "1",
+        "examples/multi_process.py", "--checkpoint-dir", str(tmp_path),
+        "--steps", "12", "--crash-at", "7", "--log-every", "4",
+    )  # fmt: skip
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "restart 1 of 1 after process 1 exited with status 1" in out.stderr, (
+        out.stderr
+    )
+    assert (out.stdout + out.stderr).count("RuntimeError: --crash-at 7") == 1
+    assert "[0] resumed from step 5" in out.stdout
+    assert "[0] === Steps 8-11 ===" in out.stdout
+    assert ed.latest_step(tmp_path) == 12

@@ -48,8 +48,9 @@ class CheckpointManager(Closing):
     same order. In a single process, the manager installs a SIGTERM handler
     (restored by `close()`); under `jax.distributed` (`eqxdist.launch`, SLURM,
     ...) JAX's own preemption sync point is used, so `reached_preemption(step)`
-    becomes `True` at the same step on every process: the first step saved since
-    the signal, so the loop below stops at a saved step wherever the signal lands.
+    becomes `True` at the same step on every process. The loop below (save, then
+    check) and Orbax's (check, then `save(..., force=True)` and stop) both stop
+    at a saved step wherever the signal lands.
     `save(..., metadata={...})` keeps a JSON dict with the step (e.g. the data
     loader's position); `metadata(step)` reads it back.
 
@@ -107,7 +108,9 @@ class CheckpointManager(Closing):
         self._sigterm = threading.Event()
         self._previous_handler: Any = None
         self._preempted_at: int | None = None
-        self._saved_at: int | None = None  # the newest step `save` saved
+        # The step of the latest `save` call if that call did not save: a signal
+        # seen after it must not stop the loop at this (unsaved) step.
+        self._unsaved_step: int | None = None
         self._closed = False
         if (
             not _uses_jax_preemption_service()
@@ -117,6 +120,16 @@ class CheckpointManager(Closing):
 
     def _on_sigterm(self, signum: int, frame: FrameType | None) -> None:
         self._sigterm.set()
+
+    def _request_preemption(self) -> None:
+        """Act as if SIGTERM arrived (`train_loop` routes Ctrl-C here): this
+        manager's own flag in a single process; under `jax.distributed` a SIGTERM
+        to this process, which JAX's preemption notifier catches and passes on, so
+        that every process stops at the same step."""
+        if _uses_jax_preemption_service():
+            os.kill(os.getpid(), signal.SIGTERM)
+        else:
+            self._sigterm.set()
 
     def _check_open(self, method: str) -> None:
         if self._closed:
@@ -140,15 +153,25 @@ class CheckpointManager(Closing):
 
     @typecheck
     def reached_preemption(self, step: int) -> bool:
-        """Whether the job is being preempted and the loop should stop after `step`:
-        `True` once any process received SIGTERM *and* this manager has saved a
-        step since (`save` saves whatever the interval when preempted).
+        """Whether the job is being preempted and the loop should stop at `step`.
 
-        So the loop `save(step, state)` then `if reached_preemption(step): break`
-        loses nothing wherever the signal lands: if it lands after `save(step)`
-        returned without saving, `reached_preemption(step)` is `False`, the loop
-        trains one more step, `save` saves it and the loop stops there. The step
-        the loop stops at is the newest saved step, and a rerun resumes from it.
+        `True` once any process received SIGTERM, unless this very `step` was
+        already passed to `save` and not saved (the signal landed between the two
+        calls). Either shape of loop then loses nothing and stops wherever the
+        signal lands:
+
+        - save, then check (`save(step, state)`; `if reached_preemption(step):
+          break`): `save` saves whatever the interval once the signal is in, so
+          the check is `True` right after a save. A signal that lands after a
+          `save` that did not save leaves this step's check `False`; the loop
+          trains one more step, which `save` saves, and stops there.
+        - check, then save, Orbax's own shape (`if reached_preemption(step):
+          save(step, state, force=True); break`, with or without a periodic
+          `save` after the check): the check is `True` at the first step after
+          the signal, and the loop saves that step itself.
+
+        The step the loop stops at is the newest saved step, and a rerun resumes
+        from it.
 
         It turns `True` at the same step on every process (JAX's preemption sync
         point under `jax.distributed`; the signal itself in a single process) and
@@ -158,8 +181,9 @@ class CheckpointManager(Closing):
         step = check_step(step, "CheckpointManager.reached_preemption")
         if not self._preemption_signalled(step):
             return False
-        assert self._preempted_at is not None
-        return self._saved_at is not None and self._saved_at >= self._preempted_at
+        # Every process passes the same steps to `save`, and `save` decides
+        # alike on all of them, so this answer is the same on every process too.
+        return self._unsaved_step != step
 
     @typecheck
     def save(
@@ -209,9 +233,10 @@ class CheckpointManager(Closing):
         # newer than the latest step); the single-process SIGTERM is ours.
         preempted = self._preemption_signalled(step)
         if not (force or preempted or self._writer.should_save(step)):
+            self._unsaved_step = step
             return False
+        self._unsaved_step = None
         self._writer.save(step, state, caller, metadata)
-        self._saved_at = step
         return True
 
     @typecheck

@@ -18,5 +18,7 @@ from .writers import (
     JsonlWriter as JsonlWriter,
     MultiWriter as MultiWriter,
     TensorBoardWriter as TensorBoardWriter,
+    WandbWriter as WandbWriter,
     Writer as Writer,
+    WriterBase as WriterBase,
 )

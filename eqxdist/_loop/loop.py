@@ -4,9 +4,12 @@
 import collections
 import dataclasses
 import os
+import signal
 import statistics
+import threading
 import time
 from collections.abc import Callable, Generator
+from types import FrameType, TracebackType
 from typing import Any
 
 import equinox as eqx
@@ -28,7 +31,7 @@ from .pieces import (
     merge,
     scalars,
 )
-from .writers import Writer
+from .writers import Writer, resume_writer
 
 
 @dataclasses.dataclass
@@ -44,7 +47,10 @@ class LoopResult:
     - `start_step`: the step the run started (or resumed) from.
     - `preempted`: whether it stopped because the job is being preempted.
     - `seconds_per_step`: median wall-clock time per step between log points
-      (timed from the end of the first step, which compiles).
+      (timed from the end of the first step, which compiles); NaN when fewer
+      than two log points ran (a run resumed at its last step runs none).
+    - `interrupted`: whether it stopped because of Ctrl-C (SIGINT), having saved
+      the step it stopped at.
     """
 
     state: Any
@@ -55,6 +61,7 @@ class LoopResult:
     start_step: int
     preempted: bool
     seconds_per_step: float
+    interrupted: bool = False
 
 
 def _batch_stream(batches: Any, start: int) -> Generator[Any, None, None]:
@@ -79,7 +86,9 @@ def restore_latest(
 ) -> tuple[TrainState, dict[str, Any]]:
     """The latest checkpoint of `checkpoints` restored into `step`'s layout (with
     `state` giving the structure), and its metadata; `state` itself, placed, and
-    `{}` when there is no checkpoint yet."""
+    `{}` when there is no checkpoint yet. (A hand-written loop that appends to
+    its writers' files calls `writer.resume(step)` with the step it continues
+    from, as `train_loop` does, so that no step is logged twice.)"""
     placed = step.place_state(state)
     latest = checkpoints.latest_step()
     if latest is None:
@@ -182,6 +191,46 @@ class _Run:
         self.checkpoints.save(s, state, force=force, metadata=meta)
 
 
+class _Interrupts:
+    """Ctrl-C during a loop with checkpoints: the first SIGINT is taken as a
+    preemption (the loop saves the step it is at and stops, on every process of a
+    multi-process run), a second raises `KeyboardInterrupt` at once. Only where
+    Python's own handler is installed (not where SIGINT is ignored or a handler
+    of the user's is set), and only in the main thread, where handlers live."""
+
+    def __init__(self, checkpoints: CheckpointManager | None) -> None:
+        self.checkpoints = checkpoints
+        self.received = False
+        self._installed = False
+
+    def __enter__(self) -> "_Interrupts":
+        if (
+            self.checkpoints is not None
+            and threading.current_thread() is threading.main_thread()
+            and signal.getsignal(signal.SIGINT) is signal.default_int_handler
+        ):
+            signal.signal(signal.SIGINT, self._handler)
+            self._installed = True
+        return self
+
+    def _handler(self, signum: int, frame: FrameType | None) -> None:
+        if self.received:
+            signal.signal(signal.SIGINT, signal.default_int_handler)
+            raise KeyboardInterrupt
+        self.received = True
+        assert self.checkpoints is not None
+        self.checkpoints._request_preemption()
+
+    def __exit__(
+        self,
+        kind: type[BaseException] | None,
+        error: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        if self._installed:
+            signal.signal(signal.SIGINT, signal.default_int_handler)
+
+
 def _rows(batch: Any) -> int | None:
     leaves = [x for x in jax.tree.leaves(batch) if hasattr(x, "shape") and x.shape]
     return int(leaves[0].shape[0]) if leaves else None
@@ -252,11 +301,16 @@ def train_loop(
       `tokens_per_step`) and `mfu` (with FLOPs known, on a known device).
     - `eval_step`, `eval_batches`, `eval_every`: evaluate with
       `eval_step(state, batch)` over `eval_batches` (a batch or a list of batches,
-      metrics merged) every `eval_every` steps and at the end.
+      metrics merged) every `eval_every` steps and at the end; with
+      `eval_every=None` (the default), at the end only.
     - `checkpoints`: a `CheckpointManager`: saves when its `save_interval_steps`
-      says, at the end and on preemption, with `{"loader_step": s, **metadata(s)}`
-      as the checkpoint's metadata (`manager.metadata(step)` reads it back).
-    - `resume`: start from the latest checkpoint of `checkpoints`, if any.
+      says, at the end, on preemption and on Ctrl-C, with `{"loader_step": s,
+      **metadata(s)}` as the checkpoint's metadata (`manager.metadata(step)`
+      reads it back).
+    - `resume`: start from the latest checkpoint of `checkpoints`, if any (from
+      the state's step without one), and call `writer.resume(start)` (where the
+      writer has it), so that a writer appending to an interrupted run's files
+      forgets the steps after the checkpoint instead of logging them twice.
     - `stop_at`: stop at this step although the run goes to `num_steps` (to split
       a run; the progress bar still counts to `num_steps`).
     - `tokens_per_step`: tokens in a global batch, for `tokens_per_sec`.
@@ -278,7 +332,10 @@ def train_loop(
       collectives of threads.
     - `exit_on_preemption`: on preemption (SIGTERM; see
       `CheckpointManager.reached_preemption`) save, then exit the process with
-      status 0; `False` returns with `preempted=True` instead.
+      status 0; `False` returns with `preempted=True` instead. With
+      `checkpoints`, Ctrl-C (SIGINT) is taken the same way: the loop saves the
+      step it is at and exits with status 130 (`False`: returns with
+      `interrupted=True`); a second Ctrl-C stops at once (`KeyboardInterrupt`).
 
     **Returns:**
 
@@ -294,12 +351,15 @@ def train_loop(
             f"and `num_steps` >= 0; got {log_every}, {eval_every}, {max_in_flight} "
             f"and {num_steps}."
         )
-    if (eval_every is None) != (eval_step is None) or (
-        eval_step is not None and eval_batches is None
+    if (eval_step is None) != (eval_batches is None) or (
+        eval_every is not None and eval_step is None
     ):
         raise ValueError(
-            "train_loop: evaluation needs `eval_step`, `eval_batches` and "
-            "`eval_every` together."
+            "train_loop: `eval_step`, `eval_batches` and `eval_every` go together: "
+            "evaluation needs `eval_step` and `eval_batches`, and `eval_every` "
+            "(default None: at the end only) means nothing without them; got "
+            f"eval_step={eval_step!r}, eval_batches of type "
+            f"{type(eval_batches).__name__} and eval_every={eval_every!r}.",
         )
     if profile_steps is not None and profile_dir is None:
         raise ValueError("train_loop: `profile_steps` needs a `profile_dir`.")
@@ -311,6 +371,8 @@ def train_loop(
     else:
         state = step.place_state(state)
     start = int(meta.get("loader_step", int(state.step)))
+    if writer is not None and checkpoints is not None and resume:
+        resume_writer(writer, start)
     end = num_steps if stop_at is None else min(num_steps, stop_at)
     devices = list(step.mesh.devices.flat)
     run = _Run(
@@ -320,10 +382,14 @@ def train_loop(
     )  # fmt: skip
     if start and start < end:
         run.progress.print(f"resumed at step {start}")
+    elif start >= end and num_steps:
+        run.progress.print(f"already at step {start} of {num_steps}: nothing to run")
     try:
-        return _run_steps(run, state, batches, start, end, flops_per_step,
-                      log_every, eval_every, watchdog_timeout, profile_steps,
-                      profile_dir, exit_on_preemption, max_in_flight)  # fmt: skip
+        with _Interrupts(checkpoints) as interrupts:
+            return _run_steps(run, state, batches, start, end, flops_per_step,
+                          log_every, eval_every, watchdog_timeout, profile_steps,
+                          profile_dir, exit_on_preemption, max_in_flight,
+                          interrupts)  # fmt: skip
     finally:
         run.progress.close()
 
@@ -342,6 +408,7 @@ def _run_steps(
     profile_dir: Any,
     exit_on_preemption: bool,
     max_in_flight: int,
+    interrupts: _Interrupts,
 ) -> LoopResult:
     logger = _Logger(run)
     evals: list[tuple[int, dict[str, Any]]] = []
@@ -377,7 +444,9 @@ def _run_steps(
                 logger.last = (s, time.perf_counter())
             if s % log_every == 0 or s == end:
                 logger.log(s, state, metrics, out[2] if len(out) > 2 else None)
-            if eval_every is not None and (s % eval_every == 0 or s == end):
+            if run.eval_step is not None and (
+                s == end or (eval_every is not None and s % eval_every == 0)
+            ):
                 # Another program's collectives must not interleave with queued
                 # steps' (XLA's CPU collectives can deadlock); it waits anyway.
                 jax.block_until_ready(metrics)
@@ -385,7 +454,7 @@ def _run_steps(
                 evals.append(run.evaluate(s, state))
             if run.checkpoints is not None:
                 # `save` saves whatever the interval once preemption is signalled;
-                # `reached_preemption` is True only once that save is done.
+                # `reached_preemption` is False at a step `save` did not save.
                 run.save(s, state, force=s == end)
                 preempted = run.checkpoints.reached_preemption(s)
                 if preempted:
@@ -403,12 +472,16 @@ def _run_steps(
     logger.emit()
     if run.writer is not None:
         run.writer.flush()
+    interrupted = preempted and interrupts.received
     if preempted and run.checkpoints is not None:
         run.checkpoints.wait_until_finished()
-        run.progress.print(f"preempted: saved step {s}, exiting")
+        why = "interrupted (Ctrl-C)" if interrupted else "preempted"
+        exiting = ", exiting" if exit_on_preemption else ""
+        run.progress.print(f"{why}: saved step {s}{exiting}")
         if exit_on_preemption:
-            raise SystemExit(0)
+            # 128 + SIGINT, as a shell reports a process Ctrl-C ended.
+            raise SystemExit(130 if interrupted else 0)
     return LoopResult(
-        state, s, metrics, logger.logs, evals, start, preempted,
-        logger.seconds_per_step(),
+        state, s, metrics, logger.logs, evals, start, preempted and not interrupted,
+        logger.seconds_per_step(), interrupted,
     )  # fmt: skip

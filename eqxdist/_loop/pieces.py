@@ -61,14 +61,18 @@ class Progress:
             )  # fmt: skip
 
     def advance(self, step: int) -> None:
-        """Move the bar to `step` (cheap: call it after every step)."""
-        if self._bar is not None and step > self.step:
-            self._bar.update(step - self.step)
-        self.step = step
+        """Move the bar to `step` (cheap: call it after every step). It only moves
+        forward: an earlier `step` leaves it where it is."""
+        if step > self.step:
+            if self._bar is not None:
+                self._bar.update(step - self.step)
+            self.step = step
 
     def update(self, step: int, values: Mapping[str, float]) -> None:
         """Show `values` (host numbers) as those of `step`: in the bar's postfix,
-        or as a plain line `name step S/T  key value ...`."""
+        or as a plain line `name step S/T  key value ...`. The values of a step
+        the bar has passed (a loop that fetches them later) leave the bar where it
+        is."""
         self.advance(step)
         text = "  ".join(f"{k} {v:.4g}" for k, v in values.items())
         if self._bar is not None:

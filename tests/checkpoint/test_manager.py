@@ -57,17 +57,43 @@ def test_sigterm_anywhere_in_the_documented_loop_loses_no_step(
     np.testing.assert_array_equal(restored["w"], want)
 
 
-def test_reached_preemption_when_the_loop_checks_before_saving(tmp_path):
-    # Another order a user may write: check, then save; it must stop too.
-    with ed.CheckpointManager(tmp_path, save_interval_steps=10) as manager:
-        for step in range(1, 30):
-            if manager.reached_preemption(step):
-                manager.save(step, {"s": jnp.int32(step)}, force=True)
-                break
-            manager.save(step, {"s": jnp.int32(step)})
-            if step == 3:
+@pytest.mark.parametrize("periodic_save", [False, True])
+@pytest.mark.parametrize("where", ["before check", "after check", "after save"])
+def test_sigterm_anywhere_in_orbaxs_loop_stops_at_once_and_loses_no_step(
+    tmp_path, where, periodic_save
+):
+    # v0.2's contract and Orbax's shape: check first, and the loop saves the step
+    # itself when preempted; with a long interval nothing else saves (v0.3's
+    # check waited for a save since the signal, so this loop never stopped).
+    def train(w, step):
+        return w * 2.0 + step
+
+    signal_at, w = 5, jnp.zeros(3)
+    with ed.CheckpointManager(tmp_path, save_interval_steps=1000) as manager:
+        for i in range(20):
+            w = train(w, i)
+            if i + 1 == signal_at and where == "before check":
                 signal.raise_signal(signal.SIGTERM)
-    assert step == 5 and manager.all_steps() == [4, 5]
+            if manager.reached_preemption(i + 1):
+                assert manager.save(i + 1, {"w": w}, force=True)
+                break
+            if i + 1 == signal_at and where == "after check":
+                signal.raise_signal(signal.SIGTERM)
+            if periodic_save:
+                manager.save(i + 1, {"w": w})
+            if i + 1 == signal_at and where == "after save":
+                signal.raise_signal(signal.SIGTERM)
+        stopped = i + 1
+    # The first check after the signal stops the loop.
+    assert stopped == (signal_at if where == "before check" else signal_at + 1)
+    # A periodic save after the check saves the signalled step as well.
+    saved = [signal_at] if periodic_save and where == "after check" else []
+    assert manager.all_steps() == [*saved, stopped]
+    want = np.zeros(3, np.float32)
+    for step in range(stopped):
+        want = want * 2.0 + step
+    restored = ed.restore_checkpoint(tmp_path, {"w": jnp.zeros(3)})
+    np.testing.assert_array_equal(restored["w"], want)
 
 
 # ------------------------------------------------------------ failing saves

@@ -29,6 +29,15 @@ SCRIPTS = Path(__file__).parent.parent / "mp_scripts"
 # would take forever.
 TIMEOUT = 240
 
+# `python` with SIGINT at its default, as a terminal's Ctrl-C finds it, although
+# a run in the background (CI) inherits it ignored: reset, then exec Python.
+WITH_SIGINT = [
+    sys.executable,
+    "-c",
+    "import os, signal, sys; signal.signal(signal.SIGINT, signal.SIG_DFL); "
+    "os.execv(sys.executable, [sys.executable, *sys.argv[1:]])",
+]
+
 
 def run_launcher(
     *args: object, timeout: float = TIMEOUT
@@ -896,6 +905,58 @@ def test_sigterm_to_one_of_2_processes_saves_and_the_rerun_resumes_bit_exactly(
     outputs = slurm_run(tmp_path, (script, ckpt, resumed, steps))
     assert f"resumed at {step}" in outputs[0]
     assert_same_npz(np.load(resumed), want)
+
+
+@pytest.mark.slow
+def test_sigterm_stops_orbaxs_check_first_loop_on_2_processes_at_a_saved_step(
+    tmp_path,
+):
+    """v0.2's contract, Orbax's shape: `if reached_preemption(step): save(step,
+    force=True); break`, with an interval that never saves otherwise. SIGTERM to
+    process 1: both processes stop at the same step, soon, and that step is saved
+    with its metadata (v0.3 waited for a save since the signal: the loop trained
+    on to its last step)."""
+    script, ckpt, out_file = SCRIPTS / "preempt_train.py", tmp_path / "ckpt", "o.npz"
+    status, out, err = preemption_run(
+        launcher_command(script, ckpt, tmp_path / out_file, "10", "check-first"),
+        victim=1,
+    )
+    assert status == 0, f"{out}\n{err}"
+    stopped = {int(m) for m in re.findall(r"\[\d\] preempted at (\d+)", out)}
+    assert len(stopped) == 1 and out.count("preempted at") == 2, out
+    (step,) = stopped
+    assert 3 <= step < 10 and not (tmp_path / out_file).exists()
+    with ed.CheckpointManager(ckpt) as manager:
+        assert manager.all_steps() == [step]
+        assert manager.metadata(step) == {"next_step": step}
+
+
+@pytest.mark.slow
+def test_ctrl_c_stops_train_loop_on_2_processes_at_one_saved_step(tmp_path):
+    """Ctrl-C to the launcher, which passes SIGINT on to every process:
+    `train_loop` takes it like SIGTERM (JAX's preemption sync point), so both
+    processes stop at the same step, save it and exit with 130, without a
+    traceback (it was a `KeyboardInterrupt` in each, nothing saved)."""
+    ckpt = tmp_path / "ckpt"
+    run = subprocess.Popen(
+        [*WITH_SIGINT, *launcher_command(SCRIPTS / "loop_interrupt.py", ckpt)[1:]],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    lines = []
+    for line in run.stdout:
+        lines.append(line)
+        if line.startswith("[1]") and line.split()[-2:] == ["step", "3"]:
+            run.send_signal(signal.SIGINT)
+            break
+    rest, err = run.communicate(timeout=TIMEOUT)
+    out = "".join(lines) + rest
+    assert run.returncode == 130, f"{out}\n{err}"
+    saved = re.search(r"\[0\] interrupted \(Ctrl-C\): saved step (\d+), exiting", out)
+    assert saved, f"{out}\n{err}"
+    assert ed.latest_step(ckpt) == int(saved[1]) >= 3
+    assert "Traceback" not in err and "not reached" not in out, err
 
 
 def assert_same_npz(got, want):

@@ -1,9 +1,11 @@
 """`train_loop`: the same parameters as a bare loop over the step (and as plain
-single-device Optax), exact resume, what it logs, evaluation, preemption,
-profiling, and the watchdog ending a process whose step never completes."""
+single-device Optax), exact resume, what it logs, evaluation, preemption and
+Ctrl-C, profiling, the progress bar, and the watchdog ending a process whose step
+never completes."""
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -186,6 +188,156 @@ def test_preemption_saves_and_stops(mesh8: Any, tmp_path: Path) -> None:
         assert exit_.value.code == 0 and manager.all_steps() == [6]
 
 
+@pytest.fixture
+def python_sigint_handler() -> Any:
+    """Python's own SIGINT handler (raising `KeyboardInterrupt`), as in a script
+    run from a terminal, whatever the test runner installed."""
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    yield
+    signal.signal(signal.SIGINT, previous)
+
+
+def test_ctrl_c_saves_the_step_and_stops_cleanly(
+    mesh8: Any, tmp_path: Path, python_sigint_handler: Any, capsys: Any
+) -> None:
+    step = ed.make_train_step(loss_fn, OPTIMIZER, mesh8)
+    presses = 1
+
+    def interrupted(s: int) -> Any:
+        if s == 5:
+            for _ in range(presses):
+                signal.raise_signal(signal.SIGINT)  # Ctrl-C while step 6 runs
+        return batch(s)
+
+    with ed.CheckpointManager(tmp_path / "a", save_interval_steps=100) as manager:
+        result = ed.train_loop(
+            step, make_state(), interrupted, STEPS, checkpoints=manager,
+            exit_on_preemption=False, progress=False,
+        )  # fmt: skip
+        assert result.interrupted and not result.preempted and result.step == 6
+        assert manager.all_steps() == [6]
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+    assert "interrupted (Ctrl-C): saved step 6\n" in capsys.readouterr().out
+    # The saved step is the state the loop ended on.
+    for a, b in zip(params(ed.restore_checkpoint(tmp_path / "a", result.state)),
+                    params(result.state), strict=True):  # fmt: skip
+        np.testing.assert_array_equal(a, b)
+    with ed.CheckpointManager(tmp_path / "b", save_interval_steps=100) as manager:
+        with pytest.raises(SystemExit) as exit_:
+            ed.train_loop(
+                step, make_state(), interrupted, STEPS, checkpoints=manager,
+                progress=False,
+            )  # fmt: skip
+        # 128 + SIGINT, no traceback; the step is saved.
+        assert exit_.value.code == 130 and manager.all_steps() == [6]
+    assert "interrupted (Ctrl-C): saved step 6, exiting" in capsys.readouterr().out
+    presses = 2  # a second Ctrl-C stops at once
+    with (
+        ed.CheckpointManager(tmp_path / "c", save_interval_steps=100) as manager,
+        pytest.raises(KeyboardInterrupt),
+    ):
+        ed.train_loop(
+            step, make_state(), interrupted, STEPS, checkpoints=manager,
+            progress=False,
+        )  # fmt: skip
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+
+
+def test_evaluation_at_the_end_only(mesh8: Any) -> None:
+    step = ed.make_train_step(loss_fn, OPTIMIZER, mesh8)
+    evaluate = ed.make_eval_step(eval_fn, mesh8)
+    held_out = {"x": X[:13], "y": Y[:13]}
+    result = ed.train_loop(
+        step, make_state(), batch, 6, eval_step=evaluate, eval_batches=held_out,
+        progress=False,
+    )  # fmt: skip
+    assert [s for s, _ in result.evals] == [6]
+    model = result.state.model
+    expected = np.mean(
+        (np.asarray(jax.vmap(model)(held_out["x"])) - held_out["y"]) ** 2
+    )
+    assert float(result.evals[0][1]["loss"]) == pytest.approx(expected, rel=1e-5)
+
+
+def logged(path: Path) -> list[dict[str, Any]]:
+    """The rows of a JSONL log without the timings, which differ run to run."""
+    timings = {"steps_per_sec", "examples_per_sec"}
+    rows = [json.loads(line) for line in path.read_text().splitlines()]
+    return [{k: v for k, v in r.items() if k not in timings} for r in rows]
+
+
+def test_a_resumed_run_logs_each_step_once(
+    mesh8: Any, tmp_path: Path, capsys: Any
+) -> None:
+    step = ed.make_train_step(loss_fn, OPTIMIZER, mesh8)
+    with ed.JsonlWriter(tmp_path / "whole.jsonl") as writer:
+        ed.train_loop(
+            step, make_state(), batch, STEPS, writer=writer, log_every=1,
+            progress=False,
+        )  # fmt: skip
+
+    def crashing(s: int) -> Any:
+        if s == 7:
+            raise RuntimeError("the machine went away")
+        return batch(s)
+
+    path = tmp_path / "run.jsonl"
+    with (
+        ed.CheckpointManager(tmp_path / "ckpt", save_interval_steps=4) as manager,
+        ed.JsonlWriter(path) as writer,
+        pytest.raises(RuntimeError, match="went away"),
+    ):
+        ed.train_loop(
+            step, make_state(), crashing, STEPS, writer=writer, log_every=1,
+            checkpoints=manager, progress=False,
+        )  # fmt: skip
+    # Logged past the checkpoint at step 4 before the crash (in step 8's batch).
+    assert [r["step"] for r in logged(path)] == [1, 2, 3, 4, 5, 6]
+    with (
+        ed.CheckpointManager(tmp_path / "ckpt", save_interval_steps=4) as manager,
+        ed.JsonlWriter(path, append=True) as writer,
+    ):
+        result = ed.train_loop(
+            step, make_state(), batch, STEPS, writer=writer, log_every=1,
+            checkpoints=manager, progress=False,
+        )  # fmt: skip
+        assert result.start_step == 4
+    assert logged(path) == logged(tmp_path / "whole.jsonl")
+    # Resumed at its end: nothing to run, and it says so.
+    capsys.readouterr()
+    with ed.CheckpointManager(tmp_path / "ckpt") as manager:
+        again = ed.train_loop(
+            step, make_state(), batch, STEPS, checkpoints=manager, progress=False
+        )
+    assert again.start_step == again.step == STEPS and not again.logs
+    assert (
+        capsys.readouterr().out
+        == f"already at step {STEPS} of {STEPS}: nothing to run\n"
+    )
+
+
+def test_a_writer_of_ones_own(mesh8: Any) -> None:
+    class Recorder:  # the protocol, no eqxdist base class
+        def __init__(self) -> None:
+            self.steps: list[int] = []
+
+        def write(self, step: int, values: Any) -> None:
+            self.steps.append(step)
+
+        def flush(self) -> None:
+            pass
+
+        def close(self) -> None:
+            pass
+
+    step = ed.make_train_step(loss_fn, OPTIMIZER, mesh8)
+    recorder = Recorder()
+    ed.train_loop(
+        step, make_state(), batch, 4, writer=recorder, log_every=2, progress=False
+    )
+    assert recorder.steps == [2, 4]
+
+
 def test_profile_and_compilation_cache(mesh8: Any, tmp_path: Path) -> None:
     step = ed.make_train_step(loss_fn, OPTIMIZER, mesh8)
     before = jax.config.jax_compilation_cache_dir
@@ -275,6 +427,23 @@ def test_progress_bar_shows_rate_and_values(capsys: Any) -> None:
     out = capsys.readouterr().out
     assert "demo" in out and "5/10" in out and "loss 0.5" in out
     assert "step/s" in out and "a line above the bar" in out
+
+
+def test_progress_bar_counts_each_step_once(mesh8: Any, capsys: Any) -> None:
+    # A log point's values arrive after the bar has moved on: the bar stays.
+    progress = ed.Progress(11, bar=True)
+    for s in range(1, 11):
+        progress.advance(s)
+    progress.update(5, {"loss": 0.5})
+    progress.advance(11)
+    assert progress._bar.n == 11 and progress.step == 11
+    progress.close()
+    capsys.readouterr()
+    step = ed.make_train_step(loss_fn, OPTIMIZER, mesh8)
+    ed.train_loop(step, make_state(), batch, 11, log_every=5, progress=True)
+    out = capsys.readouterr().out
+    # tqdm drops the total ("16step") once the count passes it.
+    assert "11/11" in out and not re.search(r"\d+step \[", out), out
 
 
 def test_progress_bar_without_tqdm_is_an_error(monkeypatch: Any) -> None:

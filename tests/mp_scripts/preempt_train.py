@@ -3,14 +3,18 @@ tests/checkpoint/test_checkpoint.py (one plain process) and
 tests/launch/test_launch.py (under `eqxdist.launch`, and as
 SLURM-style processes started by hand):
 
-    preempt_train.py CKPT OUT STEPS
+    preempt_train.py CKPT OUT STEPS [save-first|check-first]
 
 Resumes from the latest checkpoint in CKPT if there is one, trains the `common`
 problem (data parallel, a different batch per step) up to STEPS, and saves when
 preempted: on SIGTERM to any process every process stops at the same step, saves
 it and exits with status 0. A run that reaches STEPS writes the final state to OUT
 (`.npz`, from process 0). Each save carries `metadata` (written by process 0); a
-resumed run checks, on every process, that it reads back the step's own."""
+resumed run checks, on every process, that it reads back the step's own.
+
+The loop saves, then asks `reached_preemption` (`save-first`, the default), or asks
+first and saves only when preempted (`check-first`, Orbax's shape: with the long
+interval nothing else saves)."""
 
 import sys
 import time
@@ -25,6 +29,7 @@ import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
 directory, out, steps = sys.argv[1], sys.argv[2], int(sys.argv[3])
+order = sys.argv[4] if len(sys.argv) > 4 else "save-first"
 mesh = ed.create_data_parallel_mesh()
 train_step = ed.make_train_step(common.loss_fn, common.OPTIMIZER, mesh, strategy="dp")
 
@@ -54,8 +59,12 @@ with ed.CheckpointManager(directory, save_interval_steps=1000, async_save=True) 
         jax.block_until_ready(state)
         print(f"pid {__import__('os').getpid()} step {step + 1}", flush=True)
         time.sleep(0.3)
-        m.save(step + 1, state, metadata={"next_step": step + 1})
+        metadata = {"next_step": step + 1}
+        if order == "save-first":
+            m.save(step + 1, state, metadata=metadata)
         if m.reached_preemption(step + 1):
+            if order == "check-first":
+                m.save(step + 1, state, force=True, metadata=metadata)
             print(f"preempted at {step + 1}", flush=True)
             break
     else:
