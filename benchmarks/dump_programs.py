@@ -24,9 +24,6 @@ from pathlib import Path
 from typing import Any
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
-flags = os.environ.get("XLA_FLAGS", "")
-if "xla_force_host_platform_device_count" not in flags:
-    os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count=8"
 
 import equinox as eqx
 import jax
@@ -36,6 +33,8 @@ import optax
 from jax.sharding import AxisType, PartitionSpec as P
 
 import eqxdist as ed
+
+ed.simulate_cpu_devices(8)  # before JAX starts its backend
 
 OPTIMIZER = optax.adamw(1e-3)
 TP_RULES = [
@@ -198,7 +197,9 @@ def _strip(text: str) -> str:
 def lower_case(name: str, explicit: bool) -> str:
     shape, make_model, loss, options = CASES[name]
     kind = AxisType.Explicit if explicit else AxisType.Auto
-    mesh = jax.make_mesh(tuple(shape.values()), tuple(shape), axis_types=(kind,) * len(shape))
+    mesh = jax.make_mesh(
+        tuple(shape.values()), tuple(shape), axis_types=(kind,) * len(shape)
+    )
     key = jax.random.key(0)
     if make_model is _BNNet:
         model, model_state = eqx.nn.make_with_state(_BNNet)(key)

@@ -7,6 +7,7 @@ function `fn(state, batch) -> (new_state, aux)` and says where every state and
 batch leaf lives. The train and evaluation steps are built on it."""
 
 import collections
+import contextlib
 import weakref
 from collections.abc import Callable
 from typing import Any
@@ -16,7 +17,6 @@ import jax.numpy as jnp
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from ._data_parallel import place, shard_batch
-from ._mesh import on_mesh
 from ._utils import (
     check_not_consumed,
     flatten_up_to,
@@ -24,6 +24,10 @@ from ._utils import (
     note_donated,
     was_donated,
 )
+
+
+def _context(mesh: Mesh | None) -> Any:
+    return contextlib.nullcontext() if mesh is None else jax.set_mesh(mesh)
 
 
 def _same(a: tuple[Any, ...], b: tuple[Any, ...]) -> bool:
@@ -70,6 +74,7 @@ class _Entry:
         self.state_template = [None if is_array_like(x) else x for x in state_leaves]
         self.batch_template = [None if is_array_like(x) else x for x in batch_leaves]
         self.fn: Any = None
+        self.mesh: Any = None  # the context mesh `fn` is traced and run under
         self.specs: Any = None
         self.shardings: tuple[list[Any], list[Any], list[Any]] = ([], [], [])
 
@@ -129,6 +134,8 @@ class CompiledStep:
       crash.
     - `max_in_flight`: at most this many calls are queued before the oldest is
       waited for (XLA's CPU collectives deadlock when too many are queued).
+    - `context_mesh(state)`: the mesh `fn` is traced and run under (`jax.set_mesh`
+      around each call, whatever mesh the caller set); `None`: the caller's.
     """
 
     def __init__(
@@ -143,6 +150,7 @@ class CompiledStep:
         max_in_flight: int | None,
         check_batch: Callable[[Any], None] | None = None,
         compiler_options: Callable[[Any], dict[str, Any] | None] | None = None,
+        context_mesh: Callable[[Any], Mesh] | None = None,
         name: str = "step",
     ) -> None:
         self.fn = fn
@@ -153,6 +161,7 @@ class CompiledStep:
         self.donate = donate
         self.max_in_flight = max_in_flight
         self.compiler_options = compiler_options
+        self.context_mesh = context_mesh
         self.check_batch = check_batch
         self._checked_shapes: Any = None
         self.name = name
@@ -181,6 +190,8 @@ class CompiledStep:
             kept_mask = flatten_up_to(state, self.kept(state))
             entry = _Entry(state_leaves, state_def, kept_mask, batch_leaves, batch_def)
             entry.specs = specs
+            if self.context_mesh is not None:
+                entry.mesh = self.context_mesh(state)
             options = self.compiler_options(state) if self.compiler_options else None
             entry.fn = self._compile(entry, flatten_up_to(state, specs), batch, options)
             self._entries.append(entry)
@@ -205,7 +216,7 @@ class CompiledStep:
         ]
         entry.shardings = (updated, kept, batch_shardings)
 
-        def compute(
+        def run(
             updated_arrays: list[Any], kept_arrays: list[Any], batch_arrays: list[Any]
         ) -> Any:
             new_state, aux = self.fn(
@@ -218,14 +229,10 @@ class CompiledStep:
                     f"from {entry.state_def} to {new_def}; the optimizer state and "
                     "the model state must keep their structure between steps."
                 )
-            return [new_leaves[i] for i in entry.updated], aux
-
-        def run(*arrays: list[Any]) -> Any:
-            new, aux = on_mesh(compute, self.mesh)(*arrays)
             # A token that is ready when the step is: never donated, so the bound on
             # steps in flight can wait on it.
             token = jnp.zeros((), jnp.int32)
-            return new, aux, token
+            return [new_leaves[i] for i in entry.updated], aux, token
 
         return jax.jit(
             run,
@@ -271,10 +278,11 @@ class CompiledStep:
             self.check_batch(batch)
         entry, state = self.entry(state, batch)
         batch_leaves = jax.tree.leaves(batch)
-        return entry.fn.trace(
-            *self._state_arrays(entry, state),
-            [batch_leaves[i] for i in entry.batch_arrays],
-        )
+        with _context(entry.mesh):
+            return entry.fn.trace(
+                *self._state_arrays(entry, state),
+                [batch_leaves[i] for i in entry.batch_arrays],
+            )
 
     def lower(self, state: Any, batch: Any) -> Any:
         """`jax.jit(...).lower` of the compiled function for these arguments."""
@@ -299,7 +307,7 @@ class CompiledStep:
             # Donation deletes every donated array at once: one look is enough to
             # catch a state that another step consumed since.
             if updated and was_donated(updated[0]):
-                check_not_consumed(state, self.name, returned=True)
+                check_not_consumed(state, self.name)
         else:
             entry, state = self.entry(state, batch)
             self._last = entry
@@ -312,7 +320,8 @@ class CompiledStep:
                 self.check_batch(batch)
                 self._checked_shapes = shapes
         batch_arrays = self._placed_batch(entry, batch_arrays, batch)
-        new_arrays, aux, token = entry.fn(updated, kept, batch_arrays)
+        with _context(entry.mesh):
+            new_arrays, aux, token = entry.fn(updated, kept, batch_arrays)
         if self.donate and updated:
             note_donated(updated[0])
         new_state = entry.state(new_arrays, kept)

@@ -16,6 +16,7 @@ from jax.sharding import Mesh, PartitionSpec as P
 from ._compiled import CompiledStep
 from ._data_parallel import local_shard_count
 from ._layout import Layout
+from ._mesh import retyped
 from ._metrics.tree import check_metrics, reduce_metrics
 from ._state import TrainState, trainable_mask_tree
 from ._train import StepInputs, step_layout
@@ -55,7 +56,8 @@ class EvalMath(eqx.Module):
     compute_dtype: Any = eqx.field(static=True)
 
     def __call__(self, inputs: EvalInput, batch: Any) -> tuple[EvalInput, Any]:
-        batch, mask = batch
+        """Traced with `layout.compute_mesh(...)` as the context mesh."""
+        inputs, (batch, mask) = retyped((inputs, batch), self.layout.mesh)
         split = StepInputs.split(
             self.layout, inputs.model, inputs.cast_mask(), inputs.model_state, batch
         )
@@ -126,6 +128,9 @@ class EvalStep:
             max_in_flight=8,
             compiler_options=lambda inputs: self.layout.compiler_options(
                 inputs.model, math_.compute_dtype
+            ),
+            context_mesh=lambda inputs: self.layout.compute_mesh(
+                inputs.model_state is not None
             ),
             name="eval step",
         )

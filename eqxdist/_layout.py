@@ -18,7 +18,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from ._data_parallel import local_shard_count
 from ._fsdp import CPU_FSDP_OPTIONS
-from ._mesh import auto_mesh
+from ._mesh import compute_mesh
 from ._plan import Planner, structure_key, warn_if_unsharded
 from ._rules import (
     FsdpRule,
@@ -122,8 +122,6 @@ class Layout:
                 "batch is split over."
             )
         self.mesh = mesh
-        # What the step's `shard_map`s run on (`_mesh.on_mesh`).
-        self.compute_mesh = auto_mesh(mesh)
         self.strategy = strategy
         self.caller = caller
         self.data_axes = data_axes
@@ -149,6 +147,19 @@ class Layout:
         self.batch_sharding = NamedSharding(mesh, self.batch_spec)
         self.num_shards = math.prod(mesh.shape[a] for a in data_axes)
         self._state_specs: dict[Any, Any] = {}
+
+    def compute_mesh(self, with_state: bool) -> Mesh:
+        """The mesh a step computes on (`_mesh.compute_mesh`, `_mesh.retyped`):
+        every axis `Auto`, and, when a model state is carried and the data axes
+        are every axis of the mesh, a trailing `Auto` axis of size 1.
+
+        Inside a fully manual `shard_map` traced values carry the manual mesh in
+        their type while constants made there do not, so `eqx.nn.State.set(index,
+        jnp.array(False))` (BatchNorm's `mode="ema"` flag) fails Equinox's check
+        that a value keeps its type. One automatic axis of size 1 leaves the
+        computation unchanged and gives traced values and constants one type."""
+        fully_manual = set(self.mesh.axis_names) <= set(self.data_axes)
+        return compute_mesh(self.mesh, with_state and fully_manual)
 
     def batch_specs(self, batch_arrays: Any) -> Any:
         """The `shard_map` specs of a batch's arrays: rows split over the data axes,

@@ -6,7 +6,7 @@ import math
 import os
 import re
 import warnings
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import jax
@@ -367,41 +367,32 @@ def explicit_axes(mesh: Mesh) -> tuple[str, ...]:
 
 
 @functools.cache
-def _auto_copy(mesh: Mesh) -> Mesh:
-    return Mesh(
-        mesh.devices,
-        mesh.axis_names,
-        axis_types=(AxisType.Auto,) * len(mesh.axis_names),
-    )
+def compute_mesh(mesh: Mesh, with_auto_axis: bool = False) -> Mesh:
+    """The mesh a step computes on: `mesh`'s devices and axis names, every axis
+    `Auto` (`mesh` itself when it is so already); `with_auto_axis` adds a trailing
+    `Auto` axis of size 1. One object per argument."""
+    if not with_auto_axis and not explicit_axes(mesh):
+        return mesh
+    devices, names = mesh.devices, tuple(mesh.axis_names)
+    if with_auto_axis:
+        devices, names = devices[..., None], (*names, "_eqxdist_auto")
+    return Mesh(devices, names, axis_types=(AxisType.Auto,) * len(names))
 
 
-def auto_mesh(mesh: Mesh) -> Mesh:
-    """`mesh` itself when none of its axes is `Explicit`; else the same devices and
-    names with every axis `Auto` (one object per mesh): the mesh a step's
-    `shard_map`s run on inside `in_auto_axes`."""
-    return _auto_copy(mesh) if explicit_axes(mesh) else mesh
+def retyped(args: Any, mesh: Mesh) -> Any:
+    """`args` of a `jax.jit` whose arguments live on `mesh`, traced with a
+    `compute_mesh(mesh, ...)` as the context mesh (`jax.set_mesh` around the
+    call): arrays typed by `mesh` retyped for the context (unsharded over its
+    `Auto` axes: no data moves, the layout stays the one `jit` was given). Not
+    needed, and not done, where the context is `mesh` itself.
 
+    Unlike `jax.sharding.auto_axes` this adds no sharding constraint (results
+    take `jit`'s `out_shardings`), so an Explicit mesh compiles the very program
+    an Auto mesh does."""
+    if jax.sharding.get_abstract_mesh() == mesh.abstract_mesh:
+        return args
 
-def on_mesh(fn: Callable[..., Any], mesh: Mesh) -> Callable[..., Any]:
-    """`fn` traced on `mesh` with every axis `Auto` (`auto_mesh`), for a
-    `jax.jit` whose arguments and results live on `mesh`.
+    def retype(x: Any) -> Any:
+        return jax.sharding.reshard(x, P()) if isinstance(x, jax.Array) else x
 
-    The context mesh is `auto_mesh(mesh)` whatever the caller has set (e.g.
-    `jax.set_mesh(mesh)` with `Explicit` axes), so `fn`'s `shard_map`s on
-    `auto_mesh(mesh)` find the mesh they name, and values made inside a
-    `shard_map` (a constant such as BatchNorm's counter) have the type of those
-    passed in, as Equinox's `State.set` requires. Arguments with `Explicit` axes
-    in their types are retyped as `Auto` (no data moves: the layout stays the one
-    `jit` was given) and results take `jit`'s `out_shardings`. Unlike
-    `jax.sharding.auto_axes`, no sharding constraint is added, so an Explicit mesh
-    compiles the very program an Auto mesh does."""
-    explicit = bool(explicit_axes(mesh))
-    auto = auto_mesh(mesh).abstract_mesh
-
-    def run(*args: Any) -> Any:
-        with jax.sharding.use_abstract_mesh(auto):
-            if explicit:
-                args = jax.tree.map(lambda x: jax.sharding.reshard(x, P()), args)
-            return fn(*args)
-
-    return run
+    return jax.tree.map(retype, args)

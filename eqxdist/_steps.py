@@ -52,6 +52,9 @@ class TrainStep:
             compiler_options=lambda state: self.layout.compiler_options(
                 state.model, math.compute_dtype
             ),
+            context_mesh=lambda state: self.layout.compute_mesh(
+                state.model_state is not None
+            ),
             name="train step",
         )
 
@@ -275,13 +278,18 @@ def make_train_step(
       `optax.contrib.reduce_on_plateau`), it gets the step's loss as `value`
       (the mean over every device and minibatch); no other extra argument is
       passed.
-    - `mesh`: the device mesh.
+    - `mesh`: the device mesh, its axes `Auto`, `Explicit` (`jax.make_mesh`'s
+      default) or a mix: the state is placed on it and comes back on it, typed
+      as it types arrays; the step computes with every axis `Auto` (the same
+      program on either kind). Calling the step inside `jax.set_mesh(mesh)` is
+      fine.
     - `strategy`: `"dp"`, `"fsdp"` or `"zero1"`.
     - `data_axis`: the mesh axis, or tuple of axes, the batch is split over (rows
       in mesh order); gradients and metrics are reduced over all of them.
     - `num_minibatches`: gradient accumulation steps per call.
     - `min_weight_size`: for `"fsdp"` (`"zero1"`), leaves (optimizer-state
-      leaves) this small or smaller (full size) are not sharded over `fsdp_axis`.
+      leaves) this small or smaller (full size) are not sharded over `fsdp_axis`;
+      a model none of whose leaves is sharded gets a `UserWarning` saying so.
     - `donate`: reuse the buffers of the state the step returned last.
     - `compute_dtype`: e.g. `jnp.bfloat16`: trainable floating-point parameters
       are cast to it before `loss_fn` sees them (under FSDP before the all-gather,
@@ -324,9 +332,11 @@ def make_train_step(
       against the layer (a deep MLP), gathering for a language model's many
       tokens. The result is the same either way, up to rounding. A layer called
       under `lax.cond` or `lax.while_loop` is always gathered (devices may take
-      different branches), and one called on anything but a vector (outside
-      `jax.vmap`) gathers its weight for that call. Reading a partitioned
-      layer's `weight` (weight tying) all-gathers it.
+      different branches), as is one whose weight the loss replaces
+      (`eqx.tree_at`, as `eqx.nn.SpectralNorm` and `WeightNorm` do: a partitioned
+      layer holds a shard, not a weight to replace); one called on anything but
+      a vector (outside `jax.vmap`) gathers its weight for that call. Reading a
+      partitioned layer's `weight` (weight tying) all-gathers it.
     - `use_scan`: see `accumulate_gradients`.
     - `max_steps_in_flight`: the bound on queued steps (`None`: unbounded).
     - `step_info`: return `(state, metrics, info)`, `info` a dict of replicated

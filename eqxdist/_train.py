@@ -27,6 +27,7 @@ from ._accumulate import (
     weight_scale,
 )
 from ._layout import Layout
+from ._mesh import retyped
 from ._metrics.tree import reduce_metrics
 from ._partition import KeyPath, choose, partitioned as partitioned_layers
 from ._plan import WEIGHT, ModelPlan
@@ -161,6 +162,11 @@ class StepInputs:
         """The model's specs over the data axes: how its leaves enter the map."""
         return self.plan.manual
 
+    @property
+    def mesh(self) -> Mesh:
+        """The mesh the step computes on (`Layout.compute_mesh`)."""
+        return self.layout.compute_mesh(self.with_state)
+
     def gather(
         self,
         tree: Any,
@@ -205,7 +211,7 @@ class StepInputs:
         batch_specs = layout.batch_specs(self.batch_arrays)
         return jax.shard_map(
             per_device,
-            mesh=layout.compute_mesh,
+            mesh=self.mesh,
             in_specs=(self.manual, self.manual, P(), batch_specs, *extra_specs),
             out_specs=out_specs,
             axis_names=frozenset(layout.data_axes),
@@ -232,6 +238,8 @@ class StepMath(eqx.Module):
     fsdp_linears: str = eqx.field(static=True, default="auto")
 
     def __call__(self, state: TrainState, batch: Any) -> tuple[TrainState, Any]:
+        """Traced with `layout.compute_mesh(...)` as the context mesh."""
+        state, batch = retyped((state, batch), self.layout.mesh)
         self.layout.check_rows(batch, self.num_minibatches, traced=True)
         mask = state.trainable_mask()
         inputs = StepInputs.split(
@@ -270,7 +278,7 @@ class StepMath(eqx.Module):
                     specs=plan.specs,
                     manual=plan.grad_specs,
                     axes=layout.data_axes,
-                    mesh=layout.compute_mesh,
+                    mesh=inputs.mesh,
                     kinds=update_kinds,
                 )
                 if update_kinds  # here, so that a skipped step reads no update
@@ -305,7 +313,7 @@ class StepMath(eqx.Module):
             plan.specs,
             plan.manual,
             layout.data_axes,
-            layout.compute_mesh,
+            inputs.mesh,
             (SQUARES,),
         )
         info = step_statistics(grad_sums[0], update_sums, param_sums, skipped)

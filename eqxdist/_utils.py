@@ -46,12 +46,12 @@ def strong_types(tree: Any) -> Any:
     kept. A step's update makes such leaves strong (`param + update`), so a
     state that kept them weak would compile every step a second time."""
 
-    def strong(x: Any) -> Any:
-        if isinstance(x, jax.Array) and jax.typeof(x).weak_type:
-            return jnp.asarray(x, dtype=x.dtype)
-        return x
+    def weak(x: Any) -> bool:
+        return isinstance(x, jax.Array) and jax.typeof(x).weak_type
 
-    return jax.tree.map(strong, tree)
+    if not any(weak(x) for x in jax.tree.leaves(tree)):
+        return tree  # the very object: a state's model is the model it was given
+    return jax.tree.map(lambda x: jnp.asarray(x, dtype=x.dtype) if weak(x) else x, tree)
 
 
 def plural(count: int, noun: str) -> str:
@@ -161,32 +161,22 @@ def deleted_leaf(tree: Any) -> str | None:
     return None
 
 
-def check_not_consumed(
-    tree: Any, caller: str, argument: str = "state", *, returned: bool = False
-) -> None:
+def check_not_consumed(tree: Any, caller: str, argument: str = "state") -> None:
     """Raise the `ValueError` of a consumed (donated) state; see `deleted_leaf`.
-    `returned`: `tree` is the state the step returned last, so its array can
-    only have been consumed through another state that shared it."""
+
+    A step donates only the state it returned, so the array went with that
+    state: either `tree` is an older state, or it shares the array with one
+    (a GAN's two states copied into each other with `eqx.tree_at`)."""
     path = deleted_leaf(tree)
-    if path is None:
-        return
-    shared = (
-        "one of its arrays was shared with another state (e.g. put into it with "
-        "`eqx.tree_at`) that a step consumed since: share arrays after the step "
-        "that donates them, share a copy (`jnp.copy`), or build the steps with "
-        "`donate=False`."
-    )
-    if returned:
+    if path is not None:
         raise ValueError(
-            f"{caller}: `{argument}` is the state this step returned, but its array "
-            f"at {path} was donated and deleted since by another step: pass the "
-            f"state that step returned. If it was not passed to one, {shared}"
+            f"{caller}: `{argument}` was consumed by an earlier step (its array at "
+            f"{path} was donated and deleted); pass the state the step returned "
+            "instead. If you did, that array was shared with another state (e.g. "
+            "put into it with `eqx.tree_at`) which a step consumed since: share "
+            "arrays after the step that donates them, share a copy (`jnp.copy`), "
+            "or build the steps with `donate=False`."
         )
-    raise ValueError(
-        f"{caller}: `{argument}` was consumed by an earlier step (its array at "
-        f"{path} was donated and deleted); pass the state the step returned "
-        f"instead. If you did, {shared}"
-    )
 
 
 def check_rows(batch: Any, divisor: int, caller: str, why: str) -> None:

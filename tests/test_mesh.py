@@ -2,9 +2,11 @@ import os
 import subprocess
 import sys
 
+import equinox as eqx
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
@@ -185,3 +187,121 @@ def test_simulate_cpu_devices_keeps_an_existing_flag():
     assert os.environ["XLA_FLAGS"] == before and jax.device_count() == 8
     with pytest.raises(ValueError, match="`count` must be >= 1"):
         ed.simulate_cpu_devices(0)
+
+
+def test_axis_types_of_the_builders():
+    explicit, auto = AxisType.Explicit, AxisType.Auto
+    assert ed.create_device_mesh({"data": 8}, axis_types="explicit").axis_types == (
+        explicit,
+    )
+    assert ed.create_data_parallel_mesh(axis_types="explicit").axis_types == (explicit,)
+    assert ed.create_model_parallel_mesh(4, axis_types="explicit").axis_types == (
+        explicit,
+    )
+    mixed = ed.create_hybrid_mesh(4, 2, axis_types=(explicit, auto))
+    assert mixed.axis_types == (explicit, auto)
+    assert ed.create_hybrid_mesh(4, 2).axis_types == (auto, auto)
+    manager = ed.DeviceMeshManager()
+    assert manager.create_device_mesh(
+        {"data": 2, "model": 4}, axis_types="explicit"
+    ).axis_types == (explicit, explicit)
+    # The mesh JAX's own builder gives, device for device.
+    ours = ed.create_device_mesh({"data": 4, "model": 2}, axis_types="explicit")
+    theirs = jax.make_mesh((4, 2), ("data", "model"))
+    assert theirs.axis_types == ours.axis_types
+    assert ours.axis_names == theirs.axis_names
+
+
+@pytest.mark.parametrize(
+    ("axis_types", "match"),
+    [
+        ("manual", r"`axis_types`='manual' is not a kind of axis.*'auto', 'explicit'"),
+        ((AxisType.Explicit,), r"`axis_types` has 1 entries for the 2 axes"),
+    ],
+)
+def test_axis_types_mistakes(axis_types, match):
+    with pytest.raises(ValueError, match=match):
+        ed.create_device_mesh({"data": 4, "model": 2}, axis_types=axis_types)
+
+
+def _lowered(mesh, strategy, options, state, batch):
+    def loss_fn(model, batch, key):
+        logits = jax.vmap(model)(batch["x"])
+        return jnp.mean((logits - batch["y"]) ** 2), {}
+
+    step = ed.make_train_step(loss_fn, OPTIMIZER, mesh, strategy=strategy, **options)
+    return step, step.lower(state, batch).as_text()
+
+
+OPTIMIZER = optax.adam(1e-2)
+STRATEGIES = {
+    # name: (mesh shape, strategy, options)
+    "dp": ({"data": 8}, "dp", {}),
+    "fsdp": ({"data": 8}, "fsdp", {"min_weight_size": 16}),
+    "zero1": ({"data": 8}, "zero1", {"min_weight_size": 16}),
+    "hsdp": (
+        {"replica": 2, "data": 4},
+        "fsdp",
+        {"min_weight_size": 16, "data_axis": ("replica", "data")},
+    ),
+    "fsdp_tp": (
+        {"data": 4, "model": 2},
+        "fsdp",
+        {"min_weight_size": 16, "param_rules": [(r"layers\[0\]\.weight", P("model"))]},
+    ),
+}
+
+
+@pytest.mark.parametrize("name", sorted(STRATEGIES))
+def test_explicit_mesh_under_set_mesh_compiles_the_auto_program(name):
+    """The mesh `jax.make_mesh` builds, inside `jax.set_mesh(mesh)`: every
+    strategy's step lowers to the program of an Auto mesh, byte for byte, and
+    trains to the same parameters bit for bit, returned on the caller's mesh."""
+    shape, strategy, options = STRATEGIES[name]
+    rng = np.random.default_rng(0)
+    batch = {
+        "x": rng.normal(size=(16, 8)).astype(np.float32),
+        "y": rng.normal(size=(16, 4)).astype(np.float32),
+    }
+    models = []
+    texts = []
+    for kind in ("auto", "explicit"):
+        mesh = jax.make_mesh(
+            tuple(shape.values()),
+            tuple(shape),
+            axis_types=(AxisType.Auto if kind == "auto" else AxisType.Explicit,)
+            * len(shape),
+        )
+        state = ed.TrainState.create(
+            eqx.nn.MLP(8, 4, 16, 1, key=jax.random.key(0)), OPTIMIZER, jax.random.key(1)
+        )
+        with jax.set_mesh(mesh):
+            step, text = _lowered(mesh, strategy, options, state, batch)
+            state, _ = step(state, batch)
+        texts.append(text)
+        models.append(state.model)
+        weight = state.model.layers[0].weight
+        assert weight.sharding.mesh == mesh  # the caller's mesh, its types
+    assert texts[0] == texts[1]
+    for a, b in zip(
+        jax.tree.leaves(models[0]), jax.tree.leaves(models[1]), strict=True
+    ):
+        if eqx.is_array(a):
+            assert np.array_equal(np.asarray(a), np.asarray(b))
+
+
+@pytest.mark.slow
+def test_simulate_cpu_devices_warns_when_xla_flags_set_another_count():
+    code = (
+        "import os, warnings; os.environ['XLA_FLAGS'] = "
+        "'--xla_force_host_platform_device_count=2'\n"
+        "import eqxdist as ed, jax\n"
+        "with warnings.catch_warnings(record=True) as caught:\n"
+        "    warnings.simplefilter('always')\n"
+        "    ed.simulate_cpu_devices(8)\n"
+        "print(jax.device_count(), str(caught[0].message))"
+    )
+    out = _run_fresh(code)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.startswith("2 simulate_cpu_devices(8): XLA_FLAGS already sets")
+    assert "JAX will have 2 CPU devices, not 8" in out.stdout

@@ -19,12 +19,14 @@ OPS = {
 
 
 def per_device(fn, mesh, *args, out_specs=P()):
-    """Run `fn` on each device's rows of the global `args` (split along axis 0)."""
+    """Run `fn` on each device's rows of the global `args` (split along axis 0),
+    placed first (on a mesh with Explicit axes `shard_map` checks, not moves)."""
+    placed = [jax.device_put(x, NamedSharding(mesh, P("data"))) for x in args]
     return jax.jit(
         jax.shard_map(
             fn, mesh=mesh, in_specs=(P("data"),) * len(args), out_specs=out_specs
         )
-    )(*args)
+    )(*placed)
 
 
 @pytest.fixture

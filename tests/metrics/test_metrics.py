@@ -176,9 +176,10 @@ def test_distributed_equals_global_data(axis_types, rng):
         metrics = _update(_collection(), *half[0])
         return _update(metrics, *half[1]).sync("data").compute()
 
-    collective = smap(mesh8, per_device, P("data"))(*data)
     sharding = NamedSharding(mesh8, P("data"))
+    # Placed (on a mesh with Explicit axes `shard_map` checks inputs, not moves).
     placed = [jax.device_put(x, sharding) for x in data]
+    collective = smap(mesh8, per_device, P("data"))(*placed)
     global_mode = jax.jit(lambda *b: _update(_collection(), *b).compute())(*placed)
     synced_none = _update(_collection(), *data).sync(None)
     assert synced_none.is_synchronized
