@@ -59,7 +59,7 @@ def loss_fn(model: TransformerLM, batch: dict[str, jax.Array], key: Any) -> Any:
     tokens = batch["tokens"]
     logits = jax.vmap(model)(tokens[:, :-1]).astype(jnp.float32)
     losses = optax.softmax_cross_entropy_with_integer_labels(logits, tokens[:, 1:])
-    return losses.mean(), {"loss": ed.Mean().update(losses)}
+    return losses.mean(), {"loss": ed.metrics.Mean().update(losses)}
 
 
 def _hand_written(

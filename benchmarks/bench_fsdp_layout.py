@@ -158,7 +158,9 @@ def _variants(mesh: Any, depth: int, width: int, remat: bool) -> dict[str, Any]:
         # leading dimension (the default since 0.2).
         "whole model, largest (0.1)": (Chain(tuple(blocks)), "largest"),
         "whole model, leading (default)": Chain(tuple(blocks)),
-        "per-block FSDP, largest": Chain(tuple(ed.FSDP(b, mesh, **kw) for b in blocks)),
+        "per-block FSDP, largest": Chain(
+            tuple(ed.FSDP(b, mesh, layout="largest", **kw) for b in blocks)
+        ),
         "per-block FSDP, leading": Chain(
             tuple(ed.FSDP(b, mesh, layout="leading", **kw) for b in blocks)
         ),

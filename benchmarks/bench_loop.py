@@ -36,7 +36,7 @@ FEATURES, WIDTH, CLASSES, BATCH = 256, 512, 16, 512
 def loss_fn(model: Any, batch: Any, key: Any) -> Any:
     logits = jax.vmap(model)(batch["x"])
     losses = optax.softmax_cross_entropy_with_integer_labels(logits, batch["y"])
-    return losses.mean(), {"loss": ed.Mean().update(losses)}
+    return losses.mean(), {"loss": ed.metrics.Mean().update(losses)}
 
 
 def main() -> None:

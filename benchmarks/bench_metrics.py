@@ -56,7 +56,13 @@ import eqxdist as ed  # noqa: E402
 
 ed.simulate_cpu_devices(8)  # before JAX starts its backend
 
-_KINDS = [ed.Mean] * 4 + [ed.Accuracy] * 4 + [ed.Sum] * 4 + [ed.Max] * 2 + [ed.Min] * 2
+_KINDS = (
+    [ed.metrics.Mean] * 4
+    + [ed.metrics.Accuracy] * 4
+    + [ed.metrics.Sum] * 4
+    + [ed.metrics.Max] * 2
+    + [ed.metrics.Min] * 2
+)
 _BYTES = {"pred": 1, "s8": 1, "u8": 1, "bf16": 2, "f16": 2, "s16": 2, "u16": 2}
 _COLLECTIVE_RE = re.compile(
     r"= (?P<shape>\(.*?\)|\S+) (?P<op>all-reduce|all-gather|reduce-scatter|"
@@ -65,7 +71,7 @@ _COLLECTIVE_RE = re.compile(
 
 
 def _is_accumulator(x: Any) -> bool:
-    return isinstance(x, ed.MetricAccumulator)
+    return isinstance(x, ed.metrics.MetricAccumulator)
 
 
 def _basic() -> ed.MetricCollection:
@@ -75,12 +81,12 @@ def _basic() -> ed.MetricCollection:
 def _evaluation(classes: int) -> ed.MetricCollection:
     return ed.MetricCollection(
         {
-            "accuracy": ed.Accuracy(),
-            "top5": ed.Accuracy(top_k=5),
-            "macro_f1": ed.F1Score(classes),
-            "confusion": ed.ConfusionMatrix(classes),
-            "auroc": ed.AUROC(),
-            "loss": ed.Mean(),
+            "accuracy": ed.metrics.Accuracy(),
+            "top5": ed.metrics.Accuracy(top_k=5),
+            "macro_f1": ed.metrics.F1Score(classes),
+            "confusion": ed.metrics.ConfusionMatrix(classes),
+            "auroc": ed.metrics.AUROC(),
+            "loss": ed.metrics.Mean(),
         }
     )
 
@@ -88,17 +94,17 @@ def _evaluation(classes: int) -> ed.MetricCollection:
 def _regression_ranking() -> ed.MetricCollection:
     return ed.MetricCollection(
         {
-            "mse": ed.MeanSquaredError(),
-            "rmse": ed.MeanSquaredError(squared=False),
-            "mae": ed.MeanAbsoluteError(),
-            "r2": ed.R2Score(),
-            "pearson": ed.PearsonCorrCoef(),
-            "ap": ed.AveragePrecision(),
-            "p@5": ed.PrecisionAtK(5),
-            "r@5": ed.RecallAtK(5),
-            "ndcg@5": ed.NDCGAtK(5),
-            "mrr": ed.MRR(),
-            "loss": ed.Mean(),
+            "mse": ed.metrics.MeanSquaredError(),
+            "rmse": ed.metrics.MeanSquaredError(squared=False),
+            "mae": ed.metrics.MeanAbsoluteError(),
+            "r2": ed.metrics.R2Score(),
+            "pearson": ed.metrics.PearsonCorrCoef(),
+            "ap": ed.metrics.AveragePrecision(),
+            "p@5": ed.metrics.PrecisionAtK(5),
+            "r@5": ed.metrics.RecallAtK(5),
+            "ndcg@5": ed.metrics.NDCGAtK(5),
+            "mrr": ed.metrics.MRR(),
+            "loss": ed.metrics.Mean(),
         }
     )
 
@@ -140,7 +146,7 @@ def _update_basic(metrics: ed.MetricCollection, x: jax.Array, y: jax.Array) -> A
     # Different inputs per metric, so that XLA cannot merge identical states.
     updates: dict[str, tuple[Any, ...]] = {}
     for i, (name, metric) in enumerate(metrics.metrics.items()):
-        if isinstance(metric, ed.Accuracy):
+        if isinstance(metric, ed.metrics.Accuracy):
             updates[name] = (x * (i + 1), (y + i) % x.shape[-1])
         else:
             updates[name] = (x[:, i % x.shape[-1]] * (i + 1),)

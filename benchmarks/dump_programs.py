@@ -5,7 +5,7 @@ Each case builds a small model (an MLP of `eqx.nn.Linear`s, a `Stacked` model, a
 BatchNorm model), lowers `make_train_step(...)` (or `make_eval_step`) on 8
 simulated CPU devices and writes `<out>/<case>.txt`: the StableHLO text with
 source locations stripped (they name lines of eqxdist's files, which a move
-changes without changing the program).
+changes without changing the program) and the results' pytree paths.
 
     python benchmarks/dump_programs.py OUT_DIR [--mesh auto|explicit] [--case NAME]
     diff -r BEFORE_DIR AFTER_DIR
@@ -91,7 +91,7 @@ def _mlp(key: Any) -> Any:
 def _loss(model: Any, batch: Any, key: Any) -> Any:
     logits = jax.vmap(model)(batch["x"])
     losses = optax.softmax_cross_entropy_with_integer_labels(logits, batch["y"])
-    return losses.mean(), {"loss": ed.Mean().update(losses)}
+    return losses.mean(), {"loss": ed.metrics.Mean().update(losses)}
 
 
 def _weighted_loss(model: Any, batch: Any, key: Any) -> Any:
@@ -110,7 +110,7 @@ def _bn_loss(model: Any, state: Any, batch: Any, key: Any) -> Any:
 
 def _eval_fn(model: Any, batch: Any, mask: Any) -> Any:
     logits = jax.vmap(model)(batch["x"])
-    return {"accuracy": ed.Accuracy().update(logits, batch["y"], mask)}
+    return {"accuracy": ed.metrics.Accuracy().update(logits, batch["y"], mask)}
 
 
 # name: (mesh shape, model, loss, make_train_step options)
@@ -189,8 +189,11 @@ def _batch() -> dict[str, np.ndarray]:
 
 
 def _strip(text: str) -> str:
-    """The program without source locations (`loc(...)` and `#loc` lines)."""
+    """The program without what names Python rather than computes: source
+    locations (`loc(...)` and `#loc` lines) and the results' `jax.result_info`
+    (the pytree path of each result, e.g. `result[1]['loss']`)."""
     text = re.sub(r"^#loc.*\n", "", text, flags=re.MULTILINE)
+    text = re.sub(r'jax\.result_info = "[^"]*", ', "", text)
     return re.sub(r" loc\(#loc\d*\)", "", text)
 
 

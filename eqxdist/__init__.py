@@ -1,20 +1,20 @@
 """eqxdist: distributed training for Equinox on JAX.
 
-The whole public API is importable from here (`import eqxdist as ed`).
+The whole public API is here (`import eqxdist as ed`), with two namespaces:
+`ed.metrics` (the stateful metrics) and `ed.compat` (object forms of the
+functions, for code ported from object-style APIs).
 """
 
-from ._accumulate import accumulate_gradients as accumulate_gradients
+import warnings as _warnings
+from typing import Any as _Any
+
+from . import compat as compat, metrics as metrics
 from ._checkpoint import (
     CheckpointManager as CheckpointManager,
     CheckpointNotFoundError as CheckpointNotFoundError,
     latest_step as latest_step,
     restore_checkpoint as restore_checkpoint,
     save_checkpoint as save_checkpoint,
-)
-from ._compat import (
-    DataParallel as DataParallel,
-    DeviceMeshManager as DeviceMeshManager,
-    DistributedMetrics as DistributedMetrics,
 )
 from ._data import BatchLoader as BatchLoader
 from ._data_parallel import (
@@ -25,19 +25,20 @@ from ._data_parallel import (
     shard_model_state as shard_model_state,
 )
 from ._distributed import initialize_distributed as initialize_distributed
-from ._eval import EvalStep as EvalStep, make_eval_step as make_eval_step
-from ._flags import (
+from ._hlo import count_collectives as count_collectives
+from ._layout.flags import (
     enable_gpu_collective_overlap as enable_gpu_collective_overlap,
     gpu_xla_flags as gpu_xla_flags,
 )
-from ._fsdp import (
+from ._layout.fsdp import (
     FSDP as FSDP,
     gather_params as gather_params,
     shard_params as shard_params,
     sync_gradients as sync_gradients,
 )
-from ._hlo import count_collectives as count_collectives
-from ._layers import FSDPSequential as FSDPSequential, Stacked as Stacked
+from ._layout.rules import fsdp_specs as fsdp_specs
+from ._layout.sequential import FSDPSequential as FSDPSequential
+from ._layout.stacked import Stacked as Stacked
 from ._loop import (
     CsvWriter as CsvWriter,
     JsonlWriter as JsonlWriter,
@@ -64,42 +65,8 @@ from ._mesh import (
     simulate_cpu_devices as simulate_cpu_devices,
 )
 from ._metrics import (
-    AUROC as AUROC,
-    MRR as MRR,
-    PSNR as PSNR,
-    SSIM as SSIM,
-    Accuracy as Accuracy,
-    AveragePrecision as AveragePrecision,
-    CalibrationError as CalibrationError,
-    CohenKappa as CohenKappa,
-    ConfusionMatrix as ConfusionMatrix,
-    F1Score as F1Score,
-    FBetaScore as FBetaScore,
-    FoldAccumulator as FoldAccumulator,
-    JaccardIndex as JaccardIndex,
-    LastValue as LastValue,
-    MatthewsCorrCoef as MatthewsCorrCoef,
-    Max as Max,
-    Mean as Mean,
-    MeanAbsoluteError as MeanAbsoluteError,
-    MeanSquaredError as MeanSquaredError,
-    MeanSquaredLogError as MeanSquaredLogError,
     Metric as Metric,
-    MetricAccumulator as MetricAccumulator,
     MetricCollection as MetricCollection,
-    Min as Min,
-    NDCGAtK as NDCGAtK,
-    PearsonCorrCoef as PearsonCorrCoef,
-    Perplexity as Perplexity,
-    Precision as Precision,
-    PrecisionAtK as PrecisionAtK,
-    R2Score as R2Score,
-    Recall as Recall,
-    RecallAtK as RecallAtK,
-    ReduceOp as ReduceOp,
-    Specificity as Specificity,
-    Std as Std,
-    Sum as Sum,
     print_metrics as print_metrics,
 )
 from ._reductions import (
@@ -111,9 +78,41 @@ from ._reductions import (
     reduce_min as reduce_min,
     reduce_sum as reduce_sum,
 )
-from ._rules import fsdp_specs as fsdp_specs
-from ._state import TrainState as TrainState
-from ._steps import TrainStep as TrainStep, make_train_step as make_train_step
-from ._train import fold_rng_over_axis as fold_rng_over_axis
+from ._step.accumulate import accumulate_gradients as accumulate_gradients
+from ._step.eval_step import EvalStep as EvalStep, make_eval_step as make_eval_step
+from ._step.gradients import fold_rng_over_axis as fold_rng_over_axis
+from ._step.state import TrainState as TrainState
+from ._step.train_step import (
+    StepOutput as StepOutput,
+    TrainStep as TrainStep,
+    make_train_step as make_train_step,
+)
 
-__version__ = "0.3.0"
+__version__ = "0.4.0.dev0"
+
+# Names that moved into a namespace in 0.4: the top-level name still works, with a
+# DeprecationWarning, for this one release.
+_MOVED = {
+    **{
+        name: "metrics"
+        for name in dir(metrics)
+        if name[0].isupper() and name not in ("Metric", "MetricCollection")
+    },
+    **{
+        name: "compat"
+        for name in ("DataParallel", "DeviceMeshManager", "DistributedMetrics")
+    },
+}
+
+
+def __getattr__(name: str) -> _Any:
+    if name in _MOVED:
+        namespace = _MOVED[name]
+        _warnings.warn(
+            f"eqxdist.{name} moved to eqxdist.{namespace}.{name} in eqxdist 0.4; "
+            "the top-level name goes in 0.5.",
+            DeprecationWarning,
+            stacklevel=2,
+        )
+        return getattr(globals()[namespace], name)
+    raise AttributeError(f"module 'eqxdist' has no attribute {name!r}")

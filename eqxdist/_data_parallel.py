@@ -11,7 +11,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from jaxtyping import PyTree
 
-from ._rules import fsdp_specs
+from ._layout.rules import fsdp_specs
 from ._utils import (
     AxisName,
     axis_names,

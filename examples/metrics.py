@@ -56,13 +56,13 @@ def padded_batches(x, y, batch_size):
 def empty_metrics(classes):
     return ed.MetricCollection(
         {
-            "accuracy": ed.Accuracy(),
-            "top2": ed.Accuracy(top_k=2),
-            "macro_f1": ed.F1Score(classes),
-            "confusion": ed.ConfusionMatrix(classes),
-            "loss": ed.Mean(),
-            "worst_loss": ed.Max(),
-            "loss_std": ed.Std(),
+            "accuracy": ed.metrics.Accuracy(),
+            "top2": ed.metrics.Accuracy(top_k=2),
+            "macro_f1": ed.metrics.F1Score(classes),
+            "confusion": ed.metrics.ConfusionMatrix(classes),
+            "loss": ed.metrics.Mean(),
+            "worst_loss": ed.metrics.Max(),
+            "loss_std": ed.metrics.Std(),
         }
     )
 

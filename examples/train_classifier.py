@@ -220,7 +220,9 @@ def loss_fn(model: CNN, model_state: Any, batch: Any, key: Any) -> Any:
         model, axis_name="batch", in_axes=(0, None, 0), out_axes=(0, None)
     )(batch["x"], model_state, keys)
     losses = optax.softmax_cross_entropy_with_integer_labels(logits, batch["y"])
-    metrics = ed.MetricCollection({"loss": ed.Mean(), "accuracy": ed.Accuracy()})
+    metrics = ed.MetricCollection(
+        {"loss": ed.metrics.Mean(), "accuracy": ed.metrics.Accuracy()}
+    )
     metrics = metrics.update(loss=(losses,), accuracy=(logits, batch["y"]))
     return losses.mean(), metrics, model_state
 
@@ -235,10 +237,10 @@ def eval_fn(model: CNN, model_state: Any, batch: Any, mask: jax.Array) -> Any:
     losses = optax.softmax_cross_entropy_with_integer_labels(logits, batch["y"])
     metrics = ed.MetricCollection(
         {
-            "loss": ed.Mean(),
-            "accuracy": ed.Accuracy(),
-            "macro_f1": ed.F1Score(10, average="macro"),
-            "confusion": ed.ConfusionMatrix(10),
+            "loss": ed.metrics.Mean(),
+            "accuracy": ed.metrics.Accuracy(),
+            "macro_f1": ed.metrics.F1Score(10, average="macro"),
+            "confusion": ed.metrics.ConfusionMatrix(10),
         }
     )
     return metrics.update(

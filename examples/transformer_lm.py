@@ -153,9 +153,9 @@ def token_metrics(
     targets = tokens[:, 1:]
     losses = optax.softmax_cross_entropy_with_integer_labels(logits, targets)
     metrics = {
-        "loss": ed.Mean().update(losses, mask.astype(jnp.float32)),
-        "perplexity": ed.Perplexity().update(logits, targets, mask),
-        "real_tokens": ed.Sum().update(mask.sum()),
+        "loss": ed.metrics.Mean().update(losses, mask.astype(jnp.float32)),
+        "perplexity": ed.metrics.Perplexity().update(logits, targets, mask),
+        "real_tokens": ed.metrics.Sum().update(mask.sum()),
     }
     return jnp.where(mask, losses, 0.0), ed.MetricCollection(metrics)
 

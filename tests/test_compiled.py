@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from eqxdist._compiled import CompiledStep
+from eqxdist._step.compiled import CompiledStep, Placement
 
 
 class Toy(eqx.Module):
@@ -32,8 +32,7 @@ def _cache(mesh, traces, donate=True, max_in_flight=4):
     return CompiledStep(
         fn,
         mesh,
-        state_specs=lambda s: Toy(P("data"), P()),
-        kept=lambda s: Toy(False, True),
+        describe=lambda s: Placement(Toy(P("data"), P()), Toy(False, True)),
         batch_sharding=NamedSharding(mesh, P("data")),
         donate=donate,
         max_in_flight=max_in_flight,

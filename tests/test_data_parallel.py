@@ -230,7 +230,7 @@ def test_all_reduce_gradients_errors(mesh8):
 
 
 def test_data_parallel_module(mesh8, rng):
-    dp = ed.DataParallel()
+    dp = ed.compat.DataParallel()
     sharding = dp.create_data_parallel_sharding(mesh8)
     assert sharding.spec == P("data")
     x = rng.normal(size=(16, 2)).astype(np.float32)
@@ -251,7 +251,7 @@ def test_data_parallel_module(mesh8, rng):
     with pytest.raises(ValueError, match="Unsupported reduce_type"):
         dp.all_reduce_gradients({"g": jnp.ones(1)}, reduce_type="prod")
 
-    other = ed.DataParallel(data_axis="batch")
+    other = ed.compat.DataParallel(data_axis="batch")
     batch_mesh = ed.create_data_parallel_mesh(axis_name="batch")
     assert other.create_data_parallel_sharding(batch_mesh).spec == P("batch")
     with pytest.raises(ValueError, match="'batch' is not an axis"):

@@ -66,13 +66,13 @@ CASES = [
     ),
     (
         "duplicate devices in a manager",
-        lambda t: ed.DeviceMeshManager([jax.devices()[1], jax.devices()[1]]),
+        lambda t: ed.compat.DeviceMeshManager([jax.devices()[1], jax.devices()[1]]),
         ValueError,
         r"DeviceMeshManager: `devices` lists cpu:1 twice",
     ),
     (
         "a manager of non-devices",
-        lambda t: ed.DeviceMeshManager([0, 1]),
+        lambda t: ed.compat.DeviceMeshManager([0, 1]),
         TypeError,
         # (Under pytest, jaxtyping's import hook checks the annotation first.)
         r"(?s)(`devices\[0\]` is 0 of type int; expected a `jax.Device`|"
@@ -128,7 +128,7 @@ CASES = [
     ),
     (
         "a non-string data axis",
-        lambda t: ed.DataParallel(data_axis=3),
+        lambda t: ed.compat.DataParallel(data_axis=3),
         TypeError,
         r"(?s)(DataParallel: `data_axis` must be a mesh axis name .*; got 3|"
         r"parameter 'data_axis'.*Actual value: 3.*str)",

@@ -8,15 +8,15 @@ import optax
 import pytest
 
 import eqxdist as ed
-from eqxdist._eval import padded_rows
+from eqxdist._step.eval_step import padded_rows
 
 
 def eval_fn(model, batch, mask):
     logits = jax.vmap(model)(batch["x"])
     losses = optax.softmax_cross_entropy_with_integer_labels(logits, batch["y"])
     return {
-        "accuracy": ed.Accuracy().update(logits, batch["y"], mask),
-        "loss": ed.Mean().update(losses, mask),
+        "accuracy": ed.metrics.Accuracy().update(logits, batch["y"], mask),
+        "loss": ed.metrics.Mean().update(losses, mask),
         "count": (mask.sum(), None)[0],
     }
 
@@ -79,7 +79,7 @@ def test_train_state_with_model_state(mesh8, rng):
         logits, _ = jax.vmap(inference, in_axes=(0, None), out_axes=(0, None))(
             batch["x"], model_state
         )
-        return {"accuracy": ed.Accuracy().update(logits, batch["y"], mask)}
+        return {"accuracy": ed.metrics.Accuracy().update(logits, batch["y"], mask)}
 
     evaluate = ed.make_eval_step(bn_eval, mesh8, strategy="fsdp", min_weight_size=16)
     batch = _batch(rng, 13)

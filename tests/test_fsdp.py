@@ -99,7 +99,7 @@ def test_combined_gather_reduce_scatters_once_per_dtype(mesh8, rng):
     """The step's gather (`combined=True`): leaves sharded on any dimension, of two
     dtypes, get the mean gradient of the per-leaf gather in one reduce-scatter per
     dtype."""
-    from eqxdist._fsdp import gather_tree
+    from eqxdist._layout.fsdp import gather_tree
 
     params = _params(rng)
     params["half"] = jnp.asarray(rng.normal(size=(8, 5)), jnp.bfloat16)
@@ -245,7 +245,11 @@ def _deep(mesh, *, wrap, remat=False):
     keys = jax.random.split(jax.random.key(0), 4)
     blocks = [Block(16, k) for k in keys[:3]]
     if wrap:
-        blocks = [ed.FSDP(b, mesh, min_weight_size=16, remat=remat) for b in blocks]
+        # The tutorial's rule: a (16, 16) weight's tie goes to the later dimension.
+        blocks = [
+            ed.FSDP(b, mesh, min_weight_size=16, remat=remat, layout="largest")
+            for b in blocks
+        ]
     return Deep(blocks, keys[3])
 
 

@@ -13,6 +13,7 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 import eqxdist as ed
+from eqxdist._layout.fsdp import CPU_FSDP_OPTIONS
 
 WIDTH = 16
 
@@ -230,11 +231,7 @@ def _compiled(model, x, mesh, *, grad):
             check_vma=False,
         )
     )
-    return (
-        step.lower(arrays, x)
-        .compile(compiler_options=ed._fsdp.CPU_FSDP_OPTIONS)
-        .as_text()
-    )
+    return step.lower(arrays, x).compile(compiler_options=CPU_FSDP_OPTIONS).as_text()
 
 
 @pytest.mark.parametrize("grad", [False, True])
@@ -368,7 +365,9 @@ def test_stacked_under_vmap_reduce_scatters_once_per_parameter(mesh8, remat):
         eqx.nn.Linear(WIDTH, WIDTH, key=k)
         for k in jax.random.split(jax.random.key(0), 3)
     ]
-    model = ed.FSDP(ed.Stacked(layers, remat=remat), mesh8, min_weight_size=64)
+    model = ed.FSDP(
+        ed.Stacked(layers, remat=remat), mesh8, min_weight_size=64, layout="largest"
+    )
     specs = model.partition_specs()
     arrays, static = eqx.partition(model, eqx.is_array)
     x = jnp.asarray(np.random.default_rng(0).normal(size=(32, WIDTH)), jnp.float32)

@@ -124,7 +124,7 @@ def test_get_mesh_info():
 
 
 def test_device_mesh_manager():
-    manager = ed.DeviceMeshManager()
+    manager = ed.compat.DeviceMeshManager()
     assert manager.num_devices == 8
     assert dict(manager.create_device_mesh({"data": -1}).shape) == {"data": 8}
     assert dict(manager.create_data_parallel_mesh().shape) == {"data": 8}
@@ -134,7 +134,7 @@ def test_device_mesh_manager():
 
     assert manager.devices == jax.devices()  # the list it was given (default all)
 
-    small = ed.DeviceMeshManager(jax.devices()[:2])
+    small = ed.compat.DeviceMeshManager(jax.devices()[:2])
     assert small.num_devices == 2
     assert small.devices == jax.devices()[:2]
     # A call's own devices override the manager's.
@@ -144,7 +144,7 @@ def test_device_mesh_manager():
     with pytest.raises(ValueError, match="Not enough devices.*4.*2"):
         small.create_data_parallel_mesh(4)
     with pytest.raises(ValueError, match="empty"):
-        ed.DeviceMeshManager([])
+        ed.compat.DeviceMeshManager([])
 
 
 def test_mesh_on_one_device_runs_collectives():
@@ -201,7 +201,7 @@ def test_axis_types_of_the_builders():
     mixed = ed.create_hybrid_mesh(4, 2, axis_types=(explicit, auto))
     assert mixed.axis_types == (explicit, auto)
     assert ed.create_hybrid_mesh(4, 2).axis_types == (auto, auto)
-    manager = ed.DeviceMeshManager()
+    manager = ed.compat.DeviceMeshManager()
     assert manager.create_device_mesh(
         {"data": 2, "model": 4}, axis_types="explicit"
     ).axis_types == (explicit, explicit)

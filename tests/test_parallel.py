@@ -45,7 +45,7 @@ def loss_fn(model, batch, key):
     del key
     logits = jax.vmap(model)(batch["x"])
     losses = optax.softmax_cross_entropy_with_integer_labels(logits, batch["y"])
-    return losses.mean(), {"loss": ed.Mean().update(losses)}
+    return losses.mean(), {"loss": ed.metrics.Mean().update(losses)}
 
 
 def _batches(steps=3, rows=32, seed=0):
@@ -161,7 +161,7 @@ def test_rules_with_tuple_axes_and_eval(reference):
 
     def eval_fn(model, batch, mask):
         logits = jax.vmap(model)(batch["x"])
-        return {"accuracy": ed.Accuracy().update(logits, batch["y"], mask)}
+        return {"accuracy": ed.metrics.Accuracy().update(logits, batch["y"], mask)}
 
     evaluate = ed.make_eval_step(eval_fn, mesh, **layout)
     batch = _batches(steps=1, rows=13, seed=5)[0]

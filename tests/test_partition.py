@@ -12,7 +12,7 @@ from jax.sharding import PartitionSpec as P
 from reference import max_diff, train_one_device
 
 import eqxdist as ed
-from eqxdist._partition import partition_pays
+from eqxdist._layout.partitioned import partition_pays
 
 WIDTH = 32
 ROWS = 32  # 4 rows per device
@@ -252,7 +252,8 @@ def test_step_info_norms_with_partitioned_layers():
     updates, _ = optimizer.update(grads, optimizer.init(params), params)
     step = make_step(mean_loss, optimizer, fsdp_linears="partition", step_info=True)
     state = ed.TrainState.create(model, optimizer, jax.random.key(0))
-    state, _, info = step(state, batch)
+    out = step(state, batch)
+    state, info = out.state, out.info
     np.testing.assert_allclose(info["grad_norm"], optax.tree.norm(grads), rtol=1e-5)
     np.testing.assert_allclose(info["update_norm"], optax.tree.norm(updates), rtol=1e-5)
 

@@ -13,7 +13,8 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 import eqxdist as ed
-from eqxdist._layout import Layout
+from eqxdist._layout.layout import Layout
+from eqxdist._layout.options import LayoutOptions
 
 
 class MLP(eqx.Module):
@@ -39,16 +40,14 @@ class StackNet(eqx.Module):
 
 
 def _layout(mesh, strategy="dp", **kw):
-    options = dict(
-        data_axis="data",
-        fsdp_axis=None,
-        min_weight_size=16,
-        param_rules=(),
-        fsdp_layout="leading",
-        caller="make_train_step",
-    )
+    options = dict(data_axis="data", min_weight_size=16)
     options.update(kw)
-    return Layout(mesh, strategy=strategy, **options)
+    caller = "make_train_step"
+    return Layout(
+        mesh,
+        LayoutOptions.parse(caller, mesh, strategy=strategy, **options),
+        caller=caller,
+    )
 
 
 def _weights(tree):

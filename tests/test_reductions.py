@@ -249,7 +249,7 @@ def test_collect_from_devices(data, mesh8):
 
 
 def test_distributed_metrics_module(data, mesh8):
-    dm = ed.DistributedMetrics()
+    dm = ed.compat.DistributedMetrics()
     assert dm.axis_name == "data"
 
     def step(x):
@@ -273,7 +273,7 @@ def test_distributed_metrics_module(data, mesh8):
     np.testing.assert_allclose(gathered["v"], per_dev, rtol=1e-6)
     assert len(dm.collect_from_devices(gathered)["v"]) == 8
 
-    global_dm = ed.DistributedMetrics(axis_name=None)
+    global_dm = ed.compat.DistributedMetrics(axis_name=None)
     sharded = jax.device_put(data, NamedSharding(mesh8, P("data")))
     np.testing.assert_allclose(
         global_dm.reduce_sum({"x": sharded})["x"], data.sum(), rtol=1e-5
@@ -358,7 +358,7 @@ def test_unsummed_number_warning_is_once_per_call_site(mesh8):
 
 def test_unsummed_number_warning_names_reduce_custom_and_methods(mesh8):
     def step(x):
-        dm = ed.DistributedMetrics()
+        dm = ed.compat.DistributedMetrics()
         custom = ed.reduce_custom(
             {"n": {"rows": 2, "x": x.sum()}, "lr": 0.1, "m": 3},
             {"n": "sum", "m": "max"},

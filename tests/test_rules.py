@@ -10,7 +10,7 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 import eqxdist as ed
-from eqxdist._rules import FsdpRule, ParamRules, leaf_spec, merge_specs, restrict
+from eqxdist._layout.rules import FsdpRule, ParamRules, leaf_spec, merge_specs, restrict
 
 
 @pytest.fixture(scope="module")

@@ -14,7 +14,7 @@ from jax.sharding import PartitionSpec as P
 from reference import max_diff, train_one_device
 
 import eqxdist as ed
-from eqxdist._init import leaf_groups
+from eqxdist._step.sharded_init import leaf_groups
 
 T = 6  # tokens per row
 ROWS = 32  # 4 rows per device
@@ -120,7 +120,8 @@ def test_a_batch_without_tokens_gives_a_zero_gradient(mesh8):
     step = ed.make_train_step(weighted_loss, optimizer, mesh8, step_info=True)
     state = ed.TrainState.create(mlp(), optimizer, jax.random.key(0))
     batch = token_batch(0, empty=range(8), full=())
-    state, metrics, info = step(state, batch)
+    out = step(state, batch)
+    state, metrics, info = out.state, out.metrics, out.info
     assert float(info["grad_norm"]) == 0.0
     assert max_diff(state.model, mlp()) == 0.0
     assert int(metrics["tokens"]) == 0
@@ -168,7 +169,7 @@ def test_weighted_loss_mistakes(mesh8):
 def mean_loss(model, batch, key):
     del key
     losses = token_losses(model, batch).mean(axis=1)
-    return losses.mean(), {"loss": ed.Mean().update(losses)}
+    return losses.mean(), {"loss": ed.metrics.Mean().update(losses)}
 
 
 def one_plain_step(model, optimizer, batch):
@@ -189,7 +190,8 @@ def test_step_info_norms_match_single_device(setup, axis_types):
 
     step = make_step(setup, mean_loss, optimizer, axis_types, step_info=True)
     state = ed.TrainState.create(model, optimizer, jax.random.key(0))
-    state, _, info = step(state, batch)
+    out = step(state, batch)
+    state, info = out.state, out.info
     assert sorted(info) == ["grad_norm", "param_norm", "skipped", "update_norm"]
     for value in info.values():
         assert value.shape == () and value.dtype == jnp.float32
@@ -215,7 +217,7 @@ def test_sums_read_shares_and_add_up_to_the_whole(shape, axes):
     """Each device sums a slice of every copy (leaves of any shape, remainders,
     leaves too small to split, leaves sharded over data or rule axes); the parts
     add up to NumPy's sums over the whole arrays."""
-    from eqxdist._statistics import NONFINITE, SQUARES, global_sums
+    from eqxdist._step.statistics import NONFINITE, SQUARES, global_sums
 
     mesh = ed.create_device_mesh(shape)
     rng = np.random.default_rng(0)
@@ -259,7 +261,7 @@ def test_step_info_under_zero1():
         step_info=True,
     )
     state = ed.TrainState.create(model, optimizer, jax.random.key(0))
-    _, _, info = step(state, batch)
+    info = step(state, batch).info
     np.testing.assert_allclose(info["grad_norm"], optax.tree.norm(grads), rtol=1e-5)
     np.testing.assert_allclose(info["update_norm"], optax.tree.norm(updates), rtol=1e-5)
 
@@ -344,7 +346,11 @@ def stateful_loss(model, model_state, batch, key):
     losses = token_losses(model, batch).mean(axis=1)
     spike = zero_with_gradient(model.layers[0].weight, jnp.max(batch["spike"]))
     loss = losses.mean() + spike
-    return loss, {"loss": ed.Mean().update(losses)}, {"seen": model_state["seen"] + 1}
+    return (
+        loss,
+        {"loss": ed.metrics.Mean().update(losses)},
+        {"seen": model_state["seen"] + 1},
+    )
 
 
 def spiked_batch(kind):
@@ -377,11 +383,13 @@ def test_skip_nonfinite_leaves_the_state_bit_identical(setup, kind, axis_types):
     )
     good = token_batch(5, empty=())
     good["spike"] = np.zeros(ROWS, np.float32)
-    state, _, info = step(state, good)
+    out = step(state, good)
+    state, info = out.state, out.info
     assert float(info["skipped"]) == 0.0 and float(state.model_state["seen"]) == 1
     before = jax.device_get((state.model, state.opt_state, state.model_state))
 
-    state, metrics, info = step(state, spiked_batch(kind))
+    out = step(state, spiked_batch(kind))
+    state, metrics, info = out.state, out.metrics, out.info
     assert float(info["skipped"]) == 1.0
     assert float(info["update_norm"]) == 0.0
     assert int(state.step) == 2
@@ -391,7 +399,9 @@ def test_skip_nonfinite_leaves_the_state_bit_identical(setup, kind, axis_types):
     loss = float(metrics["loss"].compute())
     assert np.isnan(loss) if kind == "nan_row" else np.isfinite(loss)
 
-    state, _, info = step(state, good)  # training goes on
+    out = step(state, good)
+
+    state, info = out.state, out.info  # training goes on
     assert float(info["skipped"]) == 0.0 and int(state.step) == 3
     assert np.isfinite(float(info["param_norm"]))
 
@@ -402,7 +412,8 @@ def test_without_skipping_nonfinite_values_propagate(mesh8):
     state = ed.TrainState.create(
         mlp(), optimizer, jax.random.key(0), model_state={"seen": jnp.float32(0)}
     )
-    state, _, info = step(state, spiked_batch("inf_grad"))
+    out = step(state, spiked_batch("inf_grad"))
+    state, info = out.state, out.info
     assert float(info["skipped"]) == 0.0
     assert not np.isfinite(float(info["grad_norm"]))
     assert not np.all(np.isfinite(np.asarray(state.model.layers[0].weight)))

@@ -34,7 +34,7 @@ def loss_fn(model, batch, key):
     losses = optax.softmax_cross_entropy_with_integer_labels(logits, batch["y"])
     metrics = {
         "loss": (losses.sum(), batch["x"].shape[0]),
-        "accuracy": ed.Accuracy().update(logits, batch["y"]),
+        "accuracy": ed.metrics.Accuracy().update(logits, batch["y"]),
     }
     return losses.mean(), metrics
 
@@ -210,7 +210,7 @@ def test_metrics_are_reduced_over_devices(mesh8, rng):
     logits = jax.vmap(state.model)(batch["x"])
     _, metrics = step(state, batch)
     accuracy = metrics["accuracy"]
-    assert isinstance(accuracy, ed.Accuracy)
+    assert isinstance(accuracy, ed.metrics.Accuracy)
     expected = np.mean(np.argmax(np.asarray(logits), -1) == batch["y"])
     np.testing.assert_allclose(accuracy.compute(), expected, rtol=1e-6)
     assert metrics["accuracy"].total.value.sharding.spec == P()
@@ -349,7 +349,9 @@ def test_a_loop_that_never_blocks_does_not_deadlock(mesh8):
 
 
 def test_print_metrics_format(capsys):
-    accuracy = ed.Accuracy().update(jnp.array([1, 2, 3, 3]), jnp.array([1, 2, 0, 0]))
+    accuracy = ed.metrics.Accuracy().update(
+        jnp.array([1, 2, 3, 3]), jnp.array([1, 2, 0, 0])
+    )
     ed.print_metrics(
         {"loss": (jnp.array(2.0), 4), "accuracy": accuracy}, "FSDP - Final metrics"
     )
@@ -491,7 +493,10 @@ def test_per_block_remat_regathers_and_lowers_step_memory(mesh8):
     def deep(remat):
         keys = jax.random.split(jax.random.key(0), 4)
         layers = [eqx.nn.Linear(512, 512, key=k) for k in keys]
-        layers = [ed.FSDP(x, mesh8, min_weight_size=2**10, remat=remat) for x in layers]
+        layers = [
+            ed.FSDP(x, mesh8, min_weight_size=2**10, remat=remat, layout="largest")
+            for x in layers
+        ]
         return eqx.nn.Sequential(layers)
 
     batch = {"x": np.zeros((64, 512), np.float32), "y": np.zeros((64, 512), np.float32)}

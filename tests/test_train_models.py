@@ -40,7 +40,7 @@ def bn_loss(model, model_state, batch, key):
         model, axis_name="batch", in_axes=(0, None), out_axes=(0, None)
     )(batch["x"], model_state)
     losses = optax.softmax_cross_entropy_with_integer_labels(logits, batch["y"])
-    return losses.mean(), {"loss": ed.Mean().update(losses)}, model_state
+    return losses.mean(), {"loss": ed.metrics.Mean().update(losses)}, model_state
 
 
 def _batches(rows=64, steps=3, seed=0):
@@ -317,6 +317,7 @@ def test_fsdp_accumulation_values(mesh8, gather):
     batches = _batches()
     results = []
     for strategy, n in [("dp", 1), ("fsdp", 4)]:
+        fsdp = {"fsdp_gather": gather} if strategy == "fsdp" else {}
         step = ed.make_train_step(
             _mlp_loss,
             OPTIMIZER,
@@ -324,7 +325,7 @@ def test_fsdp_accumulation_values(mesh8, gather):
             strategy=strategy,
             min_weight_size=16,
             num_minibatches=n,
-            fsdp_gather=gather,
+            **fsdp,
         )
         state = ed.TrainState.create(model, OPTIMIZER, jax.random.key(0))
         for batch in batches:

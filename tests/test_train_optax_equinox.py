@@ -43,7 +43,7 @@ def bn_loss(model, model_state, batch, key):
         model, axis_name="batch", in_axes=(0, None), out_axes=(0, None)
     )(batch["x"], model_state)
     losses = optax.softmax_cross_entropy_with_integer_labels(logits, batch["y"])
-    return losses.mean(), {"loss": ed.Mean().update(losses)}, model_state
+    return losses.mean(), {"loss": ed.metrics.Mean().update(losses)}, model_state
 
 
 def mlp_loss(model, batch, key):

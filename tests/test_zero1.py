@@ -37,7 +37,7 @@ def loss_fn(model, batch, key):
     del key
     logits = jax.vmap(model)(batch["x"])
     losses = optax.softmax_cross_entropy_with_integer_labels(logits, batch["y"])
-    return losses.mean(), {"loss": ed.Mean().update(losses)}
+    return losses.mean(), {"loss": ed.metrics.Mean().update(losses)}
 
 
 def _batches(steps=3, rows=32):
@@ -162,7 +162,7 @@ def test_eval_step_accepts_zero1(trained, mesh8):
 
     def eval_fn(model, batch, mask):
         logits = jax.vmap(model)(batch["x"])
-        return {"accuracy": ed.Accuracy().update(logits, batch["y"], mask)}
+        return {"accuracy": ed.metrics.Accuracy().update(logits, batch["y"], mask)}
 
     batch = _batches(steps=1, rows=20)[0]
     metrics = ed.make_eval_step(eval_fn, mesh8, strategy="zero1")(zero1, batch)

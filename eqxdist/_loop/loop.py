@@ -17,9 +17,9 @@ import jax
 import jax.numpy as jnp
 
 from .._checkpoint import CheckpointManager
-from .._eval import EvalStep
-from .._state import TrainState
-from .._steps import TrainStep
+from .._step.eval_step import EvalStep
+from .._step.state import TrainState
+from .._step.train_step import TrainStep
 from .._utils import typecheck
 from .flops import mfu, peak_flops
 from .pieces import (
@@ -160,14 +160,15 @@ class _Run:
     writer: Writer | None
     progress: Progress
     show: tuple[str, ...]
-    examples_per_step: int | None
     tokens_per_step: int | None
-    flops_per_step: float | None
     devices: list[Any]
     eval_step: EvalStep | None
     eval_batches: Any
     checkpoints: CheckpointManager | None
     metadata: Callable[[int], dict[str, Any]] | None
+    # Known once the first batch is there.
+    examples_per_step: int | None = None
+    flops_per_step: float | None = None
 
     def evaluate(self, s: int, state: Any) -> tuple[int, dict[str, Any]]:
         batches = self.eval_batches
@@ -341,6 +342,86 @@ def train_loop(
 
     A `LoopResult`.
     """
+    _check_arguments(
+        num_steps=num_steps,
+        log_every=log_every,
+        max_in_flight=max_in_flight,
+        eval_step=eval_step,
+        eval_batches=eval_batches,
+        eval_every=eval_every,
+        profile_steps=profile_steps,
+        profile_dir=profile_dir,
+    )
+    if compilation_cache_dir is not None:
+        enable_compilation_cache(compilation_cache_dir)
+    state, start = _starting_state(step, state, checkpoints if resume else None, writer)
+    end = num_steps if stop_at is None else min(num_steps, stop_at)
+    run = _Run(
+        step=step,
+        writer=writer,
+        progress=Progress(num_steps, initial=start, name=name, bar=progress),
+        show=show,
+        tokens_per_step=tokens_per_step,
+        devices=list(step.mesh.devices.flat),
+        eval_step=eval_step,
+        eval_batches=eval_batches,
+        checkpoints=checkpoints,
+        metadata=metadata,
+    )
+    schedule = _Schedule(
+        start=start,
+        end=end,
+        flops=flops_per_step,
+        log_every=log_every,
+        eval_every=eval_every,
+        timeout=watchdog_timeout,
+        profile=profile_steps,
+        profile_dir=profile_dir,
+        exit_on_preemption=exit_on_preemption,
+        max_in_flight=max_in_flight,
+    )
+    if start and start < end:
+        run.progress.print(f"resumed at step {start}")
+    elif start >= end and num_steps:
+        run.progress.print(f"already at step {start} of {num_steps}: nothing to run")
+    try:
+        with _Interrupts(checkpoints) as interrupts:
+            return _run_steps(run, state, batches, schedule, interrupts)
+    finally:
+        run.progress.close()
+
+
+def _starting_state(
+    step: TrainStep,
+    state: TrainState,
+    checkpoints: CheckpointManager | None,
+    writer: Writer | None,
+) -> tuple[TrainState, int]:
+    """The state a loop starts from, placed, and the step its data stream is at:
+    the latest checkpoint's (the writer told, so it logs no step twice) when
+    resuming from `checkpoints`, else `state`'s."""
+    if checkpoints is None:
+        state = step.place_state(state)
+        return state, int(state.step)
+    state, meta = restore_latest(checkpoints, step, state)
+    start = int(meta.get("loader_step", int(state.step)))
+    if writer is not None:
+        resume_writer(writer, start)
+    return state, start
+
+
+def _check_arguments(
+    *,
+    num_steps: int,
+    log_every: int,
+    max_in_flight: int,
+    eval_step: Any,
+    eval_batches: Any,
+    eval_every: int | None,
+    profile_steps: Any,
+    profile_dir: Any,
+) -> None:
+    """`train_loop`'s arguments that must fit together, or a `ValueError`."""
     if (
         min(log_every, max_in_flight) < 1
         or num_steps < 0
@@ -363,90 +444,68 @@ def train_loop(
         )
     if profile_steps is not None and profile_dir is None:
         raise ValueError("train_loop: `profile_steps` needs a `profile_dir`.")
-    if compilation_cache_dir is not None:
-        enable_compilation_cache(compilation_cache_dir)
-    meta: dict[str, Any] = {}
-    if checkpoints is not None and resume:
-        state, meta = restore_latest(checkpoints, step, state)
-    else:
-        state = step.place_state(state)
-    start = int(meta.get("loader_step", int(state.step)))
-    if writer is not None and checkpoints is not None and resume:
-        resume_writer(writer, start)
-    end = num_steps if stop_at is None else min(num_steps, stop_at)
-    devices = list(step.mesh.devices.flat)
-    run = _Run(
-        step, writer, Progress(num_steps, initial=start, name=name, bar=progress),
-        show, None, tokens_per_step, None, devices, eval_step, eval_batches,
-        checkpoints, metadata,
-    )  # fmt: skip
-    if start and start < end:
-        run.progress.print(f"resumed at step {start}")
-    elif start >= end and num_steps:
-        run.progress.print(f"already at step {start} of {num_steps}: nothing to run")
-    try:
-        with _Interrupts(checkpoints) as interrupts:
-            return _run_steps(run, state, batches, start, end, flops_per_step,
-                          log_every, eval_every, watchdog_timeout, profile_steps,
-                          profile_dir, exit_on_preemption, max_in_flight,
-                          interrupts)  # fmt: skip
-    finally:
-        run.progress.close()
+
+
+@dataclasses.dataclass(frozen=True)
+class _Schedule:
+    """When the loop does what: the steps `start + 1 .. end`, and the options of
+    `train_loop` that say what happens at which step."""
+
+    start: int
+    end: int
+    flops: float | int | str | None
+    log_every: int
+    eval_every: int | None
+    timeout: float | int | None
+    profile: tuple[int, int] | None
+    profile_dir: Any
+    exit_on_preemption: bool
+    max_in_flight: int
+
+    def evaluates(self, s: int) -> bool:
+        return s == self.end or (
+            self.eval_every is not None and s % self.eval_every == 0
+        )
 
 
 def _run_steps(
-    run: _Run,
-    state: Any,
-    batches: Any,
-    start: int,
-    end: int,
-    flops: float | int | str | None,
-    log_every: int,
-    eval_every: int | None,
-    timeout: float | int | None,
-    profile: tuple[int, int] | None,
-    profile_dir: Any,
-    exit_on_preemption: bool,
-    max_in_flight: int,
-    interrupts: _Interrupts,
+    run: _Run, state: Any, batches: Any, plan: _Schedule, interrupts: _Interrupts
 ) -> LoopResult:
     logger = _Logger(run)
     evals: list[tuple[int, dict[str, Any]]] = []
     watchdog: Watchdog | None = None
     metrics: Any = None
-    preempted, profiling, s = False, False, start
-    stream = _batch_stream(batches, start)
+    preempted, profiling, s = False, False, plan.start
+    stream = _batch_stream(batches, plan.start)
     in_flight: collections.deque[Any] = collections.deque()
     try:
-        for s in range(start + 1, end + 1):  # `s`: the step number after this step
+        for s in range(plan.start + 1, plan.end + 1):  # `s`: the step number after
             batch = next(stream)
-            if s == start + 1:
+            if s == plan.start + 1:
                 run.examples_per_step = _rows(batch)
                 run.flops_per_step = (
                     _auto_flops(run.step, state, batch, run.devices)
-                    if flops == "auto"
-                    else flops  # type: ignore[assignment]
+                    if plan.flops == "auto"
+                    else plan.flops  # type: ignore[assignment]
                 )
-            if profile is not None and s - 1 == profile[0]:
-                jax.profiler.start_trace(str(profile_dir))
+            if plan.profile is not None and s - 1 == plan.profile[0]:
+                jax.profiler.start_trace(str(plan.profile_dir))
                 profiling = True
             out = run.step(state, batch)
-            state, metrics = out[0], out[1]
+            state, metrics = out
             in_flight.append(metrics)
-            if len(in_flight) > max_in_flight:
+            if len(in_flight) > plan.max_in_flight:
                 jax.block_until_ready(in_flight.popleft())
-            if profiling and profile is not None and s == profile[1]:
+            if profiling and plan.profile is not None and s == plan.profile[1]:
                 jax.block_until_ready(state)
                 jax.profiler.stop_trace()
                 profiling = False
             run.progress.advance(s)
-            if s == start + 1:  # throughput is timed from here: compiling is done
+            if s == plan.start + 1:  # throughput is timed from here: compiled
                 logger.last = (s, time.perf_counter())
-            if s % log_every == 0 or s == end:
-                logger.log(s, state, metrics, out[2] if len(out) > 2 else None)
-            if run.eval_step is not None and (
-                s == end or (eval_every is not None and s % eval_every == 0)
-            ):
+            if s % plan.log_every == 0 or s == plan.end:
+                logger.log(s, state, metrics, out.info)
+            if run.eval_step is not None and plan.evaluates(s):
                 # Another program's collectives must not interleave with queued
                 # steps' (XLA's CPU collectives can deadlock); it waits anyway.
                 jax.block_until_ready(metrics)
@@ -455,14 +514,14 @@ def _run_steps(
             if run.checkpoints is not None:
                 # `save` saves whatever the interval once preemption is signalled;
                 # `reached_preemption` is False at a step `save` did not save.
-                run.save(s, state, force=s == end)
+                run.save(s, state, force=s == plan.end)
                 preempted = run.checkpoints.reached_preemption(s)
                 if preempted:
                     break
             if watchdog is not None:
                 watchdog.beat()
-            elif timeout is not None:  # after the first step, which compiles
-                watchdog = Watchdog(timeout)
+            elif plan.timeout is not None:  # after the first step, which compiles
+                watchdog = Watchdog(plan.timeout)
     finally:
         stream.close()
         if profiling:
@@ -473,15 +532,22 @@ def _run_steps(
     if run.writer is not None:
         run.writer.flush()
     interrupted = preempted and interrupts.received
-    if preempted and run.checkpoints is not None:
-        run.checkpoints.wait_until_finished()
-        why = "interrupted (Ctrl-C)" if interrupted else "preempted"
-        exiting = ", exiting" if exit_on_preemption else ""
-        run.progress.print(f"{why}: saved step {s}{exiting}")
-        if exit_on_preemption:
-            # 128 + SIGINT, as a shell reports a process Ctrl-C ended.
-            raise SystemExit(130 if interrupted else 0)
+    if preempted:
+        _announce_stop(run, plan, s, interrupted)
     return LoopResult(
-        state, s, metrics, logger.logs, evals, start, preempted and not interrupted,
-        logger.seconds_per_step(), interrupted,
+        state, s, metrics, logger.logs, evals, plan.start,
+        preempted and not interrupted, logger.seconds_per_step(), interrupted,
     )  # fmt: skip
+
+
+def _announce_stop(run: _Run, plan: _Schedule, s: int, interrupted: bool) -> None:
+    """After a preemption (or Ctrl-C) saved step `s`: wait for the save, say so,
+    and exit if the loop is to."""
+    assert run.checkpoints is not None
+    run.checkpoints.wait_until_finished()
+    why = "interrupted (Ctrl-C)" if interrupted else "preempted"
+    exiting = ", exiting" if plan.exit_on_preemption else ""
+    run.progress.print(f"{why}: saved step {s}{exiting}")
+    if plan.exit_on_preemption:
+        # 128 + SIGINT, as a shell reports a process Ctrl-C ended.
+        raise SystemExit(130 if interrupted else 0)

@@ -111,13 +111,14 @@ class MetricAccumulator(eqx.Module):
 
         ```python
         def per_device(x):
-            acc = ed.MetricAccumulator(0.0).update(x.sum())   # this device's rows
+            # This device's rows:
+            acc = ed.metrics.MetricAccumulator(0.0).update(x.sum())
             acc = acc.sync("data")                            # every device's rows
             return acc.value                                  # replicated
 
         jax.shard_map(per_device, mesh=mesh, in_specs=P("data"), out_specs=P())(x)
 
-        big = ed.MetricAccumulator(jnp.float32(2**24), compensated=True)
+        big = ed.metrics.MetricAccumulator(jnp.float32(2**24), compensated=True)
         big.update(1.0).update(1.0).value  # 16777218.0 (16777216.0 uncompensated)
         ```
     """

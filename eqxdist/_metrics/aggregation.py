@@ -74,7 +74,7 @@ class Sum(Metric):
     !!! Example
 
         ```python
-        ed.Sum().update(jnp.array([1.0, 2.0])).update(3.0).compute()  # 6.0
+        ed.metrics.Sum().update(jnp.array([1.0, 2.0])).update(3.0).compute()  # 6.0
         ```
     """
 
@@ -181,7 +181,7 @@ class Mean(Metric):
     !!! Example
 
         ```python
-        m = ed.Mean().update(jnp.array([1.0, 3.0]))                  # mean 2
+        m = ed.metrics.Mean().update(jnp.array([1.0, 3.0]))                  # mean 2
         m = m.update(jnp.array([10.0, 0.0]), weights=jnp.array([1, 0]))
         m.compute()  # (1 + 3 + 10) / 3
         ```
@@ -303,7 +303,7 @@ class Max(_Extremum):
     !!! Example
 
         ```python
-        ed.Max().update(jnp.array([1.0, 5.0])).update(3.0).compute()  # 5.0
+        ed.metrics.Max().update(jnp.array([1.0, 5.0])).update(3.0).compute()  # 5.0
         ```
     """
 
@@ -327,7 +327,7 @@ class Min(_Extremum):
     !!! Example
 
         ```python
-        ed.Min().update(jnp.array([1.0, 5.0])).compute()  # 1.0
+        ed.metrics.Min().update(jnp.array([1.0, 5.0])).compute()  # 1.0
         ```
     """
 
@@ -386,7 +386,7 @@ class Std(Metric):
     !!! Example
 
         ```python
-        ed.Std().update(jnp.array([1e4 + 1, 1e4 - 1])).compute()  # 1.0
+        ed.metrics.Std().update(jnp.array([1e4 + 1, 1e4 - 1])).compute()  # 1.0
         ```
     """
 
@@ -464,7 +464,7 @@ class LastValue(Metric):
     !!! Example
 
         ```python
-        ed.LastValue().update(0.1).update(0.05).compute()  # 0.05
+        ed.metrics.LastValue().update(0.1).update(0.05).compute()  # 0.05
         ```
     """
 

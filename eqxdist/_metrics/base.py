@@ -59,10 +59,10 @@ class Metric(eqx.Module):
 
         ```python
         class MaxAbs(ed.Metric):
-            peak: ed.MetricAccumulator
+            peak: ed.metrics.MetricAccumulator
 
             def __init__(self):
-                self.peak = ed.MetricAccumulator(0.0, "max")
+                self.peak = ed.metrics.MetricAccumulator(0.0, "max")
 
             def update(self, values):
                 return eqx.tree_at(
@@ -250,7 +250,9 @@ class MetricCollection(Metric):
     !!! Example
 
         ```python
-        metrics = ed.MetricCollection({"acc": ed.Accuracy(), "loss": ed.Mean()})
+        metrics = ed.MetricCollection(
+            {"acc": ed.metrics.Accuracy(), "loss": ed.metrics.Mean()}
+        )
         metrics = metrics.update(acc=(logits, labels), loss={"values": losses})
         metrics.sync("data").compute()  # {"acc": ..., "loss": ...}, inside shard_map
         metrics["acc"]                  # the Accuracy child
@@ -265,7 +267,7 @@ class MetricCollection(Metric):
         if not isinstance(metrics, Mapping):
             raise TypeError(
                 "MetricCollection: `metrics` must be a mapping from names to metrics, "
-                f"e.g. {{'acc': ed.Accuracy()}}; got {type(metrics).__name__}."
+                f"e.g. {{'acc': ed.metrics.Accuracy()}}; got {type(metrics).__name__}."
             )
         if not isinstance(prefix, str):
             raise TypeError(
@@ -279,7 +281,7 @@ class MetricCollection(Metric):
             if not isinstance(metric, Metric):
                 raise TypeError(
                     f"MetricCollection: `metrics`[{name!r}] must be a Metric (e.g. "
-                    f"ed.Mean()), got {type(metric).__name__}."
+                    f"ed.metrics.Mean()), got {type(metric).__name__}."
                 )
         self.names = tuple(metrics)
         self.children = tuple(metrics.values())

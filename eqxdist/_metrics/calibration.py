@@ -49,7 +49,7 @@ class CalibrationError(Metric):
     !!! Example
 
         ```python
-        ece = ed.CalibrationError().update(jax.nn.softmax(logits), labels, mask)
+        ece = ed.metrics.CalibrationError().update(jax.nn.softmax(logits), labels, mask)
         ece.compute()
         ```
     """

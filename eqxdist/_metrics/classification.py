@@ -1,6 +1,6 @@
 """Classification metrics: `Accuracy` (top-k), `AUROC` and `Perplexity`; the
 confusion-matrix family (`ConfusionMatrix`, `Precision`, `Recall`, `F1Score`,
-`FBetaScore`) is in `_confusion.py`.
+`FBetaScore`) is in `confusion.py`.
 
 Every count here is a carried integer sum (see `MetricAccumulator`): exact to
 2**47 and never wrapping, synced in the one (sum, int) all-reduce of a collection.
@@ -81,8 +81,8 @@ class Accuracy(Metric):
     !!! Example
 
         ```python
-        acc = ed.Accuracy().update(logits, labels, mask=labels >= 0)
-        top5 = ed.Accuracy(top_k=5).update(logits, labels)
+        acc = ed.metrics.Accuracy().update(logits, labels, mask=labels >= 0)
+        top5 = ed.metrics.Accuracy(top_k=5).update(logits, labels)
         acc.compute()
         ```
     """
@@ -217,7 +217,7 @@ class AUROC(Metric):
     !!! Example
 
         ```python
-        auc = ed.AUROC().update(jax.nn.sigmoid(logits), labels, mask)
+        auc = ed.metrics.AUROC().update(jax.nn.sigmoid(logits), labels, mask)
         auc.compute()
         ```
     """
@@ -304,7 +304,7 @@ class Perplexity(Metric):
     !!! Example
 
         ```python
-        ppl = ed.Perplexity().update(logits, tokens[:, 1:], mask[:, 1:])
+        ppl = ed.metrics.Perplexity().update(logits, tokens[:, 1:], mask[:, 1:])
         ppl.compute()
         ```
     """

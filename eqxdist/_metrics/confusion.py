@@ -192,7 +192,7 @@ class ConfusionMatrix(_ConfusionCounts):
     !!! Example
 
         ```python
-        cm = ed.ConfusionMatrix(3).update(logits, labels, mask)
+        cm = ed.metrics.ConfusionMatrix(3).update(logits, labels, mask)
         cm.compute()           # (3, 3) counts
         cm.recall(None)        # per-class recall from the same counts
         ```
@@ -232,7 +232,8 @@ class FBetaScore(_ConfusionCounts):
     !!! Example
 
         ```python
-        ed.FBetaScore(3, beta=0.5, average="weighted").update(logits, labels).compute()
+        f = ed.metrics.FBetaScore(3, beta=0.5, average="weighted")
+        f.update(logits, labels).compute()
         ```
     """
 
@@ -264,7 +265,7 @@ class F1Score(FBetaScore):
     !!! Example
 
         ```python
-        ed.F1Score(10).update(logits, labels, mask).compute()  # macro-F1
+        ed.metrics.F1Score(10).update(logits, labels, mask).compute()  # macro-F1
         ```
     """
 
@@ -305,7 +306,7 @@ class Precision(_AveragedScore):
     !!! Example
 
         ```python
-        ed.Precision(2, average="binary").update(predictions, labels).compute()
+        ed.metrics.Precision(2, average="binary").update(predictions, labels).compute()
         ```
     """
 
@@ -321,7 +322,7 @@ class Recall(_AveragedScore):
     !!! Example
 
         ```python
-        ed.Recall(5, average=None).update(logits, labels).compute()  # per class
+        ed.metrics.Recall(5, average=None).update(logits, labels).compute()  # per class
         ```
     """
 

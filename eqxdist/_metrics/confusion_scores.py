@@ -68,7 +68,7 @@ class MatthewsCorrCoef(_ConfusionScore):
     !!! Example
 
         ```python
-        ed.MatthewsCorrCoef(3).update(logits, labels, mask).compute()
+        ed.metrics.MatthewsCorrCoef(3).update(logits, labels, mask).compute()
         ```
     """
 
@@ -97,7 +97,7 @@ class CohenKappa(_ConfusionScore):
     !!! Example
 
         ```python
-        ed.CohenKappa(5).update(rater_a, rater_b).compute()
+        ed.metrics.CohenKappa(5).update(rater_a, rater_b).compute()
         ```
     """
 
@@ -149,7 +149,8 @@ class JaccardIndex(_AveragedScore):
     !!! Example
 
         ```python
-        ed.JaccardIndex(4).update(pixel_logits, pixel_labels).compute()  # mean IoU
+        # The mean IoU:
+        ed.metrics.JaccardIndex(4).update(pixel_logits, pixel_labels).compute()
         ```
     """
 
@@ -182,7 +183,8 @@ class Specificity(_AveragedScore):
     !!! Example
 
         ```python
-        ed.Specificity(2, average="binary").update(predictions, labels).compute()
+        specificity = ed.metrics.Specificity(2, average="binary")
+        specificity.update(predictions, labels).compute()
         ```
     """
 

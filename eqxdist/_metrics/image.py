@@ -93,7 +93,7 @@ class PSNR(_PerImage):
     !!! Example
 
         ```python
-        ed.PSNR(data_range=1.0).update(denoised, clean).compute()
+        ed.metrics.PSNR(data_range=1.0).update(denoised, clean).compute()
         ```
     """
 
@@ -136,7 +136,7 @@ class SSIM(_PerImage):
     !!! Example
 
         ```python
-        ed.SSIM(data_range=1.0).update(reconstructed, images).compute()
+        ed.metrics.SSIM(data_range=1.0).update(reconstructed, images).compute()
         ```
     """
 

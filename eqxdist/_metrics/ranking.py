@@ -47,7 +47,7 @@ class AveragePrecision(Metric):
     !!! Example
 
         ```python
-        ap = ed.AveragePrecision().update(jax.nn.sigmoid(logits), labels, mask)
+        ap = ed.metrics.AveragePrecision().update(jax.nn.sigmoid(logits), labels, mask)
         ap.compute()
         ```
     """

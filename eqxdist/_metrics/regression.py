@@ -100,8 +100,9 @@ class MeanSquaredError(_MeanError):
     !!! Example
 
         ```python
-        mse = ed.MeanSquaredError().update(preds, targets)
-        rmse = ed.MeanSquaredError(squared=False).update(preds, targets, weights=w)
+        mse = ed.metrics.MeanSquaredError().update(preds, targets)
+        rmse = ed.metrics.MeanSquaredError(squared=False)
+        rmse = rmse.update(preds, targets, weights=w)
         ```
     """
 
@@ -132,7 +133,7 @@ class MeanAbsoluteError(_MeanError):
     !!! Example
 
         ```python
-        ed.MeanAbsoluteError().update(preds, targets).compute()
+        ed.metrics.MeanAbsoluteError().update(preds, targets).compute()
         ```
     """
 
@@ -151,7 +152,7 @@ class MeanSquaredLogError(_MeanError):
     !!! Example
 
         ```python
-        ed.MeanSquaredLogError().update(predicted_counts, counts).compute()
+        ed.metrics.MeanSquaredLogError().update(predicted_counts, counts).compute()
         ```
     """
 
@@ -231,7 +232,7 @@ class R2Score(Metric):
     !!! Example
 
         ```python
-        ed.R2Score().update(preds, targets, weights=w).compute()
+        ed.metrics.R2Score().update(preds, targets, weights=w).compute()
         ```
     """
 
@@ -275,7 +276,7 @@ class PearsonCorrCoef(Metric):
     !!! Example
 
         ```python
-        ed.PearsonCorrCoef().update(preds, targets).compute()
+        ed.metrics.PearsonCorrCoef().update(preds, targets).compute()
         ```
     """
 

@@ -134,7 +134,7 @@ class PrecisionAtK(_AtK):
     !!! Example
 
         ```python
-        ed.PrecisionAtK(10).update(scores, clicked).compute()
+        ed.metrics.PrecisionAtK(10).update(scores, clicked).compute()
         ```
     """
 
@@ -159,7 +159,8 @@ class RecallAtK(_AtK):
     !!! Example
 
         ```python
-        ed.RecallAtK(100).update(scores, relevance, mask=has_candidates).compute()
+        recall = ed.metrics.RecallAtK(100)
+        recall.update(scores, relevance, mask=has_candidates).compute()
         ```
     """
 
@@ -186,7 +187,7 @@ class NDCGAtK(_AtK):
     !!! Example
 
         ```python
-        ed.NDCGAtK(10).update(scores, graded_relevance).compute()
+        ed.metrics.NDCGAtK(10).update(scores, graded_relevance).compute()
         ```
     """
 
@@ -207,7 +208,7 @@ class MRR(_PerQuery):
     !!! Example
 
         ```python
-        ed.MRR().update(scores, relevance).compute()
+        ed.metrics.MRR().update(scores, relevance).compute()
         ```
     """
 

@@ -43,14 +43,14 @@ def batch(step: int) -> dict[str, np.ndarray]:
 
 def loss_fn(model: Any, b: Any, key: Any) -> Any:
     losses = jnp.mean((jax.vmap(model)(b["x"]) - b["y"]) ** 2, axis=1)
-    return jnp.mean(losses), ed.MetricCollection({"loss": ed.Mean()}).update(
+    return jnp.mean(losses), ed.MetricCollection({"loss": ed.metrics.Mean()}).update(
         loss=(losses,)
     )
 
 
 def eval_fn(model: Any, b: Any, mask: Any) -> Any:
     losses = jnp.mean((jax.vmap(model)(b["x"]) - b["y"]) ** 2, axis=1)
-    return ed.MetricCollection({"loss": ed.Mean()}).update(loss=(losses, mask))
+    return ed.MetricCollection({"loss": ed.metrics.Mean()}).update(loss=(losses, mask))
 
 
 def make_state() -> ed.TrainState:

@@ -103,7 +103,7 @@ def test_write_after_close_is_an_error(tmp_path: Path, kind: str) -> None:
 def test_bad_values_are_clear_errors(tmp_path: Path) -> None:
     with ed.JsonlWriter(tmp_path / "m.jsonl") as writer:
         with pytest.raises(TypeError, match=r"JsonlWriter.write: `values\['m'\]`"):
-            writer.write(1, {"m": ed.Mean()})
+            writer.write(1, {"m": ed.metrics.Mean()})
         with pytest.raises(TypeError, match="values"):
             writer.write(1, [1.0])  # type: ignore[arg-type]
         with pytest.raises(ValueError, match=r"`step` must be an int >= 0; got -1"):

@@ -34,7 +34,10 @@ def _ece(probs, labels, num_bins):
 
 def _collection():
     return ed.MetricCollection(
-        {"ece": ed.CalibrationError(), "ece_10": ed.CalibrationError(num_bins=10)}
+        {
+            "ece": ed.metrics.CalibrationError(),
+            "ece_10": ed.metrics.CalibrationError(num_bins=10),
+        }
     )
 
 
@@ -71,8 +74,8 @@ def test_perfect_calibration_and_empty():
     # Confidence 1 and right: no gap; confidence 0.8 and right half the time: 0.3.
     probs = np.array([[1.0, 0.0], [0.8, 0.2], [0.8, 0.2]], np.float32)
     labels = np.array([0, 0, 1])
-    ece = ed.CalibrationError().update(probs, labels).compute()
+    ece = ed.metrics.CalibrationError().update(probs, labels).compute()
     np.testing.assert_allclose(ece, [_ece(probs, labels, 15), 0.6 / 3], rtol=1e-6)
-    assert np.isnan(ed.CalibrationError().compute())
-    masked = ed.CalibrationError().update(probs, labels, np.zeros(3, bool))
+    assert np.isnan(ed.metrics.CalibrationError().compute())
+    masked = ed.metrics.CalibrationError().update(probs, labels, np.zeros(3, bool))
     assert np.isnan(masked.compute())

@@ -28,15 +28,15 @@ def _data(seed=0):
 
 def _collection():
     metrics = {
-        "mcc": ed.MatthewsCorrCoef(C),
-        "kappa": ed.CohenKappa(C),
-        "mcc_binary": ed.MatthewsCorrCoef(2),
-        "jaccard_binary": ed.JaccardIndex(2, average="binary"),
-        "specificity_binary": ed.Specificity(2, average="binary"),
+        "mcc": ed.metrics.MatthewsCorrCoef(C),
+        "kappa": ed.metrics.CohenKappa(C),
+        "mcc_binary": ed.metrics.MatthewsCorrCoef(2),
+        "jaccard_binary": ed.metrics.JaccardIndex(2, average="binary"),
+        "specificity_binary": ed.metrics.Specificity(2, average="binary"),
     }
     for average in AVERAGES:
-        metrics[f"jaccard_{average}"] = ed.JaccardIndex(C, average)
-        metrics[f"specificity_{average}"] = ed.Specificity(C, average=average)
+        metrics[f"jaccard_{average}"] = ed.metrics.JaccardIndex(C, average)
+        metrics[f"specificity_{average}"] = ed.metrics.Specificity(C, average=average)
     return ed.MetricCollection(metrics)
 
 
@@ -130,12 +130,12 @@ def test_one_update_merged_and_synced_match_sklearn(mesh8):
 def test_degenerate_counts():
     same = np.array([1, 1, 1])
     # One class on both sides: MCC 0 (scikit-learn's convention), kappa NaN.
-    assert float(ed.MatthewsCorrCoef(3).update(same, same).compute()) == 0.0
+    assert float(ed.metrics.MatthewsCorrCoef(3).update(same, same).compute()) == 0.0
     assert skm.matthews_corrcoef(same, same) == 0.0
-    assert np.isnan(ed.CohenKappa(3).update(same, same).compute())
-    assert np.isnan(ed.CohenKappa(3).compute())
+    assert np.isnan(ed.metrics.CohenKappa(3).update(same, same).compute())
+    assert np.isnan(ed.metrics.CohenKappa(3).compute())
     # Perfect and inverted binary predictions.
     y = np.array([0, 1, 1, 0])
-    assert float(ed.MatthewsCorrCoef(2).update(1 - y, y).compute()) == -1.0
-    assert float(ed.CohenKappa(2).update(y, y).compute()) == 1.0
-    assert float(ed.JaccardIndex(2, "micro").compute()) == 0.0
+    assert float(ed.metrics.MatthewsCorrCoef(2).update(1 - y, y).compute()) == -1.0
+    assert float(ed.metrics.CohenKappa(2).update(y, y).compute()) == 1.0
+    assert float(ed.metrics.JaccardIndex(2, "micro").compute()) == 0.0

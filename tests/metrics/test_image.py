@@ -57,7 +57,7 @@ def test_one_update_merged_and_synced_match_skimage(mesh8, shape, data_range):
 
     def collection():
         return ed.MetricCollection(
-            {"ssim": ed.SSIM(data_range), "psnr": ed.PSNR(data_range)}
+            {"ssim": ed.metrics.SSIM(data_range), "psnr": ed.metrics.PSNR(data_range)}
         )
 
     def update(metrics, p, t, m):
@@ -87,5 +87,5 @@ def test_one_update_merged_and_synced_match_skimage(mesh8, shape, data_range):
 
 def test_identical_images():
     x = np.random.default_rng(1).random((2, 11, 11)).astype(np.float32)
-    assert float(ed.SSIM(1.0).update(x, x).compute()) == pytest.approx(1.0)
-    assert float(ed.PSNR(1.0).update(x, x).compute()) == np.inf
+    assert float(ed.metrics.SSIM(1.0).update(x, x).compute()) == pytest.approx(1.0)
+    assert float(ed.metrics.PSNR(1.0).update(x, x).compute()) == np.inf

@@ -30,52 +30,60 @@ def _exact(acc):
 def test_integer_weights_summing_past_2_pow_31_in_one_update():
     values = np.array([5.0, 5.0], np.float32)
     weights = np.array([2**31 - 1, 1], np.int32)
-    mean = ed.Mean().update(values, weights)
+    mean = ed.metrics.Mean().update(values, weights)
     assert float(mean.compute()) == 5.0
     assert _exact(mean.count) == int(np.sum(weights.astype(np.int64)))
-    quarter = ed.Mean().update(np.arange(4.0, dtype=np.float32), np.full(4, 2**30))
+    quarter = ed.metrics.Mean().update(
+        np.arange(4.0, dtype=np.float32), np.full(4, 2**30)
+    )
     np.testing.assert_allclose(quarter.compute(), np.mean(np.arange(4.0)), rtol=1e-7)
     assert _exact(quarter.count) == 2**32
 
 
 def test_int32_sum_past_2_pow_31_in_one_update_and_many_entries(rng):
-    total = ed.Sum(jnp.int32).update(np.full(4, 2**30, np.int32))
+    total = ed.metrics.Sum(jnp.int32).update(np.full(4, 2**30, np.int32))
     assert _exact(total.total) == 2**32
     assert float(total.total.value_as(jnp.float32)) == 2.0**32
     assert int(total.compute()) == 2**31 - 1  # saturated, never wrapped
     # More entries than one block of low words (2**14), negatives included.
     big = rng.integers(-(2**31), 2**31, size=2**15 + 3, dtype=np.int64)
     big = big.astype(np.int32)
-    summed = ed.Sum(jnp.int32).update(big)
+    summed = ed.metrics.Sum(jnp.int32).update(big)
     assert _exact(summed.total) == int(big.astype(np.int64).sum())
-    jitted = jax.jit(lambda m, x: m.update(x))(ed.Sum(jnp.int32), big)
+    jitted = jax.jit(lambda m, x: m.update(x))(ed.metrics.Sum(jnp.int32), big)
     assert _exact(jitted.total) == int(big.astype(np.int64).sum())
     # Unsigned 32-bit words past 2**31 each.
     unsigned = np.array([2**32 - 1, 2**31], np.uint32)
-    assert _exact(ed.Sum(jnp.int32).update(unsigned).total) == 2**32 - 1 + 2**31
+    assert _exact(ed.metrics.Sum(jnp.int32).update(unsigned).total) == 2**32 - 1 + 2**31
 
 
 def test_host_integers_wider_than_int32():
     wide = np.array([3_000_000_000, 5], np.int64)
-    exact = ed.Sum(jnp.int32).update(wide).update(2**40)
+    exact = ed.metrics.Sum(jnp.int32).update(wide).update(2**40)
     assert _exact(exact.total) == 3_000_000_005 + 2**40
-    assert float(ed.Sum().update(wide).compute()) == float(np.float32(3e9 + 5))
-    std = ed.Std().update(np.array([2**40, 2**40 + 2**20], np.int64))
+    assert float(ed.metrics.Sum().update(wide).compute()) == float(np.float32(3e9 + 5))
+    std = ed.metrics.Std().update(np.array([2**40, 2**40 + 2**20], np.int64))
     np.testing.assert_allclose(std.compute(), np.std([2.0**40, 2.0**40 + 2**20]))
-    assert float(ed.Std().update(2**40).update(2**40).compute()) == 0.0  # Python ints
-    np.testing.assert_allclose(ed.Max().update(np.array([2**40, 7])).compute(), 2.0**40)
+    assert (
+        float(ed.metrics.Std().update(2**40).update(2**40).compute()) == 0.0
+    )  # Python ints
+    np.testing.assert_allclose(
+        ed.metrics.Max().update(np.array([2**40, 7])).compute(), 2.0**40
+    )
     with pytest.raises(ValueError, match=r"beyond what a carried int32 sum holds"):
-        ed.Sum(jnp.int32).update(np.array([2**62, 2**62], np.int64))
+        ed.metrics.Sum(jnp.int32).update(np.array([2**62, 2**62], np.int64))
 
 
 @pytest.mark.parametrize(
     "call",
     [
-        lambda: ed.Accuracy().update(np.array([2**32, 1], np.int64), np.array([0, 1])),
-        lambda: ed.Accuracy().update(0, 2**40),
-        lambda: ed.F1Score(3).update(0, 2**40),
-        lambda: ed.AUROC().update(np.float32(0.5), 2**40),
-        lambda: ed.ConfusionMatrix(2).update(
+        lambda: ed.metrics.Accuracy().update(
+            np.array([2**32, 1], np.int64), np.array([0, 1])
+        ),
+        lambda: ed.metrics.Accuracy().update(0, 2**40),
+        lambda: ed.metrics.F1Score(3).update(0, 2**40),
+        lambda: ed.metrics.AUROC().update(np.float32(0.5), 2**40),
+        lambda: ed.metrics.ConfusionMatrix(2).update(
             np.array([3_000_000_000, 0]), np.array([0, 1])
         ),
     ],
@@ -90,8 +98,8 @@ def test_integer_totals_past_2_pow_31_synced_across_devices(mesh8):
     values = np.arange(N_DEV * 4, dtype=np.float32).reshape(N_DEV, 4)
 
     def per_device(v, w):
-        mean = ed.Mean().update(v, w).sync("data")
-        count = ed.Sum(jnp.int32).update(w).sync("data")
+        mean = ed.metrics.Mean().update(v, w).sync("data")
+        count = ed.metrics.Sum(jnp.int32).update(w).sync("data")
         return mean.compute(), count.total.synchronized_words
 
     mean, (lo, hi) = smap(mesh8, per_device, (P("data"), P("data")))(values, weights)
@@ -108,7 +116,7 @@ def test_mean_in_narrow_floats_is_the_rounded_exact_mean(mesh8, rng, dtype):
     weights = rng.integers(0, 3, size=(N_DEV, 512)).astype(np.int32)
     as64 = np.asarray(values, np.float64)
     expected = np.sum(as64 * weights) / np.sum(weights)
-    local = ed.Mean(dtype).update(values, weights)
+    local = ed.metrics.Mean(dtype).update(values, weights)
     # Narrow floats: the exact mean rounded once, within half a unit in the last
     # place (a float16 batch sum rounded to float16 first is off by more).
     # float32 sums its batches in float32: within two units.
@@ -116,16 +124,16 @@ def test_mean_in_narrow_floats_is_the_rounded_exact_mean(mesh8, rng, dtype):
     ulp *= 2.0 if dtype == jnp.float32 else 0.5 * (1 + 1e-3)
     assert local.compute().dtype == dtype
     assert abs(float(local.compute()) - expected) <= ulp
-    unweighted = ed.Mean(dtype).update(values).update(values[:2])
+    unweighted = ed.metrics.Mean(dtype).update(values).update(values[:2])
     both = np.concatenate([as64.ravel(), as64[:2].ravel()])
     assert abs(float(unweighted.compute()) - both.mean()) <= ulp
 
     def per_device(v, w):
-        return ed.Mean(dtype).update(v, w).sync("data").compute()
+        return ed.metrics.Mean(dtype).update(v, w).sync("data").compute()
 
     synced = smap(mesh8, per_device, (P("data"), P("data")))(values, weights)
     assert abs(float(synced) - expected) <= ulp
-    assert np.isnan(float(ed.Mean(jnp.float16).compute()))
+    assert np.isnan(float(ed.metrics.Mean(jnp.float16).compute()))
 
 
 # --------------------------------------------------------- states that say so
@@ -133,19 +141,21 @@ def test_mean_in_narrow_floats_is_the_rounded_exact_mean(mesh8, rng, dtype):
 
 def test_compensated_python_int_is_a_clear_error():
     with pytest.raises(TypeError, match=r"compensated=True.*Python int 0.*ambiguous"):
-        ed.MetricAccumulator(0, compensated=True)
-    count = ed.MetricAccumulator(jnp.int32(0), compensated=True).update(2**30)
+        ed.metrics.MetricAccumulator(0, compensated=True)
+    count = ed.metrics.MetricAccumulator(jnp.int32(0), compensated=True).update(2**30)
     assert _exact(count.update(2**30).update(2**30)) == 3 * 2**30
-    total = ed.MetricAccumulator(0.0, compensated=True).update(jnp.float32(2**24))
+    total = ed.metrics.MetricAccumulator(0.0, compensated=True).update(
+        jnp.float32(2**24)
+    )
     hi, lo = total.update(1.0).words  # 2**24 + 1 is not a float32
     assert float(hi) + float(lo) == 2**24 + 1
 
 
 def test_update_sum_refuses_non_scalar_or_non_sum_states():
     with pytest.raises(TypeError, match=r"update_sum: only for scalar sums.*\(2,\)"):
-        ed.MetricAccumulator(jnp.zeros(2)).update_sum(np.ones(3))
+        ed.metrics.MetricAccumulator(jnp.zeros(2)).update_sum(np.ones(3))
     with pytest.raises(TypeError, match=r"update_sum: only for scalar sums.*'max'"):
-        ed.MetricAccumulator(0.0, "max").update_sum(np.ones(3))
+        ed.metrics.MetricAccumulator(0.0, "max").update_sum(np.ones(3))
 
 
 # ----------------------------------------------------- eqxdist 0.2 state dicts
@@ -155,31 +165,31 @@ def _v02_metrics():
     """The updates that produced `V02_STATE_DICT` with eqxdist 0.2's code."""
     return ed.MetricCollection(
         {
-            "sum": ed.Sum()
+            "sum": ed.metrics.Sum()
             .update(jnp.float32(2**24))
             .update(jnp.array([1.0, 1.0, 0.25])),
-            "isum": ed.Sum(jnp.int32)
+            "isum": ed.metrics.Sum(jnp.int32)
             .update(2**30)
             .update(2**30)
             .update(2**30)
             .update(7),
-            "mean": ed.Mean()
+            "mean": ed.metrics.Mean()
             .update(jnp.array([1.0, 3.0]))
             .update(jnp.array([10.0, 2.0]), weights=jnp.array([0.5, 0.0]))
             .update(jnp.array([4.0]), weights=jnp.array([3])),
-            "max": ed.Max().update(jnp.array([1.0, 5.0])),
-            "std": ed.Std().update(jnp.array([1.0, 2.0, 4.0])),
-            "last": ed.LastValue().update(0.25),
-            "acc": ed.Accuracy().update(
+            "max": ed.metrics.Max().update(jnp.array([1.0, 5.0])),
+            "std": ed.metrics.Std().update(jnp.array([1.0, 2.0, 4.0])),
+            "last": ed.metrics.LastValue().update(0.25),
+            "acc": ed.metrics.Accuracy().update(
                 jnp.array([0, 1, 1, 2]), jnp.array([0, 1, 2, 2])
             ),
-            "auroc": ed.AUROC(num_thresholds=4).update(
+            "auroc": ed.metrics.AUROC(num_thresholds=4).update(
                 jnp.array([0.1, 0.6, 0.8, 0.3]), jnp.array([0, 1, 1, 0])
             ),
-            "cm": ed.ConfusionMatrix(2).update(
+            "cm": ed.metrics.ConfusionMatrix(2).update(
                 jnp.array([0, 1, 1]), jnp.array([0, 1, 0])
             ),
-            "ppl": ed.Perplexity().update(
+            "ppl": ed.metrics.Perplexity().update(
                 jnp.array([[0.0, 1.0], [2.0, 0.0]]), jnp.array([1, 0])
             ),
         }

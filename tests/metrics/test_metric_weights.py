@@ -40,12 +40,12 @@ def _data(seed=0):
 def _collection():
     return ed.MetricCollection(
         {
-            "acc": ed.Accuracy(),
-            "acc_int": ed.Accuracy(),
-            "top2": ed.Accuracy(top_k=2),
-            "auroc": ed.AUROC(),
-            "auroc_fine": ed.AUROC(num_thresholds=4096),
-            "ppl": ed.Perplexity(),
+            "acc": ed.metrics.Accuracy(),
+            "acc_int": ed.metrics.Accuracy(),
+            "top2": ed.metrics.Accuracy(top_k=2),
+            "auroc": ed.metrics.AUROC(),
+            "auroc_fine": ed.metrics.AUROC(num_thresholds=4096),
+            "ppl": ed.metrics.Perplexity(),
         }
     )
 
@@ -117,7 +117,7 @@ def test_synced_across_8_devices_matches_sklearn_with_one_collective_per_dtype(
 def test_integer_weights_are_counted_exactly_past_2_pow_31():
     preds, labels = np.array([0, 1, 1]), np.array([0, 1, 0])
     weights = np.array([2**30, 2**30, 2**30], np.int32)
-    acc = ed.Accuracy().update(preds, labels, weights=weights)
+    acc = ed.metrics.Accuracy().update(preds, labels, weights=weights)
     acc = acc.merge(acc)
     total = int(acc.total.words[1]) * 2**16 + int(acc.total.words[0])
     assert total == 6 * 2**30
@@ -129,11 +129,11 @@ def test_integer_weights_are_counted_exactly_past_2_pow_31():
 
 def test_weights_and_mask_bad_shapes_are_clear_errors():
     with pytest.raises(ValueError, match=r"Accuracy.update: `weights` of shape \(3,\)"):
-        ed.Accuracy().update(
+        ed.metrics.Accuracy().update(
             np.zeros(4, np.int32), np.zeros(4, np.int32), None, np.ones(3)
         )
     with pytest.raises(TypeError, match=r"AUROC.update: `weights` must hold numbers"):
-        ed.AUROC().update(
+        ed.metrics.AUROC().update(
             np.zeros(2, np.float32), np.zeros(2, np.int32), None, np.array(["a", "b"])
         )
 
@@ -141,14 +141,21 @@ def test_weights_and_mask_bad_shapes_are_clear_errors():
 _PREDS, _LABELS = np.array([0, 1, 1, 2], np.int32), np.array([0, 1, 2, 2], np.int32)
 _LOGITS = np.eye(3, dtype=np.float32)[_PREDS]
 _WITH_WEIGHTS = [
-    lambda mask: ed.Accuracy().update(_PREDS, _LABELS, mask),
-    lambda mask: ed.AUROC().update(np.full(4, 0.5, np.float32), _LABELS % 2, mask),
-    lambda mask: ed.Perplexity().update(_LOGITS, _LABELS, mask),
+    lambda mask: ed.metrics.Accuracy().update(_PREDS, _LABELS, mask),
+    lambda mask: ed.metrics.AUROC().update(
+        np.full(4, 0.5, np.float32), _LABELS % 2, mask
+    ),
+    lambda mask: ed.metrics.Perplexity().update(_LOGITS, _LABELS, mask),
 ]
 _WITHOUT_WEIGHTS = [
     lambda mask, kind=kind: kind(3).update(_PREDS, _LABELS, mask)
-    for kind in (ed.ConfusionMatrix, ed.Precision, ed.Recall, ed.F1Score)
-] + [lambda mask: ed.FBetaScore(3, beta=2).update(_PREDS, _LABELS, mask)]
+    for kind in (
+        ed.metrics.ConfusionMatrix,
+        ed.metrics.Precision,
+        ed.metrics.Recall,
+        ed.metrics.F1Score,
+    )
+] + [lambda mask: ed.metrics.FBetaScore(3, beta=2).update(_PREDS, _LABELS, mask)]
 _MASKS = [
     np.array([0.5, 1.0, 0.0, 1.0], np.float32),
     np.array([-1, 1, 0, 1], np.int32),

@@ -31,12 +31,12 @@ def assert_same_tree(a, b):
 
 def test_per_device_sums_sync_never_double_counts(mesh8):
     def per_device(index):
-        acc = ed.MetricAccumulator(0.0).update(10.0).sync("data")
+        acc = ed.metrics.MetricAccumulator(0.0).update(10.0).sync("data")
         first = acc.value
         acc = acc.update(10.0)
         unsynced = acc.value  # back to this device's own state
         acc = acc.sync(("data",))
-        by_index = ed.MetricAccumulator(0, "sum").update(index[0]).sync("data")
+        by_index = ed.metrics.MetricAccumulator(0, "sum").update(index[0]).sync("data")
         return first, acc.value, unsynced[None], acc.local[None], by_index.value
 
     fn = smap(mesh8, per_device, P("data"), (P(), P(), P("data"), P("data"), P()))
@@ -50,8 +50,10 @@ def test_per_device_sums_sync_never_double_counts(mesh8):
 
 def test_max_min_accumulators_across_devices(mesh8):
     def per_device(x):
-        hi = ed.MetricAccumulator(-jnp.inf, ed.ReduceOp.MAX).update(x.max())
-        lo = ed.MetricAccumulator(jnp.inf, "min").update(x.min())
+        hi = ed.metrics.MetricAccumulator(-jnp.inf, ed.metrics.ReduceOp.MAX).update(
+            x.max()
+        )
+        lo = ed.metrics.MetricAccumulator(jnp.inf, "min").update(x.min())
         hi, lo = hi.sync(), lo.sync()
         return hi.value, lo.value
 
@@ -62,7 +64,7 @@ def test_max_min_accumulators_across_devices(mesh8):
 
 def test_weighted_mean_half_devices_weight_zero(mesh8):
     def per_device(values, weights):
-        return ed.Mean().update(values, weights).sync().compute()
+        return ed.metrics.Mean().update(values, weights).sync().compute()
 
     values = jnp.arange(16.0)
     weights = jnp.array([1.0] * 8 + [0.0] * 8)  # devices 4..7 have weight 0
@@ -73,7 +75,12 @@ def test_weighted_mean_half_devices_weight_zero(mesh8):
 
 def test_sum_mean_max_min_sequences_with_empty_updates():
     batches = [np.array([1.0, 2.0]), np.zeros((0,)), np.array([[3.0], [-5.0]]), 4.0]
-    s, m, hi, lo = ed.Sum(), ed.Mean(), ed.Max(), ed.Min()
+    s, m, hi, lo = (
+        ed.metrics.Sum(),
+        ed.metrics.Mean(),
+        ed.metrics.Max(),
+        ed.metrics.Min(),
+    )
     assert float(s.compute()) == 0.0 and np.isnan(m.compute())
     assert float(hi.compute()) == -np.inf and float(lo.compute()) == np.inf
     s, m = s.update(np.zeros((0,))), m.update(np.zeros((0, 3)))
@@ -88,28 +95,30 @@ def test_sum_mean_max_min_sequences_with_empty_updates():
     assert float(s.compute()) == np.sum(seen)
     np.testing.assert_allclose(m.compute(), np.mean(seen))
     assert float(hi.compute()) == 4.0 and float(lo.compute()) == -5.0
-    weighted = ed.Mean().update(np.array([1.0, 3.0]), np.array([True, False]))
+    weighted = ed.metrics.Mean().update(np.array([1.0, 3.0]), np.array([True, False]))
     weighted = weighted.update(np.array([5.0, 7.0]), weights=np.array([0.5, 1.5]))
     np.testing.assert_allclose(weighted.compute(), (1 + 2.5 + 10.5) / 3)
-    assert np.isnan(ed.Mean().update(np.ones(3), np.zeros(3)).compute())
-    padded = ed.Mean().update(np.array([2.0, np.nan, np.inf]), np.array([1, 0, 0]))
+    assert np.isnan(ed.metrics.Mean().update(np.ones(3), np.zeros(3)).compute())
+    padded = ed.metrics.Mean().update(
+        np.array([2.0, np.nan, np.inf]), np.array([1, 0, 0])
+    )
     assert float(padded.compute()) == 2.0
-    assert int(ed.Sum(jnp.int32).update(np.array([2, 3])).compute()) == 5
+    assert int(ed.metrics.Sum(jnp.int32).update(np.array([2, 3])).compute()) == 5
 
 
 def test_accuracy_predictions_logits_and_mask():
     labels = np.array([0, 1, 2, 1])
     preds = np.array([0, 1, 1, 1])
-    assert float(ed.Accuracy().update(preds, labels).compute()) == 0.75
+    assert float(ed.metrics.Accuracy().update(preds, labels).compute()) == 0.75
     logits = np.eye(3, dtype=np.float32)[preds] + 0.1
     mask = np.array([True, True, False, False])
-    acc = ed.Accuracy().update(logits, labels, mask=mask)
+    acc = ed.metrics.Accuracy().update(logits, labels, mask=mask)
     assert float(acc.compute()) == 1.0
     acc = acc.update(preds[None], labels[None], mask=np.array([[False] * 4]))
     assert int(acc.total.value) == 2 and int(acc.correct.value) == 2
-    assert np.isnan(ed.Accuracy().compute())
+    assert np.isnan(ed.metrics.Accuracy().compute())
     assert np.isnan(
-        ed.Accuracy().update(preds, labels, mask=np.zeros(4, bool)).compute()
+        ed.metrics.Accuracy().update(preds, labels, mask=np.zeros(4, bool)).compute()
     )
 
 
@@ -119,13 +128,13 @@ def test_accuracy_predictions_logits_and_mask():
 def _collection():
     return ed.MetricCollection(
         {
-            "acc": ed.Accuracy(),
-            "acc_int": ed.Accuracy(),
-            "loss": ed.Mean(),
-            "weighted": ed.Mean(),
-            "total": ed.Sum(),
-            "peak": ed.Max(),
-            "floor": ed.Min(),
+            "acc": ed.metrics.Accuracy(),
+            "acc_int": ed.metrics.Accuracy(),
+            "loss": ed.metrics.Mean(),
+            "weighted": ed.metrics.Mean(),
+            "total": ed.metrics.Sum(),
+            "peak": ed.metrics.Max(),
+            "floor": ed.metrics.Min(),
         }
     )
 
@@ -210,7 +219,11 @@ def test_reduce_returns_a_replicated_metric_to_merge_outside(mesh8, rng):
 
 def _sixteen_metrics():
     kinds = (
-        [ed.Mean] * 4 + [ed.Accuracy] * 4 + [ed.Sum] * 4 + [ed.Max] * 2 + [ed.Min] * 2
+        [ed.metrics.Mean] * 4
+        + [ed.metrics.Accuracy] * 4
+        + [ed.metrics.Sum] * 4
+        + [ed.metrics.Max] * 2
+        + [ed.metrics.Min] * 2
     )
     return ed.MetricCollection({f"m{i}": kind() for i, kind in enumerate(kinds)})
 
@@ -220,7 +233,7 @@ def test_collection_sync_one_collective_per_reduce_op_and_dtype(mesh8):
 
     def per_device(x, labels):
         updates = {
-            name: (x, labels) if isinstance(m, ed.Accuracy) else (x[:, 0] * i,)
+            name: (x, labels) if isinstance(m, ed.metrics.Accuracy) else (x[:, 0] * i,)
             for i, (name, m) in enumerate(metrics.metrics.items())
         }
         return metrics.update(**updates).sync("data").compute()
@@ -247,12 +260,12 @@ def test_collection_sync_one_collective_per_reduce_op_and_dtype(mesh8):
 
 def test_counts_exact_beyond_2_pow_24(mesh8):
     big = 2**24
-    acc = ed.Accuracy().load_state_dict(
+    acc = ed.metrics.Accuracy().load_state_dict(
         {"correct": {"local": jnp.int32(big)}, "total": {"local": jnp.int32(big)}}
     )
     acc = acc.update(np.array([1, 0]), np.array([1, 1]))
     assert int(acc.correct.value) == big + 1 and int(acc.total.value) == big + 2
-    mean = ed.Mean().load_state_dict(
+    mean = ed.metrics.Mean().load_state_dict(
         {
             "total": {"local": jnp.float32(0.0)},
             "weight": {"local": jnp.float32(0.0)},
@@ -267,7 +280,7 @@ def test_counts_exact_beyond_2_pow_24(mesh8):
     def per_device(total):
         state = {"correct": {"local": total[0]}, "total": {"local": total[0]}}
         return (
-            ed.Accuracy()
+            ed.metrics.Accuracy()
             .load_state_dict(state)
             .update(jnp.zeros(1, jnp.int32), jnp.ones(1, jnp.int32))
             .sync()
@@ -293,7 +306,7 @@ def _pair(acc, synchronized=False):
 
 def test_float_weights_beyond_2_pow_24_audit_repro():
     big = 2**24
-    m = ed.Mean().update(jnp.zeros(big), weights=jnp.ones(big))
+    m = ed.metrics.Mean().update(jnp.zeros(big), weights=jnp.ones(big))
     assert _pair(m.weight) == big  # one float32 sum of 2**24 ones is exact
     for _ in range(4):
         m = m.update(jnp.array([4.0]), weights=jnp.array([1.0]))
@@ -303,22 +316,22 @@ def test_float_weights_beyond_2_pow_24_audit_repro():
     m = m.update(jnp.array([4.0]), weights=jnp.array([1.0]))
     assert _pair(m.weight) == big + 5 and _pair(m.total) == 20  # 16777221: not f32
     assert m.state_dict()["weight"] == {"local": big + 4.0, "local_lo": 1.0}
-    restored = ed.Mean().load_state_dict(m.state_dict())
+    restored = ed.metrics.Mean().load_state_dict(m.state_dict())
     assert_same_tree(restored, m)
     assert _pair(restored.update(1.0, weights=2.0).weight) == big + 7
 
     # The weighted sum of values is compensated the same way, and so is `Sum`.
-    s = ed.Sum().update(jnp.ones(big))
-    ones = ed.Mean().update(jnp.ones(big))
+    s = ed.metrics.Sum().update(jnp.ones(big))
+    ones = ed.metrics.Mean().update(jnp.ones(big))
     for _ in range(3):
         s, ones = s.update(1.0), ones.update(jnp.ones(1))
     assert _pair(s.total) == big + 3 and float(s.compute()) == big + 4  # rounded
     assert float(ones.compute()) == 1.0 and _pair(ones.total) == big + 3
-    assert int(ed.Sum(jnp.int32).update(np.array([2, 3])).total.value) == 5
-    assert ed.Sum(jnp.int32).state_dict() == {
+    assert int(ed.metrics.Sum(jnp.int32).update(np.array([2, 3])).total.value) == 5
+    assert ed.metrics.Sum(jnp.int32).state_dict() == {
         "total": {"local": jnp.int32(0), "local_hi": jnp.int32(0)}
     }
-    inf = ed.Sum().update(np.array([1.0, np.inf])).update(1.0)
+    inf = ed.metrics.Sum().update(np.array([1.0, np.inf])).update(1.0)
     assert float(inf.compute()) == np.inf and float(inf.total.local_lo) == 0.0
 
 
@@ -328,7 +341,7 @@ def _seeded_mean(index):
     big = 2**24
     weight_hi = jnp.float32(big) + jnp.asarray(index, jnp.float32) * 2
     total_hi = jnp.float32(2 * big) + jnp.asarray(index, jnp.float32) * 4
-    return ed.Mean().load_state_dict(
+    return ed.metrics.Mean().load_state_dict(
         {
             "total": {"local": total_hi, "local_lo": jnp.float32(1) + index},
             "weight": {"local": weight_hi, "local_lo": jnp.float32(1) + index},
@@ -359,7 +372,9 @@ def test_compensated_sync_and_merge_equal_the_global_totals(mesh8):
 
     def per_device(index, values, weights):
         local = _seeded_mean(index[0]).update(values, weights)
-        collection = ed.MetricCollection({"m": local, "n": ed.Accuracy()}).sync()
+        collection = ed.MetricCollection(
+            {"m": local, "n": ed.metrics.Accuracy()}
+        ).sync()
         return (
             jax.tree.map(lambda x: x[None], local.state_dict()),
             synchronized(local.sync("data")),
@@ -380,7 +395,7 @@ def test_compensated_sync_and_merge_equal_the_global_totals(mesh8):
 
     # Merging the eight local states, in either order, gives the same totals.
     devices = [
-        ed.Mean().load_state_dict(jax.tree.map(lambda x, i=i: x[i], states))
+        ed.metrics.Mean().load_state_dict(jax.tree.map(lambda x, i=i: x[i], states))
         for i in range(N_DEV)
     ]
     for order in (devices, devices[::-1]):
@@ -401,11 +416,11 @@ def _metrics_of(values):
     labels = np.abs(np.asarray(values, np.int32)) % 3
     return ed.MetricCollection(
         {
-            "sum": ed.Sum(),
-            "mean": ed.Mean(),
-            "max": ed.Max(),
-            "min": ed.Min(),
-            "acc": ed.Accuracy(),
+            "sum": ed.metrics.Sum(),
+            "mean": ed.metrics.Mean(),
+            "max": ed.metrics.Max(),
+            "min": ed.metrics.Min(),
+            "acc": ed.metrics.Accuracy(),
         }
     ).update(
         sum=(x,),
@@ -437,22 +452,24 @@ def test_state_dict_round_trips(mesh8):
         "synchronized",
         "synchronized_hi",
     }
-    acc = ed.MetricAccumulator(jnp.zeros(3), "max").update(jnp.array([1.0, -2.0, 5.0]))
+    acc = ed.metrics.MetricAccumulator(jnp.zeros(3), "max").update(
+        jnp.array([1.0, -2.0, 5.0])
+    )
     for a in (acc, acc.sync(None)):
-        fresh = ed.MetricAccumulator(jnp.zeros(3), "max")
+        fresh = ed.metrics.MetricAccumulator(jnp.zeros(3), "max")
         assert_same_tree(fresh.load_state_dict(a.state_dict()), a)
 
     def per_device(x):  # inside shard_map, including the synchronized state
-        summed = ed.Sum().update(x).sync()
-        return ed.Sum().load_state_dict(summed.state_dict()).compute()
+        summed = ed.metrics.Sum().update(x).sync()
+        return ed.metrics.Sum().load_state_dict(summed.state_dict()).compute()
 
     assert float(smap(mesh8, per_device, P("data"))(jnp.arange(8.0))) == 28.0
 
     # Compensated sums: the rounding errors are saved too; states saved without
     # them (or written by hand) load with errors 0.
-    big = ed.MetricAccumulator(jnp.float32(2**24), compensated=True)
+    big = ed.metrics.MetricAccumulator(jnp.float32(2**24), compensated=True)
     big = big.update(1.0).update(1.0).update(1.0)
-    assert big.compensated and not ed.MetricAccumulator(0.0).compensated
+    assert big.compensated and not ed.metrics.MetricAccumulator(0.0).compensated
     for a in (big, big.sync(None), big.sync(None).reset()):
         assert_same_tree(big.load_state_dict(a.state_dict()), a)
     assert big.sync(None).state_dict().keys() == {
@@ -470,7 +487,7 @@ def test_reset_returns_to_the_initial_state():
     metrics = _update(_collection(), *_global_data(np.random.default_rng(2)))
     assert_same_tree(metrics.reset(), _collection())
     assert_same_tree(metrics.sync(None).reset(), _collection())
-    acc = ed.MetricAccumulator(-1.0, "max").update(3.0)
+    acc = ed.metrics.MetricAccumulator(-1.0, "max").update(3.0)
     assert float(acc.reset().value) == -1.0 and acc.reset().initial.dtype == jnp.float32
 
 
@@ -488,7 +505,11 @@ def test_jit_with_a_python_loop_of_updates(rng):
         return metrics
 
     empty = ed.MetricCollection(
-        {"acc": ed.Accuracy(), "mean": ed.Mean(), "peak": ed.Max()}
+        {
+            "acc": ed.metrics.Accuracy(),
+            "mean": ed.metrics.Mean(),
+            "peak": ed.metrics.Max(),
+        }
     )
     metrics = evaluate(empty, batches, labels)
     x, y = np.concatenate(batches), np.concatenate(labels)
@@ -505,9 +526,9 @@ def test_scan_carry_inside_shard_map(mesh8, rng):
 
     def per_device(x):
         minibatches = x.reshape(3, 2, 3)
-        first = ed.MetricCollection({"mean": ed.Mean(), "peak": ed.Max()}).update(
-            mean=(minibatches[0],), peak=(minibatches[0],)
-        )
+        first = ed.MetricCollection(
+            {"mean": ed.metrics.Mean(), "peak": ed.metrics.Max()}
+        ).update(mean=(minibatches[0],), peak=(minibatches[0],))
 
         def body(metrics, mb):
             new = metrics.reset().update(mean=(mb,), peak=(mb,))
@@ -532,7 +553,9 @@ def test_metrics_as_aux_of_a_loss_under_grad_and_scan(mesh8, rng):
     def loss_fn(w, x, y):
         logits = x * w
         loss = jnp.mean((logits - 1.0) ** 2, axis=-1)
-        metrics = ed.MetricCollection({"loss": ed.Mean(), "acc": ed.Accuracy()})
+        metrics = ed.MetricCollection(
+            {"loss": ed.metrics.Mean(), "acc": ed.metrics.Accuracy()}
+        )
         return jnp.mean(loss), metrics.update(loss=(loss,), acc=(logits, y))
 
     def per_device(w, x, y):
@@ -557,8 +580,8 @@ def test_metrics_as_aux_of_a_loss_under_grad_and_scan(mesh8, rng):
 
 
 def test_collection_is_a_metric_and_nests():
-    inner = ed.MetricCollection({"s": ed.Sum()})
-    outer = ed.MetricCollection({"inner": inner, "m": ed.Mean()})
+    inner = ed.MetricCollection({"s": ed.metrics.Sum()})
+    outer = ed.MetricCollection({"inner": inner, "m": ed.metrics.Mean()})
     assert isinstance(outer, ed.Metric) and isinstance(outer["inner"], ed.Metric)
     assert list(outer) == ["inner", "m"] and len(outer) == 2 and "m" in outer
     outer = outer.update(inner={"s": (np.array([1.0, 2.0]),)}, m=(np.array([4.0]),))
@@ -567,11 +590,11 @@ def test_collection_is_a_metric_and_nests():
 
 
 class _ScaledMaxAbs(ed.Metric):
-    peak: ed.MetricAccumulator
+    peak: ed.metrics.MetricAccumulator
     scale: jax.Array  # an array leaf that is configuration, not state
 
     def __init__(self, scale=1.0):
-        self.peak = ed.MetricAccumulator(0.0, "max")
+        self.peak = ed.metrics.MetricAccumulator(0.0, "max")
         self.scale = jnp.asarray(scale)
 
     def update(self, values):
@@ -601,31 +624,37 @@ def test_custom_metric_subclass(mesh8):
 
 def test_bad_inputs_raise_clear_errors():
     with pytest.raises(ValueError, match=r"Unknown `reduce_op` 'mean'.*\['sum', 'max'"):
-        ed.MetricAccumulator(0.0, "mean")
+        ed.metrics.MetricAccumulator(0.0, "mean")
     with pytest.raises(TypeError, match="reduce_op"):
-        ed.MetricAccumulator(0.0, 1)
+        ed.metrics.MetricAccumulator(0.0, 1)
     with pytest.raises(TypeError, match="bool"):
-        ed.MetricAccumulator(False)
+        ed.metrics.MetricAccumulator(False)
     with pytest.raises(ValueError, match=r"shape \(2,\) does not broadcast.*\(\)"):
-        ed.MetricAccumulator(0.0).update(np.ones(2))
+        ed.metrics.MetricAccumulator(0.0).update(np.ones(2))
     with pytest.raises(TypeError, match="float32.*int32"):
-        ed.Sum(jnp.int32).update(np.ones(2, np.float32))
+        ed.metrics.Sum(jnp.int32).update(np.ones(2, np.float32))
     with pytest.raises(ValueError, match=r"`weights` of shape \(3,\).*\(4,\)"):
-        ed.Mean().update(np.ones(4), np.ones(3))
+        ed.metrics.Mean().update(np.ones(4), np.ones(3))
     with pytest.raises(ValueError, match=r"float.*\(4, 2\).*labels.*\(5,\)"):
-        ed.Accuracy().update(np.ones((4, 2), np.float32), np.ones(5, np.int32))
+        ed.metrics.Accuracy().update(np.ones((4, 2), np.float32), np.ones(5, np.int32))
     with pytest.raises(ValueError, match=r"float.*\(4,\).*trailing class axis"):
-        ed.Accuracy().update(np.ones(4, np.float32), np.ones(4, np.int32))
+        ed.metrics.Accuracy().update(np.ones(4, np.float32), np.ones(4, np.int32))
     with pytest.raises(ValueError, match=r"integer.*\(3,\).*\(4,\)"):
-        ed.Accuracy().update(np.ones(3, np.int32), np.ones(4, np.int32))
+        ed.metrics.Accuracy().update(np.ones(3, np.int32), np.ones(4, np.int32))
     with pytest.raises(TypeError, match="`labels` must be integer"):
-        ed.Accuracy().update(np.ones((4, 2), np.float32), np.ones(4, np.float32))
+        ed.metrics.Accuracy().update(
+            np.ones((4, 2), np.float32), np.ones(4, np.float32)
+        )
     with pytest.raises(ValueError, match=r"`mask` of shape \(3,\)"):
-        ed.Accuracy().update(np.ones(4, np.int32), np.ones(4, np.int32), np.ones(3))
+        ed.metrics.Accuracy().update(
+            np.ones(4, np.int32), np.ones(4, np.int32), np.ones(3)
+        )
     with pytest.raises(TypeError, match="must hold numbers"):
-        ed.Sum().update(np.array(["a"]))
+        ed.metrics.Sum().update(np.array(["a"]))
 
-    metrics = ed.MetricCollection({"acc": ed.Accuracy(), "loss": ed.Mean()})
+    metrics = ed.MetricCollection(
+        {"acc": ed.metrics.Accuracy(), "loss": ed.metrics.Mean()}
+    )
     with pytest.raises(ValueError, match=r"no metric named 'los'.*\['acc', 'loss'\]"):
         metrics.update(los=(np.ones(2),))
     with pytest.raises(KeyError, match="no metric named 'x'"):
@@ -635,30 +664,36 @@ def test_bad_inputs_raise_clear_errors():
     with pytest.raises(TypeError, match="metrics"):
         ed.MetricCollection({"m": 1.0})
     with pytest.raises(TypeError, match="Sum.merge: `other` must be a Sum"):
-        ed.Sum().merge(ed.Mean())
+        ed.metrics.Sum().merge(ed.metrics.Mean())
     with pytest.raises(TypeError, match="same structure"):
-        metrics.merge(ed.MetricCollection({"acc": ed.Accuracy()}))
+        metrics.merge(ed.MetricCollection({"acc": ed.metrics.Accuracy()}))
     with pytest.raises(ValueError, match="reduce_op, shape, dtype"):
-        ed.MetricAccumulator(0.0).merge(ed.MetricAccumulator(0.0, "max"))
+        ed.metrics.MetricAccumulator(0.0).merge(
+            ed.metrics.MetricAccumulator(0.0, "max")
+        )
     with pytest.raises(ValueError, match=r"compensated\) = \(.*True\).*False\)"):
-        ed.MetricAccumulator(0.0).merge(ed.MetricAccumulator(0.0, compensated=True))
+        ed.metrics.MetricAccumulator(0.0).merge(
+            ed.metrics.MetricAccumulator(0.0, compensated=True)
+        )
     with pytest.raises(ValueError, match="`compensated=True` is for sums.*'max'"):
-        ed.MetricAccumulator(0.0, "max", compensated=True)
+        ed.metrics.MetricAccumulator(0.0, "max", compensated=True)
     with pytest.raises(ValueError, match=r"optionally 'synchronized', got.*local_lo"):
-        ed.MetricAccumulator(0.0).load_state_dict({"local": 0.0, "local_lo": 0.0})
+        ed.metrics.MetricAccumulator(0.0).load_state_dict(
+            {"local": 0.0, "local_lo": 0.0}
+        )
     with pytest.raises(ValueError, match="word of 'synchronized', which is missing"):
-        ed.MetricAccumulator(0.0, compensated=True).load_state_dict(
+        ed.metrics.MetricAccumulator(0.0, compensated=True).load_state_dict(
             {"local": jnp.float32(0), "synchronized_lo": jnp.float32(0)}
         )
     with pytest.raises(ValueError, match="'data' is not bound.*shard_map"):
-        ed.Sum().sync("data")
+        ed.metrics.Sum().sync("data")
     with pytest.raises(
         ValueError, match=r"expected the keys \['total'\], got \['tot'\]"
     ):
-        ed.Sum().load_state_dict({"tot": {"local": jnp.float32(0)}})
+        ed.metrics.Sum().load_state_dict({"tot": {"local": jnp.float32(0)}})
     with pytest.raises(
         ValueError, match=r"'local' has shape \(2,\).*expected shape \(\)"
     ):
-        ed.Sum().load_state_dict({"total": {"local": jnp.zeros(2)}})
+        ed.metrics.Sum().load_state_dict({"total": {"local": jnp.zeros(2)}})
     with pytest.raises(ValueError, match="dtype int32.*dtype float32"):
-        ed.Sum().load_state_dict({"total": {"local": jnp.int32(0)}})
+        ed.metrics.Sum().load_state_dict({"total": {"local": jnp.int32(0)}})

@@ -53,24 +53,24 @@ def _data(seed=0):
 
 def _collection():
     metrics = {
-        "acc": ed.Accuracy(),
-        "top3": ed.Accuracy(top_k=3),
-        "cm": ed.ConfusionMatrix(C),
-        "auroc": ed.AUROC(),
-        "auroc_fine": ed.AUROC(num_thresholds=4096),
-        "std": ed.Std(),
-        "std_weighted": ed.Std(),
-        "last": ed.LastValue(),
-        "ppl": ed.Perplexity(),
-        "f1_binary": ed.F1Score(2, average="binary"),
-        "precision_binary": ed.Precision(2, average="binary"),
-        "recall_binary": ed.Recall(2, average="binary"),
+        "acc": ed.metrics.Accuracy(),
+        "top3": ed.metrics.Accuracy(top_k=3),
+        "cm": ed.metrics.ConfusionMatrix(C),
+        "auroc": ed.metrics.AUROC(),
+        "auroc_fine": ed.metrics.AUROC(num_thresholds=4096),
+        "std": ed.metrics.Std(),
+        "std_weighted": ed.metrics.Std(),
+        "last": ed.metrics.LastValue(),
+        "ppl": ed.metrics.Perplexity(),
+        "f1_binary": ed.metrics.F1Score(2, average="binary"),
+        "precision_binary": ed.metrics.Precision(2, average="binary"),
+        "recall_binary": ed.metrics.Recall(2, average="binary"),
     }
     for average in AVERAGES:
-        metrics[f"precision_{average}"] = ed.Precision(C, average)
-        metrics[f"recall_{average}"] = ed.Recall(C, average)
-        metrics[f"f1_{average}"] = ed.F1Score(C, average)
-        metrics[f"f2_{average}"] = ed.FBetaScore(C, beta=2.0, average=average)
+        metrics[f"precision_{average}"] = ed.metrics.Precision(C, average)
+        metrics[f"recall_{average}"] = ed.metrics.Recall(C, average)
+        metrics[f"f1_{average}"] = ed.metrics.F1Score(C, average)
+        metrics[f"f2_{average}"] = ed.metrics.FBetaScore(C, beta=2.0, average=average)
     return ed.MetricCollection(metrics, prefix="val/")
 
 
@@ -80,9 +80,9 @@ def _update(metrics, d, step):
     for name, metric in metrics.metrics.items():
         if name.endswith("binary"):
             args[name] = (d["binary_preds"], d["binary"], d["mask"])
-        elif isinstance(metric, ed.AUROC):
+        elif isinstance(metric, ed.metrics.AUROC):
             args[name] = (d["scores"], d["binary"], d["mask"])
-        elif isinstance(metric, ed.Accuracy | ed.Perplexity) or hasattr(
+        elif isinstance(metric, ed.metrics.Accuracy | ed.metrics.Perplexity) or hasattr(
             metric, "confusion_matrix"
         ):
             args[name] = classes
@@ -224,11 +224,11 @@ def _exact(acc):
 def test_counts_past_2_pow_31_stay_exact(mesh8):
     labels = np.arange(2**16, dtype=np.int32) % 3
     preds = np.where(np.arange(2**16) % 4 == 0, 0, labels).astype(np.int32)
-    acc = ed.Accuracy().update(preds, labels)
-    cm = ed.ConfusionMatrix(3).update(preds, labels)
-    mean = ed.Mean().update(np.ones(2**16, np.float32), np.ones(2**16, bool))
-    total = ed.Sum(jnp.int32).update(np.full(2**16, 3, np.int32))
-    negative = ed.Sum(jnp.int32).update(np.full(2**16, -3, np.int32))
+    acc = ed.metrics.Accuracy().update(preds, labels)
+    cm = ed.metrics.ConfusionMatrix(3).update(preds, labels)
+    mean = ed.metrics.Mean().update(np.ones(2**16, np.float32), np.ones(2**16, bool))
+    total = ed.metrics.Sum(jnp.int32).update(np.full(2**16, 3, np.int32))
+    negative = ed.metrics.Sum(jnp.int32).update(np.full(2**16, -3, np.int32))
     correct = int(np.sum(preds == labels))
     for _ in range(17):  # 2**16 * 2**17 = 2**33 examples
         acc, cm, mean = acc.merge(acc), cm.merge(cm), mean.merge(mean)
@@ -268,9 +268,9 @@ def test_counts_past_2_pow_31_stay_exact(mesh8):
 def test_std_is_accurate_when_the_mean_is_1e4_times_the_deviation():
     rng = np.random.default_rng(3)
     batches = [(1e5 + 10 * rng.normal(size=64)).astype(np.float32) for _ in range(6)]
-    std = ed.Std()
+    std = ed.metrics.Std()
     for i, batch in enumerate(batches):
-        std = std.update(batch) if i % 2 else std.merge(ed.Std().update(batch))
+        std = std.update(batch) if i % 2 else std.merge(ed.metrics.Std().update(batch))
     x = np.concatenate(batches)
     want = np.std(x.astype(np.float64))
     np.testing.assert_allclose(std.compute(), want, rtol=2e-6)
@@ -281,7 +281,7 @@ def test_std_is_accurate_when_the_mean_is_1e4_times_the_deviation():
 
 def test_last_value_after_sync_skips_devices_without_one(mesh8):
     def per_device(index):
-        fresh = jax.lax.pcast(ed.LastValue(shape=(2,)), "data", to="varying")
+        fresh = jax.lax.pcast(ed.metrics.LastValue(shape=(2,)), "data", to="varying")
         last = jax.lax.cond(
             index[0] < 5,
             lambda: fresh.update(jnp.stack([index[0], -index[0]]).astype(jnp.float32)),
@@ -294,24 +294,30 @@ def test_last_value_after_sync_skips_devices_without_one(mesh8):
     )(jnp.arange(N_DEV))
     np.testing.assert_array_equal(last, [4.0, -4.0])  # device 4: the last with one
     assert np.isnan(empty).all()
-    merged = ed.LastValue().update(1.0).merge(ed.LastValue())
+    merged = ed.metrics.LastValue().update(1.0).merge(ed.metrics.LastValue())
     assert float(merged.compute()) == 1.0
-    assert float(merged.merge(ed.LastValue().update(2.0)).compute()) == 2.0
+    assert float(merged.merge(ed.metrics.LastValue().update(2.0)).compute()) == 2.0
 
 
 def test_nan_strategy():
     x = np.array([1.0, np.nan, 3.0], np.float32)
-    for make in (ed.Sum, ed.Mean, ed.Max, ed.Min, ed.Std):
+    for make in (
+        ed.metrics.Sum,
+        ed.metrics.Mean,
+        ed.metrics.Max,
+        ed.metrics.Min,
+        ed.metrics.Std,
+    ):
         assert np.isnan(make().update(x).compute()), make
     ignored = {
-        ed.Sum: 4.0,
-        ed.Mean: 2.0,
-        ed.Max: 3.0,
-        ed.Min: 1.0,
-        ed.Std: 1.0,
+        ed.metrics.Sum: 4.0,
+        ed.metrics.Mean: 2.0,
+        ed.metrics.Max: 3.0,
+        ed.metrics.Min: 1.0,
+        ed.metrics.Std: 1.0,
     }
     for make, want in ignored.items():
         got = make(nan_strategy="ignore").update(x).compute()
         assert float(got) == want, make
-    weighted = ed.Mean(nan_strategy="ignore").update(x, np.array([1, 1, 3]))
+    weighted = ed.metrics.Mean(nan_strategy="ignore").update(x, np.array([1, 1, 3]))
     assert float(weighted.compute()) == 2.5

@@ -26,211 +26,217 @@ NOT_BOOL = r"`mask` must be boolean.*got dtype"
 CASES = [
     # regression
     (
-        lambda: ed.MeanSquaredError(squared="yes"),
+        lambda: ed.metrics.MeanSquaredError(squared="yes"),
         TypeError,
         mine_or_hook(r"`squared` must be a bool, got 'yes'", "squared", "'yes'"),
     ),
     (
-        lambda: ed.MeanSquaredError().update(X, X[:3]),
+        lambda: ed.metrics.MeanSquaredError().update(X, X[:3]),
         ValueError,
         r"MeanSquaredError.update: `preds` of shape \(4,\) and `targets` of shape "
         r"\(3,\) must have the same shape",
     ),
     (
-        lambda: ed.MeanAbsoluteError().update(None, X),
+        lambda: ed.metrics.MeanAbsoluteError().update(None, X),
         TypeError,
         mine_or_hook(r"`preds`.*got None", "preds", "None"),
     ),
     (
-        lambda: ed.R2Score().update(X, X, weights=np.ones(3, F)),
+        lambda: ed.metrics.R2Score().update(X, X, weights=np.ones(3, F)),
         ValueError,
         r"R2Score.update: `weights` of shape \(3,\) does not broadcast to the shape "
         r"of `targets`, \(4,\)",
     ),
     (
-        lambda: ed.MeanSquaredLogError().update(X - 1.5, X),
+        lambda: ed.metrics.MeanSquaredLogError().update(X - 1.5, X),
         ValueError,
         r"MeanSquaredLogError.update: `preds` holds -1.(3|29).*needs values > -1",
     ),
     (
-        lambda: ed.PearsonCorrCoef().update(X > 0.5, X),
+        lambda: ed.metrics.PearsonCorrCoef().update(X > 0.5, X),
         TypeError,
         r"PearsonCorrCoef.update: `preds` must hold numbers, got dtype bool",
     ),
     (
-        lambda: ed.R2Score().update(np.array(["a"] * 4), X),
+        lambda: ed.metrics.R2Score().update(np.array(["a"] * 4), X),
         TypeError,
         r"R2Score.update: `preds` must hold numbers or booleans, got dtype <U1",
     ),
     # AveragePrecision
     (
-        lambda: ed.AveragePrecision(1),
+        lambda: ed.metrics.AveragePrecision(1),
         ValueError,
         r"AveragePrecision: `num_thresholds` must be >= 2, got 1",
     ),
     (
-        lambda: ed.AveragePrecision(2.5),
+        lambda: ed.metrics.AveragePrecision(2.5),
         TypeError,
         mine_or_hook(
             r"`num_thresholds` must be an int, got 2.5", "num_thresholds", "2.5"
         ),
     ),
     (
-        lambda: ed.AveragePrecision().update(Y, Y),
+        lambda: ed.metrics.AveragePrecision().update(Y, Y),
         TypeError,
         r"AveragePrecision.update: `scores` must be floats in \[0, 1\], got dtype int",
     ),
     (
-        lambda: ed.AveragePrecision().update(X, Y, mask=np.array([1.0, 0.5, 0, 1])),
+        lambda: ed.metrics.AveragePrecision().update(
+            X, Y, mask=np.array([1.0, 0.5, 0, 1])
+        ),
         TypeError,
         r"AveragePrecision.update: `mask` must be boolean.*got dtype float.*"
         r"pass per-example weights as `weights=`",
     ),
     (
-        lambda: ed.AveragePrecision().update(X, Y, mask=np.array([1, 1, 0, -1])),
+        lambda: ed.metrics.AveragePrecision().update(
+            X, Y, mask=np.array([1, 1, 0, -1])
+        ),
         TypeError,
         NOT_BOOL,
     ),
     (
-        lambda: ed.AveragePrecision().update(X + 1, Y),
+        lambda: ed.metrics.AveragePrecision().update(X + 1, Y),
         ValueError,
         r"`scores`\[0\] is 1.2.*outside \[0, 1\]",
     ),
     (
-        lambda: ed.AveragePrecision().update(X, Y + 1),
+        lambda: ed.metrics.AveragePrecision().update(X, Y + 1),
         ValueError,
         r"`labels`\[1\] is 2, outside \[0, 1\]",
     ),
     (
-        lambda: ed.AveragePrecision().update(X, Y[:3]),
+        lambda: ed.metrics.AveragePrecision().update(X, Y[:3]),
         ValueError,
         r"`scores` of shape \(4,\) and `labels` of shape \(3,\) must have the same",
     ),
     (
-        lambda: ed.AveragePrecision().update(X, Y, weights=np.ones((2, 4))),
+        lambda: ed.metrics.AveragePrecision().update(X, Y, weights=np.ones((2, 4))),
         ValueError,
         r"`weights` of shape \(2, 4\) does not broadcast",
     ),
     # confusion scores
     (
-        lambda: ed.MatthewsCorrCoef(1),
+        lambda: ed.metrics.MatthewsCorrCoef(1),
         ValueError,
         r"MatthewsCorrCoef: `num_classes` must be >= 2, got 1",
     ),
     (
-        lambda: ed.JaccardIndex(3, "binary"),
+        lambda: ed.metrics.JaccardIndex(3, "binary"),
         ValueError,
         r"JaccardIndex: average='binary'.*num_classes=3",
     ),
     (
-        lambda: ed.Specificity(3, average="foo"),
+        lambda: ed.metrics.Specificity(3, average="foo"),
         ValueError,
         r"Specificity: unknown `average` 'foo'",
     ),
     (
-        lambda: ed.CohenKappa(2).update(Y, Y, mask=np.ones(4)),
+        lambda: ed.metrics.CohenKappa(2).update(Y, Y, mask=np.ones(4)),
         TypeError,
         r"CohenKappa.update: `mask` must be boolean.*float.*takes no weights",
     ),
     (
-        lambda: ed.JaccardIndex(2).update(Y, Y, mask=np.ones(3, bool)),
+        lambda: ed.metrics.JaccardIndex(2).update(Y, Y, mask=np.ones(3, bool)),
         ValueError,
         r"JaccardIndex.update: `mask` of shape \(3,\) does not broadcast",
     ),
     # CalibrationError
     (
-        lambda: ed.CalibrationError(0),
+        lambda: ed.metrics.CalibrationError(0),
         ValueError,
         r"CalibrationError: `num_bins` must be >= 1, got 0",
     ),
     (
-        lambda: ed.CalibrationError().update(Y[:, None], Y),
+        lambda: ed.metrics.CalibrationError().update(Y[:, None], Y),
         TypeError,
         r"CalibrationError.update: `probs` must be float probabilities, got dtype int",
     ),
     (
-        lambda: ed.CalibrationError().update(PROBS, Y[:3]),
+        lambda: ed.metrics.CalibrationError().update(PROBS, Y[:3]),
         ValueError,
         r"`probs` of shape \(4, 2\) must have the shape of `labels` \(3,\) plus a "
         r"trailing class axis",
     ),
     (
-        lambda: ed.CalibrationError().update(PROBS * 2, Y),
+        lambda: ed.metrics.CalibrationError().update(PROBS * 2, Y),
         ValueError,
         r"`probs`\[0, 0\] is 1\.(4|39).*outside \[0, 1\]; pass probabilities",
     ),
     (
-        lambda: ed.CalibrationError().update(PROBS, Y + 2),
+        lambda: ed.metrics.CalibrationError().update(PROBS, Y + 2),
         ValueError,
         r"`labels`\[0\] is 2, outside \[0, 1\]",
     ),
     (
-        lambda: ed.CalibrationError().update(PROBS, Y, mask=Y),
+        lambda: ed.metrics.CalibrationError().update(PROBS, Y, mask=Y),
         TypeError,
         NOT_BOOL,
     ),
     # retrieval
     (
-        lambda: ed.PrecisionAtK(0),
+        lambda: ed.metrics.PrecisionAtK(0),
         ValueError,
         r"PrecisionAtK: `k` must be >= 1, got 0",
     ),
     (
-        lambda: ed.NDCGAtK(2.0),
+        lambda: ed.metrics.NDCGAtK(2.0),
         TypeError,
         mine_or_hook(r"NDCGAtK: `k` must be an int, got 2.0", "k", "2.0"),
     ),
     (
-        lambda: ed.MRR().update(X, X),
+        lambda: ed.metrics.MRR().update(X, X),
         ValueError,
         r"MRR.update: `scores` must be \(queries, items\).*got shape \(4,\)",
     ),
     (
-        lambda: ed.RecallAtK(2).update(SCORES, RELEVANCE[:, :2]),
+        lambda: ed.metrics.RecallAtK(2).update(SCORES, RELEVANCE[:, :2]),
         ValueError,
         r"`scores` of shape \(2, 3\) and `relevance` of shape \(2, 2\) must have",
     ),
     (
-        lambda: ed.NDCGAtK(2).update(SCORES, -RELEVANCE),
+        lambda: ed.metrics.NDCGAtK(2).update(SCORES, -RELEVANCE),
         ValueError,
         r"NDCGAtK.update: `relevance`\[0, 1\] is -1.0.*relevance must be >= 0",
     ),
     (
-        lambda: ed.PrecisionAtK(2).update(SCORES, RELEVANCE, np.ones((2, 3), bool)),
+        lambda: ed.metrics.PrecisionAtK(2).update(
+            SCORES, RELEVANCE, np.ones((2, 3), bool)
+        ),
         ValueError,
         r"`mask` of shape \(2, 3\) does not broadcast to the shape of the rows, \(2,\)",
     ),
     (
-        lambda: ed.MRR().update(SCORES, RELEVANCE, np.array([1, 0])),
+        lambda: ed.metrics.MRR().update(SCORES, RELEVANCE, np.array([1, 0])),
         TypeError,
         NOT_BOOL,
     ),
     # images
     (
-        lambda: ed.PSNR(0.0),
+        lambda: ed.metrics.PSNR(0.0),
         ValueError,
         r"PSNR: `data_range` must be a finite number > 0, got 0.0",
     ),
     (
-        lambda: ed.SSIM("1"),
+        lambda: ed.metrics.SSIM("1"),
         TypeError,
         mine_or_hook(
             r"SSIM: `data_range` must be a number, got '1'", "data_range", "'1'"
         ),
     ),
     (
-        lambda: ed.SSIM(1.0).update(IMAGES[:, :10], IMAGES[:, :10]),
+        lambda: ed.metrics.SSIM(1.0).update(IMAGES[:, :10], IMAGES[:, :10]),
         ValueError,
         r"SSIM.update: SSIM needs images of at least 11x11 pixels.*got 10x12",
     ),
     (
-        lambda: ed.PSNR(1.0).update(IMAGES[0], IMAGES[0]),
+        lambda: ed.metrics.PSNR(1.0).update(IMAGES[0], IMAGES[0]),
         ValueError,
         r"PSNR.update: .*must be images \(B, H, W\) or \(B, H, W, C\), got shape "
         r"\(11, 12\)",
     ),
     (
-        lambda: ed.PSNR(1.0).update(IMAGES, IMAGES, mask=np.ones(2, F)),
+        lambda: ed.metrics.PSNR(1.0).update(IMAGES, IMAGES, mask=np.ones(2, F)),
         TypeError,
         NOT_BOOL,
     ),

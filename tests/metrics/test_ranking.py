@@ -26,10 +26,10 @@ def _data(seed=0):
 def _collection():
     return ed.MetricCollection(
         {
-            "ap": ed.AveragePrecision(),
-            "ap_w": ed.AveragePrecision(),
-            "ap_fine": ed.AveragePrecision(num_thresholds=8192),
-            "ap_fine_w": ed.AveragePrecision(num_thresholds=8192),
+            "ap": ed.metrics.AveragePrecision(),
+            "ap_w": ed.metrics.AveragePrecision(),
+            "ap_fine": ed.metrics.AveragePrecision(num_thresholds=8192),
+            "ap_fine_w": ed.metrics.AveragePrecision(num_thresholds=8192),
         }
     )
 
@@ -89,7 +89,10 @@ def test_converges_to_sklearn_with_more_thresholds():
     s, y, _, w = _data(1)
     want = skm.average_precision_score(y, s, sample_weight=w)
     errors = [
-        abs(float(ed.AveragePrecision(t).update(s, y, weights=w).compute()) - want)
+        abs(
+            float(ed.metrics.AveragePrecision(t).update(s, y, weights=w).compute())
+            - want
+        )
         for t in (10, 200, 20000)
     ]
     assert errors[1] < 1e-2 and errors[2] < 1e-4, errors
@@ -102,15 +105,19 @@ def test_ties_and_missing_positives():
     rng = np.random.default_rng(2)
     s = (rng.integers(0, 21, 60) / 20).astype(np.float32)
     y = (rng.random(60) < s).astype(np.int32)
-    got = ed.AveragePrecision().update(s, y).compute()
+    got = ed.metrics.AveragePrecision().update(s, y).compute()
     np.testing.assert_allclose(got, skm.average_precision_score(y, s), rtol=1e-6)
     # Boolean labels, an all-False mask, no positive: NaN (scikit-learn: 0).
-    ap = ed.AveragePrecision().update(s, y.astype(bool), mask=np.zeros(60, bool))
+    ap = ed.metrics.AveragePrecision().update(
+        s, y.astype(bool), mask=np.zeros(60, bool)
+    )
     assert np.isnan(ap.compute())
-    assert np.isnan(ed.AveragePrecision().update(s, np.zeros(60, int)).compute())
+    assert np.isnan(
+        ed.metrics.AveragePrecision().update(s, np.zeros(60, int)).compute()
+    )
     # Weight 0 is the same as leaving the example out.
     w = (rng.random(60) < 0.5).astype(np.float32)
     keep = w != 0
-    weighted = ed.AveragePrecision().update(s, y, weights=w).compute()
-    dropped = ed.AveragePrecision().update(s[keep], y[keep]).compute()
+    weighted = ed.metrics.AveragePrecision().update(s, y, weights=w).compute()
+    dropped = ed.metrics.AveragePrecision().update(s[keep], y[keep]).compute()
     np.testing.assert_allclose(weighted, dropped, rtol=1e-6)

@@ -29,12 +29,12 @@ def _data(seed=0):
 
 
 def _collection():
-    metrics = {"mrr": ed.MRR()}
+    metrics = {"mrr": ed.metrics.MRR()}
     for k in KS:
         metrics |= {
-            f"p@{k}": ed.PrecisionAtK(k),
-            f"r@{k}": ed.RecallAtK(k),
-            f"ndcg@{k}": ed.NDCGAtK(k),
+            f"p@{k}": ed.metrics.PrecisionAtK(k),
+            f"r@{k}": ed.metrics.RecallAtK(k),
+            f"ndcg@{k}": ed.metrics.NDCGAtK(k),
         }
     return ed.MetricCollection(metrics)
 
@@ -121,22 +121,27 @@ def test_single_queries():
     scores = np.array([[0.9, 0.1, 0.5, 0.5]], np.float32)
     relevance = np.array([[0, 1, 3, 0]], np.float32)
     # Ranked: item 0 (not relevant), items 2 and 3 tied (one relevant), item 1.
-    assert float(ed.MRR().update(scores, relevance).compute()) == pytest.approx(
+    assert float(ed.metrics.MRR().update(scores, relevance).compute()) == pytest.approx(
         0.5 * (1 / 2) + 0.5 * (1 / 3)
     )
     assert float(
-        ed.PrecisionAtK(2).update(scores, relevance).compute()
+        ed.metrics.PrecisionAtK(2).update(scores, relevance).compute()
     ) == pytest.approx(0.25)
-    assert float(ed.RecallAtK(10).update(scores, relevance).compute()) == 1.0
+    assert float(ed.metrics.RecallAtK(10).update(scores, relevance).compute()) == 1.0
     assert float(
-        ed.PrecisionAtK(10).update(scores, relevance).compute()
+        ed.metrics.PrecisionAtK(10).update(scores, relevance).compute()
     ) == pytest.approx(0.2)
     nothing = np.zeros_like(relevance)
-    for metric in (ed.MRR(), ed.RecallAtK(2), ed.NDCGAtK(2), ed.PrecisionAtK(2)):
+    for metric in (
+        ed.metrics.MRR(),
+        ed.metrics.RecallAtK(2),
+        ed.metrics.NDCGAtK(2),
+        ed.metrics.PrecisionAtK(2),
+    ):
         assert float(metric.update(scores, nothing).compute()) == 0.0
         assert np.isnan(metric.update(scores, relevance, np.zeros(1, bool)).compute())
     # A NaN score ranks last.
     nan = np.array([[np.nan, 0.1, 0.2]], np.float32)
     assert float(
-        ed.MRR().update(nan, np.array([[1.0, 0, 0]])).compute()
+        ed.metrics.MRR().update(nan, np.array([[1.0, 0, 0]])).compute()
     ) == pytest.approx(1 / 3)

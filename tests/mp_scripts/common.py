@@ -33,7 +33,7 @@ def loss_fn(model: Any, batch: dict[str, Any], key: Any) -> tuple[Any, Any]:
     x = batch["x"] + 0.1 * jax.random.normal(key, batch["x"].shape)
     logits = jax.vmap(model)(x)
     losses = optax.softmax_cross_entropy_with_integer_labels(logits, batch["y"])
-    accuracy = ed.Accuracy().update(logits, batch["y"])
+    accuracy = ed.metrics.Accuracy().update(logits, batch["y"])
     return losses.mean(), {"loss": (losses.sum(), x.shape[0]), "accuracy": accuracy}
 
 

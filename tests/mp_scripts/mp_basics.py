@@ -106,9 +106,9 @@ def _():
 @check("metrics")
 def _():
     def per_device(x, y):
-        mean = ed.Mean().update(x[:, 0]).sync("data")
-        accuracy = ed.Accuracy().update(x, y).sync("data")
-        total = ed.MetricAccumulator(0.0).update(x.sum()).sync("data")
+        mean = ed.metrics.Mean().update(x[:, 0]).sync("data")
+        accuracy = ed.metrics.Accuracy().update(x, y).sync("data")
+        total = ed.metrics.MetricAccumulator(0.0).update(x.sum()).sync("data")
         return mean.compute(), accuracy.compute(), total.value
 
     labels = (np.arange(16) % 3).astype(np.int32)

@@ -20,7 +20,7 @@ def build_mesh() -> Mesh:
     mesh = ed.create_device_mesh({"data": -1, "model": 2})
     info: dict[str, Any] = ed.get_mesh_info(mesh)
     assert info["total_devices"] == 8
-    manager = ed.DeviceMeshManager()
+    manager = ed.compat.DeviceMeshManager()
     return manager.create_data_parallel_mesh(manager.num_devices)
 
 
@@ -34,7 +34,7 @@ def per_device(x: jax.Array, key: jax.Array) -> dict[str, Any]:
     noise = jax.random.normal(key, x.shape)
     metrics = {"loss": jnp.mean((x + noise) ** 2), "n": x.shape[0]}
     reduced = ed.reduce_custom(metrics, {"n": "sum"})
-    averaged: dict[str, Any] = ed.DistributedMetrics().reduce_mean(reduced)
+    averaged: dict[str, Any] = ed.compat.DistributedMetrics().reduce_mean(reduced)
     return averaged
 
 

@@ -21,8 +21,8 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh, NamedSharding
 
-from ._state import TrainState
-from ._utils import is_array, is_array_like, strong_types
+from .._utils import is_array, is_array_like, strong_types
+from .state import TrainState
 
 INIT_GROUPS = 8
 """Groups of leaves `init_state` builds the state in, each at most this fraction

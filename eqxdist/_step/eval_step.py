@@ -2,7 +2,6 @@
 number of rows, padded and masked inside, reduced across devices like a training
 step's."""
 
-import functools
 import math
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -13,14 +12,12 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, PartitionSpec as P
 
-from ._compiled import CompiledStep
-from ._data_parallel import local_shard_count
-from ._layout import Layout
-from ._mesh import retyped
-from ._metrics.tree import check_metrics, reduce_metrics
-from ._state import TrainState, trainable_mask_tree
-from ._train import StepInputs, step_layout
-from ._utils import (
+from .._data_parallel import local_shard_count
+from .._layout.layout import Layout
+from .._layout.options import LayoutOptions
+from .._mesh import retyped
+from .._metrics.tree import check_metrics, reduce_metrics
+from .._utils import (
     AxisName,
     batch_rows,
     call_with_axes,
@@ -32,6 +29,9 @@ from ._utils import (
     is_array,
     typecheck,
 )
+from .compiled import CompiledStep, Placement
+from .inputs import StepInputs
+from .state import TrainState, trainable_mask_tree
 
 
 class EvalInput(eqx.Module):
@@ -57,38 +57,34 @@ class EvalMath(eqx.Module):
 
     def __call__(self, inputs: EvalInput, batch: Any) -> tuple[EvalInput, Any]:
         """Traced with `layout.compute_mesh(...)` as the context mesh."""
-        inputs, (batch, mask) = retyped((inputs, batch), self.layout.mesh)
+        layout = self.layout
+        inputs, (batch, mask) = retyped((inputs, batch), layout.mesh)
         split = StepInputs.split(
-            self.layout, inputs.model, inputs.cast_mask(), inputs.model_state, batch
+            layout, inputs.model, inputs.cast_mask(), inputs.model_state, batch
         )
-        metrics = split.shard_map(
-            functools.partial(self._per_device, split),
-            (mask,),
-            (self.layout.batch_spec,),
-            P(),
-        )
-        return inputs, metrics
-
-    def _per_device(
-        self, split: StepInputs, t: Any, f: Any, ms: Any, local: Any, mask: Any
-    ) -> Any:
-        trained = split.gather(cast_floating(t, self.compute_dtype))
-        model = split.model(trained, split.gather(f))
-        local = split.local_batch(local)
         if split.with_state:
-            check_callable_takes(
-                self.eval_fn,
-                ("model", "model_state", "batch", "mask"),
-                "eval_fn",
-                " (the state has a model_state)",
-            )
-            args: tuple[Any, ...] = (model, split.model_state(ms), local, mask)
+            arguments: tuple[str, ...] = ("model", "model_state", "batch", "mask")
+            why = " (the state has a model_state)"
         else:
-            check_callable_takes(self.eval_fn, ("model", "batch", "mask"), "eval_fn")
-            args = (model, local, mask)
-        out = call_with_axes(self.eval_fn, args, "eval_fn", self.layout.data_axes)
-        check_metrics(out, "eval_fn")
-        return reduce_metrics(out, self.layout.data_axes)
+            arguments, why = ("model", "batch", "mask"), ""
+        check_callable_takes(self.eval_fn, arguments, "eval_fn", why)
+
+        def per_device(
+            trained: Any, frozen: Any, state: Any, batch: Any, mask: Any
+        ) -> Any:
+            trained = split.plan.gathered(cast_floating(trained, self.compute_dtype))
+            model = split.model(trained, split.plan.gathered(frozen))
+            batch = split.batch(batch)
+            if split.with_state:
+                args: tuple[Any, ...] = (model, split.model_state(state), batch, mask)
+            else:
+                args = (model, batch, mask)
+            out = call_with_axes(self.eval_fn, args, "eval_fn", layout.data_axes)
+            check_metrics(out, "eval_fn")
+            return reduce_metrics(out, layout.data_axes)
+
+        metrics = split.shard_map(per_device, mask, layout.batch_spec, P())
+        return inputs, metrics
 
 
 def padded_rows(rows: int, shards: int) -> int:
@@ -121,18 +117,22 @@ class EvalStep:
         self._cache = CompiledStep(
             math_,
             self.layout.mesh,
-            state_specs=self._specs,
-            kept=lambda inputs: jax.tree.map(lambda _: True, inputs),
+            describe=self._placement,
             batch_sharding=self.layout.batch_sharding,
             donate=False,
             max_in_flight=8,
-            compiler_options=lambda inputs: self.layout.compiler_options(
-                inputs.model, math_.compute_dtype
-            ),
-            context_mesh=lambda inputs: self.layout.compute_mesh(
-                inputs.model_state is not None
-            ),
             name="eval step",
+        )
+
+    def _placement(self, inputs: EvalInput) -> Placement:
+        """Where the model and its model state live (everything is only read),
+        and how the evaluation compiles."""
+        layout = self.layout
+        return Placement(
+            self._specs(inputs),
+            jax.tree.map(lambda _: True, inputs),
+            layout.compute_mesh(inputs.model_state is not None),
+            layout.compiler_options(inputs.model, self.math.compute_dtype),
         )
 
     def _specs(self, inputs: EvalInput) -> Any:
@@ -196,7 +196,7 @@ def make_eval_step(
     compute_dtype: Any = None,
     fsdp_axis: str | None = None,
     param_rules: Sequence[tuple[str, P]] = (),
-    fsdp_layout: str = "leading",
+    fsdp_layout: str | None = None,
 ) -> EvalStep:
     """Build a compiled, sharded evaluation step `eval_step(state_or_model, batch)
     -> metrics` for batches of any number of rows.
@@ -206,8 +206,8 @@ def make_eval_step(
     many sizes compile only a few steps), runs `eval_fn` on every device's rows
     with a `mask` that is `False` on the padding, and returns the metrics reduced
     across devices as the training step's are. When `eval_fn` honours `mask`
-    (e.g. `ed.Accuracy().update(logits, labels, mask)`,
-    `ed.Mean().update(losses, mask)`), the result equals `eval_fn` on the whole
+    (e.g. `ed.metrics.Accuracy().update(logits, labels, mask)`,
+    `ed.metrics.Mean().update(losses, mask)`), the result equals `eval_fn` on the whole
     unpadded batch on one device. No gradients, no donation.
 
     **Arguments:**
@@ -241,12 +241,24 @@ def make_eval_step(
         ```python
         def eval_fn(model, batch, mask):
             logits = jax.vmap(model)(batch["x"])
-            return {"accuracy": ed.Accuracy().update(logits, batch["y"], mask)}
+            return {"accuracy": ed.metrics.Accuracy().update(logits, batch["y"], mask)}
 
         eval_step = ed.make_eval_step(eval_fn, mesh)
         metrics = eval_step(state, {"x": x_test, "y": y_test})  # any number of rows
         ```
     """
-    layout = step_layout(mesh, "make_eval_step", locals())
-    dtype = check_compute_dtype(compute_dtype, "make_eval_step")
-    return EvalStep(EvalMath(eval_fn, layout, dtype))
+    caller = "make_eval_step"
+    options = LayoutOptions.parse(
+        caller,
+        mesh,
+        strategy=strategy,
+        data_axis=data_axis,
+        param_rules=param_rules,
+        min_weight_size=min_weight_size,
+        fsdp_axis=fsdp_axis,
+        fsdp_layout=fsdp_layout,
+    )
+    layout = Layout(mesh, options, caller=caller)
+    return EvalStep(
+        EvalMath(eval_fn, layout, check_compute_dtype(compute_dtype, caller))
+    )

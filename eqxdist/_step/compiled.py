@@ -3,27 +3,45 @@ donation that never deletes the caller's arrays and a fast path for the state th
 last call returned.
 
 It knows nothing of optimizers, FSDP or metrics: its owner gives it a pure
-function `fn(state, batch) -> (new_state, aux)` and says where every state and
-batch leaf lives. The train and evaluation steps are built on it."""
+function `fn(state, batch) -> (new_state, aux)` and, once per new structure of
+state, a `Placement`: where every state leaf lives and how to compile. The train
+and evaluation steps are built on it."""
 
 import collections
 import contextlib
 import weakref
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from ._data_parallel import place, shard_batch
-from ._utils import (
+from .._data_parallel import place, shard_batch
+from .._utils import (
     check_not_consumed,
     flatten_up_to,
     is_array_like,
     note_donated,
     was_donated,
 )
+
+
+class Placement(NamedTuple):
+    """What the owner of a `CompiledStep` says about one structure of state.
+
+    - `specs`: the `PartitionSpec` of every state leaf (`None` at non-arrays).
+    - `kept`: a tree of bools, `True` at leaves `fn` only reads; `fn` must return
+      them unchanged (they are not donated and go back as they came).
+    - `context_mesh`: the mesh `fn` is traced and run under (`jax.set_mesh`
+      around each call, whatever mesh the caller set); `None`: the caller's.
+    - `compiler_options`: XLA options for `jax.jit` (`None`: none).
+    """
+
+    specs: Any
+    kept: Any
+    context_mesh: Mesh | None = None
+    compiler_options: dict[str, Any] | None = None
 
 
 def _context(mesh: Mesh | None) -> Any:
@@ -118,10 +136,8 @@ class _Entry:
 class CompiledStep:
     """A cached, sharded `jax.jit` of `fn(state, batch) -> (new_state, aux)`.
 
-    - `state_specs(state)`: the `PartitionSpec` of every state leaf (`None` at
-      non-arrays), computed once per new structure.
-    - `kept(state)`: a tree of bools, `True` at leaves `fn` only reads; `fn` must
-      return them unchanged (they are not donated and go back as they came).
+    - `describe(state)`: the `Placement` of a state of this structure, asked
+      once per new structure.
     - `batch_sharding`: the sharding of batch leaves of rank >= 1 (0-d leaves are
       replicated); a batch already on the mesh in another layout is moved.
     - `check_batch(batch)`: raises for a batch `fn` cannot take (called whenever
@@ -133,9 +149,8 @@ class CompiledStep:
       caller's arrays stay valid. A consumed state is a `ValueError`, never a
       crash.
     - `max_in_flight`: at most this many calls are queued before the oldest is
-      waited for (XLA's CPU collectives deadlock when too many are queued).
-    - `context_mesh(state)`: the mesh `fn` is traced and run under (`jax.set_mesh`
-      around each call, whatever mesh the caller set); `None`: the caller's.
+      waited for (XLA's CPU collectives deadlock when too many are queued;
+      `None`: unbounded).
     """
 
     def __init__(
@@ -143,25 +158,19 @@ class CompiledStep:
         fn: Callable[[Any, Any], tuple[Any, Any]],
         mesh: Mesh,
         *,
-        state_specs: Callable[[Any], Any],
-        kept: Callable[[Any], Any],
+        describe: Callable[[Any], Placement],
         batch_sharding: NamedSharding,
         donate: bool,
         max_in_flight: int | None,
         check_batch: Callable[[Any], None] | None = None,
-        compiler_options: Callable[[Any], dict[str, Any] | None] | None = None,
-        context_mesh: Callable[[Any], Mesh] | None = None,
         name: str = "step",
     ) -> None:
         self.fn = fn
         self.mesh = mesh
-        self.state_specs = state_specs
-        self.kept = kept
+        self.describe = describe
         self.batch_sharding = batch_sharding
         self.donate = donate
         self.max_in_flight = max_in_flight
-        self.compiler_options = compiler_options
-        self.context_mesh = context_mesh
         self.check_batch = check_batch
         self._checked_shapes: Any = None
         self.name = name
@@ -186,14 +195,17 @@ class CompiledStep:
             if entry.matches(state_leaves, state_def, batch_leaves, batch_def):
                 break
         else:
-            specs = self.state_specs(state)
-            kept_mask = flatten_up_to(state, self.kept(state))
+            placement = self.describe(state)
+            kept_mask = flatten_up_to(state, placement.kept)
             entry = _Entry(state_leaves, state_def, kept_mask, batch_leaves, batch_def)
-            entry.specs = specs
-            if self.context_mesh is not None:
-                entry.mesh = self.context_mesh(state)
-            options = self.compiler_options(state) if self.compiler_options else None
-            entry.fn = self._compile(entry, flatten_up_to(state, specs), batch, options)
+            entry.specs = placement.specs
+            entry.mesh = placement.context_mesh
+            entry.fn = self._compile(
+                entry,
+                flatten_up_to(state, placement.specs),
+                batch,
+                placement.compiler_options,
+            )
             self._entries.append(entry)
         if not any(isinstance(x, jax.ShapeDtypeStruct) for x in state_leaves):
             state = place(state, entry.specs, self.mesh, copy=self.donate)

@@ -10,6 +10,7 @@ all-reduce of a few scalars adds the parts up, so a device reads about
 1/(number of copies) of each leaf.
 """
 
+import dataclasses
 import math
 from collections.abc import Callable
 from typing import Any
@@ -19,8 +20,8 @@ import jax.numpy as jnp
 from jax.sharding import Mesh, PartitionSpec as P
 from jaxtyping import Array
 
-from ._rules import is_spec_leaf, spec_axes
-from ._utils import is_array
+from .._layout.rules import is_spec_leaf, spec_axes
+from .._utils import is_array
 
 SQUARES = "squares"
 """The sum of squares of a tree's elements (`step_info`'s norms)."""
@@ -152,3 +153,20 @@ def global_sums(
         check_vma=False,
     )(tree)
     return sums
+
+
+@dataclasses.dataclass(frozen=True)
+class TreeSums:
+    """`global_sums` of trees laid out as `specs` (over the rule axes) and
+    `manual` (over the data `axes`) on `mesh`: `sums(tree)`."""
+
+    specs: Any
+    manual: Any
+    axes: tuple[str, ...]
+    mesh: Mesh
+    kinds: tuple[str, ...]
+
+    def __call__(self, tree: Any) -> dict[str, Array]:
+        return global_sums(
+            tree, self.specs, self.manual, self.axes, self.mesh, self.kinds
+        )

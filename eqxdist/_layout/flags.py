@@ -6,8 +6,8 @@ import pkgutil
 
 import jax
 
-from ._jax import backends_are_initialized
-from ._utils import typecheck
+from .._jax import backends_are_initialized
+from .._utils import typecheck
 
 # Async collectives are XLA:GPU's default; these let the scheduler use them.
 GPU_XLA_FLAGS = (

@@ -17,8 +17,17 @@ import jax.numpy as jnp
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from jaxtyping import PyTree
 
-from ._data_parallel import place
-from ._rules import (
+from .._data_parallel import place
+from .._utils import (
+    check_axis_bound,
+    check_axis_in_mesh,
+    check_min_weight_size,
+    is_array,
+    path_str,
+    typecheck,
+)
+from .rules import (
+    DEFAULT_LAYOUT,
     FsdpRule,
     SelfGathering,
     check_layout,
@@ -29,14 +38,6 @@ from ._rules import (
     restrict,
     sharded_dim,
     spec_axes,
-)
-from ._utils import (
-    check_axis_bound,
-    check_axis_in_mesh,
-    check_min_weight_size,
-    is_array,
-    path_str,
-    typecheck,
 )
 
 
@@ -444,7 +445,7 @@ class FSDP(SelfGathering):
         axis_name: str = "data",
         min_weight_size: int = 2**18,
         remat: bool = False,
-        layout: str = "largest",
+        layout: str = DEFAULT_LAYOUT,
     ) -> None:
         """**Arguments:**
 
@@ -456,8 +457,9 @@ class FSDP(SelfGathering):
         - `min_weight_size`: leaves with at most this many elements are replicated.
         - `remat`: re-gather the parameters in the backward pass instead of keeping
           them from the forward pass (less memory, one more all-gather).
-        - `layout`: `"largest"` (`fsdp_specs`' rule) or `"leading"` (contiguous
-          shards, faster collectives); see `fsdp_specs`.
+        - `layout`: `"leading"` (the default, as `make_train_step`'s:
+          contiguous shards, no transposing copies around the collectives) or
+          `"largest"` (`fsdp_specs`' rule); see `fsdp_specs`.
 
         **Raises:**
 
@@ -493,7 +495,7 @@ class FSDP(SelfGathering):
         self.axis_name = axis_name
         self.remat = remat
 
-    def own_specs(
+    def _own_specs(
         self,
         fsdp: FsdpRule,
         rules: Sequence[P | None],
@@ -518,7 +520,7 @@ class FSDP(SelfGathering):
         for passing it through `jax.shard_map`."""
         return jax.tree.unflatten(jax.tree.structure(self), list(self.leaf_specs))
 
-    def gather_plan(self) -> list[int | None]:
+    def _gather_plan(self) -> list[int | None]:
         """Inside `shard_map`: per leaf of `self.module`, the dimension to gather it
         on, or `None` (not sharded here, or arrived whole)."""
         leaves = jax.tree.leaves(self.module)
@@ -542,7 +544,7 @@ class FSDP(SelfGathering):
             plan.append(dim)
         return plan
 
-    def call_gathered(
+    def _call_gathered(
         self,
         module: Any,
         plan: list[int | None],
@@ -581,7 +583,7 @@ class FSDP(SelfGathering):
         """Call the wrapped module with full parameters (gathered if sharded)."""
         if not axis_is_bound(self.axis_name):
             return _typed_gathered(self.module, self.axis_name)(*args, **kwargs)
-        plan = self.gather_plan()
+        plan = self._gather_plan()
         if all(dim is None for dim in plan):
             return self.module(*args, **kwargs)
-        return self.call_gathered(self.module, plan, args, kwargs, tie_to_inputs=True)
+        return self._call_gathered(self.module, plan, args, kwargs, tie_to_inputs=True)

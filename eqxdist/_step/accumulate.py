@@ -9,8 +9,8 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import PRNGKeyArray, PyTree
 
-from ._metrics.tree import check_metrics, merge_metrics
-from ._utils import (
+from .._metrics.tree import check_metrics, merge_metrics
+from .._utils import (
     call_with_axes,
     check_callable_takes,
     check_rows,

@@ -3,9 +3,9 @@ arrays after its `shard_map`: the gradients finished from the sums the map
 returns, the update applied (or skipped, bit for bit, for a non-finite step),
 and the step statistics of `step_info`."""
 
+import dataclasses
 import functools
 import inspect
-from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -13,8 +13,8 @@ import jax.numpy as jnp
 import optax
 from jaxtyping import Array
 
-from ._statistics import SQUARES
-from ._utils import is_array
+from .._utils import is_array
+from .statistics import SQUARES, TreeSums
 
 
 def reads_value(optimizer: Any, params: Any, opt_state: Any) -> bool:
@@ -72,41 +72,55 @@ def _applied(p: Any, u: Any) -> Any:
     return (p + u).astype(p.dtype)
 
 
-def apply_update(
-    optimizer: optax.GradientTransformation,
-    grads: Callable[[], Any],
-    extra: dict[str, Any],
-    sums_of: Callable[[Any], dict[str, Array]] | None,
-    params: Any,
-    opt_state: Any,
-) -> tuple[Any, Any, dict[str, Array]]:
-    """`optimizer`'s update of `params` from `grads()` (`extra`: the keyword
-    arguments it reads, e.g. `value`): the new parameters and optimizer state,
-    and `sums_of(updates)` (the update's statistics; `{}` without it).
+@dataclasses.dataclass(frozen=True)
+class Update:
+    """The optimizer update of one trace of a step: `update(params, opt_state)
+    -> (params, opt_state, sums)`.
 
-    `grads` is called here, so that where this runs in a loop (`update_unless`)
-    the gradients' last elementwise steps run inside it, fused into the
-    optimizer's pass, instead of being written out as the loop's operand."""
-    updates, opt_state = optimizer.update(grads(), opt_state, params, **extra)
-    if sums_of is None:
-        new_params = jax.tree.map(_applied, params, updates)
-        return new_params, opt_state, {}
-    sums = sums_of(updates)
-    # An update that reads the parameters (weight decay) makes the sums read the
-    # old parameters, which the step overwrites in place; unless the writes depend
-    # on the sums, XLA copies every parameter to keep it for that read. `always`
-    # is true (a sum of squares is never negative; NaN < 0 is false) but XLA
-    # cannot know, so the select orders them.
-    always = jnp.logical_not(sums[SQUARES] < 0)
-    new_params = jax.tree.map(
-        lambda p, u: jnp.where(always, _applied(p, u), p), params, updates
-    )
-    return new_params, opt_state, sums
+    - `optimizer`: the Optax transformation.
+    - `sums`, `counts`, `scale`: the gradients as the gradient phase returns
+      them, finished here (`finish_gradients`), so that where the update runs in
+      a loop (`update_unless`) the gradients' last elementwise steps run inside
+      it, fused into the optimizer's pass, instead of being written out as the
+      loop's operand.
+    - `extra`: the keyword arguments the optimizer reads (e.g. `value`).
+    - `statistics`: the sums of the update to return (`statistics.TreeSums`), or
+      `None` (`{}` is returned).
+    """
+
+    optimizer: optax.GradientTransformation
+    sums: Any
+    counts: Any
+    scale: Array | None
+    extra: dict[str, Any]
+    statistics: TreeSums | None
+
+    def __call__(
+        self, params: Any, opt_state: Any
+    ) -> tuple[Any, Any, dict[str, Array]]:
+        grads = finish_gradients(self.sums, self.counts, self.scale)
+        updates, opt_state = self.optimizer.update(
+            grads, opt_state, params, **self.extra
+        )
+        if self.statistics is None:
+            new_params = jax.tree.map(_applied, params, updates)
+            return new_params, opt_state, {}
+        sums = self.statistics(updates)
+        # An update that reads the parameters (weight decay) makes the sums read
+        # the old parameters, which the step overwrites in place; unless the writes
+        # depend on the sums, XLA copies every parameter to keep it for that read.
+        # `always` is true (a sum of squares is never negative; NaN < 0 is false)
+        # but XLA cannot know, so the select orders them.
+        always = jnp.logical_not(sums[SQUARES] < 0)
+        new_params = jax.tree.map(
+            lambda p, u: jnp.where(always, _applied(p, u), p), params, updates
+        )
+        return new_params, opt_state, sums
 
 
 def update_unless(
     skipped: Array,
-    update: Callable[[Any, Any], tuple[Any, Any, dict[str, Array]]],
+    update: Update,
     params: Any,
     opt_state: Any,
     kinds: tuple[str, ...],

@@ -2,11 +2,12 @@
 (`"dp"` / `"fsdp"` / `"zero1"`) over the data axes of a mesh, with tensor-parallel
 rules over the other axes.
 
-`Layout` checks the options once and answers the questions that are its own: how a
-batch is split, where the optimizer state and the rest of a `TrainState` live, and
-which compiler options a step needs. Where a model's leaves live is the model plan
-(`_plan.Planner`, reached as `layout.plan(model)`), computed from the
-names-to-axes rules of `_rules`. It computes nothing of the step itself."""
+`Layout` answers the questions that are its own, from options checked once
+(`options.LayoutOptions`): how a batch is split, where a model's leaves live (the
+model plan, `plan.plan_model`, computed from the names-to-axes rules of `rules`,
+once per structure), where the optimizer state and the rest of a `TrainState`
+live, the mesh a step computes on and which compiler options it needs. It
+computes nothing of the step itself."""
 
 import math
 from typing import Any
@@ -16,24 +17,9 @@ import numpy as np
 import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from ._data_parallel import local_shard_count
-from ._fsdp import CPU_FSDP_OPTIONS
-from ._mesh import compute_mesh
-from ._plan import Planner, structure_key, warn_if_unsharded
-from ._rules import (
-    FsdpRule,
-    ParamRules,
-    ParamRuleSpecs,
-    check_layout,
-    entry_size,
-    has_fsdp_modules,
-    is_spec_leaf,
-)
-from ._utils import (
-    AxisName,
-    axis_names,
-    check_axis_in_mesh,
-    check_min_weight_size,
+from .._data_parallel import local_shard_count
+from .._mesh import compute_mesh
+from .._utils import (
     check_rows,
     flatten_up_to,
     is_array,
@@ -41,8 +27,16 @@ from ._utils import (
     plural,
     state_like,
 )
-
-STRATEGIES = ("dp", "fsdp", "zero1")
+from .fsdp import CPU_FSDP_OPTIONS
+from .options import LayoutOptions
+from .plan import ModelPlan, plan_model, structure_key, warn_if_unsharded
+from .rules import (
+    FsdpRule,
+    ParamRules,
+    entry_size,
+    has_fsdp_modules,
+    is_spec_leaf,
+)
 
 # Strategies that shard something over `fsdp_axis`: the parameters (and their
 # optimizer state) under FSDP, only the optimizer state under ZeRO-1.
@@ -76,77 +70,51 @@ class Layout:
 
     **Arguments:**
 
-    - `mesh`, `strategy`, `data_axis`, `fsdp_axis`, `min_weight_size`,
-      `param_rules`, `fsdp_layout`: as `make_train_step` takes them (validated
-      here, once). `make_eval_step` passes `"zero1"` too: without an optimizer
-      state it lays out the model as `"dp"` does.
+    - `mesh`: the step's mesh.
+    - `options`: the layout's options (`LayoutOptions.parse`: checked once).
+      `make_eval_step` passes `"zero1"` too: without an optimizer state it lays
+      out the model as `"dp"` does.
     - `caller`: named in error messages.
     """
 
-    def __init__(
-        self,
-        mesh: Mesh,
-        *,
-        strategy: str,
-        data_axis: AxisName,
-        fsdp_axis: str | None,
-        min_weight_size: int,
-        param_rules: ParamRuleSpecs,
-        fsdp_layout: str = "leading",
-        caller: str,
-    ) -> None:
-        if strategy not in STRATEGIES:
-            raise ValueError(
-                f"{caller}: unknown strategy {strategy!r}; use one of "
-                f"{list(STRATEGIES[:2])} (parameters replicated or sharded) or "
-                f"{STRATEGIES[2]!r} (only the optimizer state sharded)."
-            )
-        data_axes = axis_names(data_axis)
-        if not data_axes:
-            raise ValueError(f"{caller}: `data_axis` is empty; name a mesh axis.")
-        if len(set(data_axes)) != len(data_axes):
-            raise ValueError(f"{caller}: `data_axis`={data_axis!r} repeats an axis.")
-        for axis in data_axes:
-            check_axis_in_mesh(mesh, axis, caller, "data_axis")
-        check_min_weight_size(min_weight_size, caller)
-        check_layout(fsdp_layout, caller, "fsdp_layout")
-        if fsdp_axis is not None and strategy not in _SHARDED:
-            raise ValueError(
-                f"{caller}: `fsdp_axis`={fsdp_axis!r} is given but strategy is "
-                f"{strategy!r}; it only applies to strategy='fsdp' or 'zero1'."
-            )
-        if fsdp_axis is not None and fsdp_axis not in data_axes:
-            raise ValueError(
-                f"{caller}: `fsdp_axis`={fsdp_axis!r} is not one of the data axes "
-                f"{data_axes}; parameters are sharded over one of the axes the "
-                "batch is split over."
-            )
+    def __init__(self, mesh: Mesh, options: LayoutOptions, *, caller: str) -> None:
         self.mesh = mesh
-        self.strategy = strategy
+        self.options = options
+        self.strategy = options.strategy
         self.caller = caller
-        self.data_axes = data_axes
-        sharded_over = fsdp_axis or data_axes[-1]
+        self.data_axes = data_axes = options.data_axes
+        fsdp = options.fsdp
+        sharded_over = fsdp.axis or data_axes[-1]
         rule = FsdpRule(
-            sharded_over, mesh.shape[sharded_over], min_weight_size, fsdp_layout
+            sharded_over, mesh.shape[sharded_over], fsdp.min_weight_size, fsdp.layout
         )
         # The FSDP rule of the parameters (FSDP) and of the optimizer state (FSDP
         # through its parameters, ZeRO-1 on its own).
-        self.fsdp = rule if strategy == "fsdp" else None
-        self.opt_fsdp = rule if strategy == "zero1" else None
-        self.fsdp_axis = sharded_over if strategy in _SHARDED else None
-        self.rules = ParamRules(param_rules, mesh, data_axes, caller)
-        self.plan = Planner(
-            mesh,
-            data_axes=data_axes,
-            fsdp=self.fsdp,
-            rules=self.rules,
-            caller=caller,
-            zero1=self.opt_fsdp,
-        )
+        self.fsdp = rule if self.strategy == "fsdp" else None
+        self.opt_fsdp = rule if self.strategy == "zero1" else None
+        self.fsdp_axis = sharded_over if self.strategy in _SHARDED else None
+        self.rules = ParamRules(options.param_rules, mesh, data_axes, caller)
         self.batch_spec = P(data_axes[0] if len(data_axes) == 1 else data_axes)
         self.batch_sharding = NamedSharding(mesh, self.batch_spec)
         self.num_shards = math.prod(mesh.shape[a] for a in data_axes)
+        self._plans: dict[Any, ModelPlan] = {}
         self._state_specs: dict[Any, Any] = {}
+
+    def plan(self, model: Any) -> ModelPlan:
+        """Where `model`'s leaves live (`plan_model`), computed once per
+        structure, shapes and dtypes (a step's slow path, its trace and
+        `state_specs` all ask)."""
+        key = structure_key(model)
+        if key not in self._plans:
+            self._plans[key] = plan_model(
+                model,
+                data_axes=self.data_axes,
+                fsdp=self.fsdp,
+                rules=self.rules,
+                caller=self.caller,
+                zero1=self.opt_fsdp,
+            )
+        return self._plans[key]
 
     def compute_mesh(self, with_state: bool) -> Mesh:
         """The mesh a step computes on (`_mesh.compute_mesh`, `_mesh.retyped`):

@@ -1,65 +1,107 @@
-"""The step builders: `make_train_step` puts a layout (`_layout`), the step math
-(`_train.StepMath`) and the compiled-step cache (`_compiled`) together."""
+"""The train step: `make_train_step` puts a layout (`_layout`), the step math
+(`train_math.TrainMath`) and the compiled-step cache (`compiled`) together into a
+`TrainStep`."""
 
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
 from jax.sharding import Mesh, PartitionSpec as P
-from jaxtyping import PyTree
+from jaxtyping import Array, PyTree
 
-from ._accumulate import check_num_minibatches
-from ._compiled import CompiledStep
-from ._data_parallel import place
-from ._hlo import compiled_cost
-from ._init import ShardedInit, peak_bytes, sharded_init
-from ._jaxpr import matmul_flops
-from ._layout import describe_state
-from ._partition import LINEAR_MODES
-from ._state import TrainState, as_optimizer, check_train_state
-from ._train import FSDP_GATHERS, StepMath, step_layout
-from ._utils import (
+from .._data_parallel import place
+from .._hlo import compiled_cost
+from .._jaxpr import matmul_flops
+from .._layout.layout import Layout, describe_state
+from .._layout.options import LayoutOptions
+from .._utils import (
     AxisName,
     batch_rows,
     check_array_leaves,
-    check_compute_dtype,
     check_not_consumed,
     state_like,
     typecheck,
 )
+from .compiled import CompiledStep, Placement
+from .options import StepOptions
+from .sharded_init import ShardedInit, peak_bytes, sharded_init
+from .state import TrainState, as_optimizer, check_train_state
+from .train_math import TrainMath
+
+
+class StepOutput(tuple[Any, Any]):
+    """What a train step returns: the pair `(state, metrics)`, whatever the step's
+    options, with the step statistics of `step_info=True` as `.info` (a dict of
+    replicated 0-d float32 arrays; `None` without `step_info`).
+
+    !!! Example
+
+        ```python
+        state, metrics = step(state, batch)       # any step
+        out = step(state, batch)                  # with step_info=True
+        print(out.info["grad_norm"], out.state.step)
+        ```
+    """
+
+    info: dict[str, Array] | None
+
+    def __new__(
+        cls, state: Any, metrics: Any, info: dict[str, Array] | None = None
+    ) -> "StepOutput":
+        output = super().__new__(cls, (state, metrics))
+        output.info = info
+        return output
+
+    @property
+    def state(self) -> Any:
+        return self[0]
+
+    @property
+    def metrics(self) -> Any:
+        return self[1]
 
 
 class TrainStep:
     """The callable `make_train_step` returns: `step(state, batch) -> (state,
-    metrics)`. See `make_train_step`."""
+    metrics)` (a `StepOutput`). See `make_train_step`."""
 
     def __init__(
-        self, math: StepMath, *, donate: bool, max_steps_in_flight: int | None
+        self, math: TrainMath, *, donate: bool, max_steps_in_flight: int | None
     ) -> None:
         self.math = math
         self.layout = math.layout
         self.optimizer = math.optimizer
         self.mesh = math.layout.mesh
         self._cache = CompiledStep(
-            self._update,
+            math,
             self.mesh,
-            state_specs=self.state_specs,
-            kept=_kept,
+            describe=self._placement,
             batch_sharding=self.layout.batch_sharding,
             donate=donate,
             max_in_flight=max_steps_in_flight,
             check_batch=self._check_batch,
-            compiler_options=lambda state: self.layout.compiler_options(
-                state.model, math.compute_dtype
-            ),
-            context_mesh=lambda state: self.layout.compute_mesh(
-                state.model_state is not None
-            ),
             name="train step",
         )
 
-    def _update(self, state: Any, batch: Any) -> tuple[Any, Any]:
-        return self.math(state, batch)
+    def _placement(self, state: TrainState) -> Placement:
+        """Where a state of this structure lives and how its step compiles; the
+        key (each step's randomness is `fold_in(key, step)`) and the frozen
+        parameters are only read."""
+        layout = self.layout
+        kept = state_like(
+            state,
+            jax.tree.map(lambda t: not t, state.trainable_mask()),
+            opt_state=jax.tree.map(lambda _: False, state.opt_state),
+            step=False,
+            key=jax.tree.map(lambda _: True, state.key),
+            model_state=jax.tree.map(lambda _: False, state.model_state),
+        )
+        return Placement(
+            self.state_specs(state),
+            kept,
+            layout.compute_mesh(state.model_state is not None),
+            layout.compiler_options(state.model, self.math.options.compute_dtype),
+        )
 
     def _check_batch(self, batch: Any) -> None:
         check_array_leaves(batch, "train step", "batch")
@@ -68,7 +110,7 @@ class TrainStep:
                 "train step: the batch has 0 rows; a step needs at least one row per "
                 "device (the loss of an empty batch is 0/0). Skip empty batches."
             )
-        self.layout.check_rows(batch, self.math.num_minibatches)
+        self.layout.check_rows(batch, self.math.options.num_minibatches)
 
     def model_specs(self, model: Any) -> Any:
         """The `PartitionSpec` of every array leaf of `model` under this step's
@@ -89,11 +131,9 @@ class TrainStep:
         state was not made by this step's optimizer, or a rule does not fit.
         """
         check_train_state(state, "train step")
-        expected: Any = jax.tree.structure(
-            jax.eval_shape(self.optimizer.init, state.params())
-        )
+        made = jax.eval_shape(self.optimizer.init, state.params())
+        expected: Any = jax.tree.structure(made)
         if expected != jax.tree.structure(state.opt_state):
-            made = jax.eval_shape(self.optimizer.init, state.params())
             raise ValueError(
                 "train step: `state.opt_state` is not what this step's optimizer "
                 f"makes: `optimizer.init` gives {describe_state(made)}, the state "
@@ -177,27 +217,11 @@ class TrainStep:
         built, and one group's outputs and temporaries); nothing is allocated."""
         return peak_bytes(self._init("init_peak_bytes", init_fn, args).lower())
 
-    def __call__(self, state: TrainState, batch: PyTree[Any]) -> tuple[Any, ...]:
+    def __call__(self, state: TrainState, batch: PyTree[Any]) -> StepOutput:
         """One training step; see `make_train_step`."""
-        new_state, aux = self._cache(state, batch)
-        if self.math.step_info:
-            metrics, info = aux
-            return new_state, metrics, info
-        return new_state, aux
-
-
-def _kept(state: TrainState) -> Any:
-    """The leaves a step only reads: the key (each step's randomness is
-    `fold_in(key, step)`) and the frozen parameters."""
-    check_train_state(state, "train step")
-    return state_like(
-        state,
-        jax.tree.map(lambda t: not t, state.trainable_mask()),
-        opt_state=jax.tree.map(lambda _: False, state.opt_state),
-        step=False,
-        key=jax.tree.map(lambda _: True, state.key),
-        model_state=jax.tree.map(lambda _: False, state.model_state),
-    )
+        check_train_state(state, "train step")
+        new_state, (metrics, info) = self._cache(state, batch)
+        return StepOutput(new_state, metrics, info)
 
 
 @typecheck
@@ -214,13 +238,13 @@ def make_train_step(
     compute_dtype: Any = None,
     fsdp_axis: str | None = None,
     param_rules: Sequence[tuple[str, P]] = (),
-    fsdp_layout: str = "leading",
-    fsdp_gather: str = "step",
+    fsdp_layout: str | None = None,
+    fsdp_gather: str | None = None,
     use_scan: bool = True,
     max_steps_in_flight: int | None = 8,
     step_info: bool = False,
     skip_nonfinite: bool = False,
-    fsdp_linears: str = "auto",
+    fsdp_linears: str | None = None,
 ) -> TrainStep:
     """Build a compiled, sharded training step `step(state, batch) -> (state,
     metrics)`.
@@ -305,6 +329,10 @@ def make_train_step(
       computation over them; `loss_fn` still sees full-size arrays. Under
       `"fsdp"` the FSDP rule then shards one of the dimensions the spec leaves
       free over `fsdp_axis`.
+    The FSDP options below apply to `"fsdp"` (`fsdp_axis` and `fsdp_layout` to
+    `"zero1"` too); `None` means the default, and giving one under a strategy
+    it does not apply to is a `ValueError`, never silently ignored.
+
     - `fsdp_layout`: which dimension the FSDP rule shards: `"leading"` (the
       default: the first divisible dimension, so each shard is one contiguous
       block and gathers need no transposing copies; docs/benchmarks.md compares
@@ -339,12 +367,13 @@ def make_train_step(
       partitioned layer's `weight` (weight tying) all-gathers it.
     - `use_scan`: see `accumulate_gradients`.
     - `max_steps_in_flight`: the bound on queued steps (`None`: unbounded).
-    - `step_info`: return `(state, metrics, info)`, `info` a dict of replicated
-      0-d float32 arrays: `"grad_norm"` (the global L2 norm of the averaged
-      gradient of the trained leaves, as `optax.global_norm` of the same gradient
-      on one device), `"update_norm"` (of the update applied: 0 for a skipped
-      step), `"param_norm"` (of the trained parameters after the step) and
-      `"skipped"` (1.0 for a skipped step, else 0.0).
+    - `step_info`: compute the step statistics, the returned `StepOutput`'s
+      `.info`: a dict of replicated 0-d float32 arrays: `"grad_norm"` (the
+      global L2 norm of the averaged gradient of the trained leaves, as
+      `optax.global_norm` of the same gradient on one device), `"update_norm"`
+      (of the update applied: 0 for a skipped step), `"param_norm"` (of the
+      trained parameters after the step) and `"skipped"` (1.0 for a skipped
+      step, else 0.0).
     - `skip_nonfinite`: a step whose loss or any gradient element is NaN or
       infinite on any device leaves the parameters, optimizer state and model
       state exactly as they were (decided identically on every device); the
@@ -362,8 +391,9 @@ def make_train_step(
 
     **Returns:**
 
-    A `TrainStep`: call it as `step(state, batch)` (`-> (state, metrics)`, or
-    `(state, metrics, info)` with `step_info`); build a state straight into its
+    A `TrainStep`: call it as `step(state, batch) -> (state, metrics)` (a
+    `StepOutput`, the pair whatever the options, its `.info` the statistics of
+    `step_info`); build a state straight into its
     layout with `step.init_state(init_fn, *args)`. The metrics come back already
     reduced across devices (arrays and `(sum, count)` parts summed, `Metric`s
     `reduce`d). It also has `state_specs(state)`, `place_state(state)` and
@@ -371,7 +401,8 @@ def make_train_step(
 
     **Raises:**
 
-    `ValueError` for an unknown `strategy`, `fsdp_gather` or `fsdp_linears`,
+    `ValueError` for an unknown `strategy`, `fsdp_gather` or `fsdp_linears`, an
+    FSDP option given under a strategy it does not apply to,
     `num_minibatches < 1`, a negative `min_weight_size`, a `data_axis` or
     `fsdp_axis` not in `mesh`, a rule naming an unknown or data axis; when
     called, `ValueError` for a batch leaf whose leading dimension is not
@@ -393,35 +424,36 @@ def make_train_step(
         ed.print_metrics(metrics, "Last step")
         ```
     """
-    check_num_minibatches(num_minibatches, "make_train_step")
-    optimizer = as_optimizer(optimizer, "make_train_step")
-    if max_steps_in_flight is not None and max_steps_in_flight < 1:
-        raise ValueError(
-            "make_train_step: `max_steps_in_flight` must be >= 1 or None; got "
-            f"{max_steps_in_flight}."
-        )
-    if fsdp_gather not in FSDP_GATHERS:
-        raise ValueError(
-            f"make_train_step: unknown fsdp_gather {fsdp_gather!r}; use 'step' "
-            "(gather once per step) or 'minibatch' (gather per minibatch: less "
-            "memory, one all-gather and reduce-scatter per minibatch)."
-        )
-    if fsdp_linears not in LINEAR_MODES:
-        raise ValueError(
-            f"make_train_step: unknown fsdp_linears {fsdp_linears!r}; use 'auto' "
-            "(per layer, whichever moves fewer elements), 'gather' (always gather "
-            "the weights) or 'partition' (partition every layer that can be)."
-        )
-    math = StepMath(
-        loss_fn,
-        optimizer,
-        step_layout(mesh, "make_train_step", locals()),
-        num_minibatches,
-        use_scan,
-        check_compute_dtype(compute_dtype, "make_train_step"),
-        fsdp_gather,
+    caller = "make_train_step"
+    layout = LayoutOptions.parse(
+        caller,
+        mesh,
+        strategy=strategy,
+        data_axis=data_axis,
+        param_rules=param_rules,
+        min_weight_size=min_weight_size,
+        fsdp_axis=fsdp_axis,
+        fsdp_layout=fsdp_layout,
+        fsdp_gather=fsdp_gather,
+        fsdp_linears=fsdp_linears,
+    )
+    options = StepOptions.parse(
+        caller,
+        num_minibatches=num_minibatches,
+        use_scan=use_scan,
+        compute_dtype=compute_dtype,
         step_info=step_info,
         skip_nonfinite=skip_nonfinite,
-        fsdp_linears=fsdp_linears,
+    )
+    if max_steps_in_flight is not None and max_steps_in_flight < 1:
+        raise ValueError(
+            f"{caller}: `max_steps_in_flight` must be >= 1 or None; got "
+            f"{max_steps_in_flight}."
+        )
+    math = TrainMath(
+        loss_fn,
+        as_optimizer(optimizer, caller),
+        Layout(mesh, layout, caller=caller),
+        options,
     )
     return TrainStep(math, donate=donate, max_steps_in_flight=max_steps_in_flight)

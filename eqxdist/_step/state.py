@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import optax
 from jaxtyping import Array, Int, PRNGKeyArray
 
-from ._utils import is_array_like, strong_types, typecheck
+from .._utils import is_array_like, strong_types, typecheck
 
 
 def _is_inexact(x: Any) -> bool:

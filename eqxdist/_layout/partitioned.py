@@ -29,9 +29,9 @@ import equinox as eqx
 import jax
 import jax.numpy as jnp
 
-from ._fsdp import gather_leaf
-from ._jaxpr import sub_jaxprs
-from ._utils import is_array_like
+from .._jaxpr import sub_jaxprs
+from .._utils import is_array_like
+from .fsdp import gather_leaf
 
 KeyPath = tuple[Any, ...]
 

@@ -1,7 +1,11 @@
-"""The object forms of the module functions, for code written against
-object-style APIs (see docs/migration.md): each class binds one default (a device
-list, a data axis, a metric axis) and its methods call the module functions of the
-same names. New code calls the functions directly."""
+"""Object forms of the module functions, for code ported from object-style APIs
+(Artifex's `DeviceMeshManager` and `DataParallel`, datarax's
+`DistributedMetrics`; see docs/migration.md): `ed.compat.DataParallel()`. Each
+class binds one default (a device list, a data axis, a metric axis) and its
+methods call the module functions of the same names. New code calls the
+functions directly."""
+
+__all__ = ["DataParallel", "DeviceMeshManager", "DistributedMetrics"]
 
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -49,7 +53,7 @@ class DeviceMeshManager(eqx.Module):
     !!! Example
 
         ```python
-        manager = ed.DeviceMeshManager()
+        manager = ed.compat.DeviceMeshManager()
         mesh = manager.create_hybrid_mesh(4, 2)
         manager.get_mesh_info(mesh)["axes"]  # {"data": 4, "model": 2}
         ```
@@ -154,7 +158,7 @@ class DataParallel(eqx.Module):
     !!! Example
 
         ```python
-        dp = ed.DataParallel()
+        dp = ed.compat.DataParallel()
         batch = dp.shard_batch(batch, dp.create_data_parallel_sharding(mesh))
         ```
     """
@@ -230,7 +234,7 @@ class DistributedMetrics(eqx.Module):
     !!! Example
 
         ```python
-        dm = ed.DistributedMetrics()
+        dm = ed.compat.DistributedMetrics()
         metrics = dm.reduce_custom({"loss": loss, "n": n}, {"n": "sum"})
         ```
     """

@@ -5,7 +5,7 @@ one divisible dimension: `fsdp_specs`, `FsdpRule`) and the parameter rules
 (`param_rules`: a regular expression on a leaf's path gives it a `PartitionSpec` over
 model axes: `ParamRules`). `FsdpRule.spec` composes them for one leaf. Modules that
 gather their own parameters (`FSDP`, `Stacked`) derive from `SelfGathering` and are
-handed each of their leaves' rules (`own_specs`), so no caller needs to know either.
+handed each of their leaves' rules (`_own_specs`), so no caller needs to know either.
 """
 
 import abc
@@ -20,9 +20,14 @@ import jax
 from jax.sharding import Mesh, PartitionSpec as P
 from jaxtyping import PyTree
 
-from ._utils import check_min_weight_size, is_array_like, plural, typecheck
+from .._utils import check_min_weight_size, is_array_like, plural, typecheck
 
 LAYOUTS = ("largest", "leading")
+DEFAULT_LAYOUT = "leading"
+"""The layout everything that trains uses unless told otherwise (`make_train_step`,
+`FSDP`, `FSDPSequential`): each shard one contiguous block, so gathers need no
+transposing copies. `fsdp_specs` keeps the tutorial's rule, `"largest"`, as its
+contract says."""
 """The FSDP layouts: `"largest"` (the largest divisible
 dimension, ties to the later one) and `"leading"` (the first divisible dimension, so
 every shard is one contiguous block of the row-major array)."""
@@ -316,10 +321,10 @@ def merge_specs(rule: P | None, own: P | None, path: str, caller: str) -> P | No
 class SelfGathering(eqx.Module):
     """A module that all-gathers its own parameters when called inside `shard_map`
     (`FSDP`, `Stacked`). An enclosing FSDP layout leaves its leaves to it: it
-    gives their specs (`own_specs`) and does not gather them."""
+    gives their specs (`_own_specs`) and does not gather them."""
 
     @abc.abstractmethod
-    def own_specs(
+    def _own_specs(
         self,
         fsdp: FsdpRule,
         rules: Sequence[P | None],
@@ -356,7 +361,7 @@ def leaf_plan(
         if isinstance(part, SelfGathering):
             k = len(jax.tree.leaves(part))
             specs.extend(
-                part.own_specs(fsdp, rules[i : i + k], paths[i : i + k], caller)
+                part._own_specs(fsdp, rules[i : i + k], paths[i : i + k], caller)
             )
             own.extend([False] * k)
         else:

@@ -3,9 +3,8 @@ the step's `jax.shard_map` does with it, computed once per model structure.
 
 A step asks three questions of a model (its specs, the part of them `shard_map`
 handles by hand, and what the step all-gathers); `ModelPlan` answers all three from
-one pass over the names-to-axes rules (`_rules`), and `Planner` keeps one plan per
-structure, shapes and dtypes, which the step math and the compiled-step cache both
-read through `planner(model)`.
+one pass over the names-to-axes rules (`rules`); `Layout.plan` keeps one plan per
+structure, shapes and dtypes.
 """
 
 import dataclasses
@@ -16,9 +15,10 @@ from typing import Any
 import jax
 from jax.sharding import Mesh, PartitionSpec as P
 
-from ._fsdp import gather_tree, scatter_mean, unsynced_axes
-from ._partition import KeyPath, linear_paths
-from ._rules import (
+from .._utils import is_array, is_array_like, path_str
+from .fsdp import gather_tree, scatter_mean, unsynced_axes
+from .partitioned import KeyPath, linear_paths
+from .rules import (
     FsdpRule,
     ParamRules,
     is_spec_leaf,
@@ -27,7 +27,6 @@ from ._rules import (
     sharded_dim,
     spec_axes,
 )
-from ._utils import is_array, is_array_like, path_str
 
 WEIGHT = jax.tree_util.GetAttrKey("weight")
 
@@ -280,39 +279,3 @@ def structure_key(tree: Any) -> Any:
     leaves, treedef = jax.tree.flatten(tree)
     shapes = tuple((tuple(x.shape), str(x.dtype)) for x in leaves if is_array_like(x))
     return treedef, shapes
-
-
-class Planner:
-    """`planner(model) -> ModelPlan`, computed once per model structure, shapes and
-    dtypes (the slow path of a step, its trace and `state_specs` all ask)."""
-
-    def __init__(
-        self,
-        mesh: Mesh,
-        *,
-        data_axes: tuple[str, ...],
-        fsdp: FsdpRule | None,
-        rules: ParamRules,
-        caller: str,
-        zero1: FsdpRule | None = None,
-    ) -> None:
-        self.mesh = mesh
-        self.data_axes = data_axes
-        self.fsdp = fsdp
-        self.zero1 = zero1
-        self.rules = rules
-        self.caller = caller
-        self._plans: dict[Any, ModelPlan] = {}
-
-    def __call__(self, model: Any) -> ModelPlan:
-        key = structure_key(model)
-        if key not in self._plans:
-            self._plans[key] = plan_model(
-                model,
-                data_axes=self.data_axes,
-                fsdp=self.fsdp,
-                rules=self.rules,
-                caller=self.caller,
-                zero1=self.zero1,
-            )
-        return self._plans[key]

@@ -1,0 +1,144 @@
+"""The options of a step's layout, each validated once, in one place: the
+strategy, the data axes and tensor-parallel rules, and how FSDP (and ZeRO-1)
+shard and gather (`FsdpOptions`).
+
+An option the chosen strategy does not use is an error, never silently ignored:
+`fsdp_gather` under `"dp"` says nothing, so a user who sets it is told instead of
+training something else than they think."""
+
+import dataclasses
+from collections.abc import Sequence
+from typing import Any
+
+from jax.sharding import Mesh, PartitionSpec as P
+
+from .._utils import AxisName, axis_names, check_axis_in_mesh, check_min_weight_size
+from .partitioned import LINEAR_MODES
+from .rules import DEFAULT_LAYOUT, check_layout
+
+STRATEGIES = ("dp", "fsdp", "zero1")
+"""`"dp"`: everything replicated over the data axes; `"fsdp"`: parameters and
+their optimizer state sharded over `fsdp_axis`; `"zero1"`: only the optimizer
+state sharded."""
+
+FSDP_GATHERS = ("step", "minibatch")
+"""`make_train_step(fsdp_gather=...)`: gather once per step, or per minibatch."""
+
+# Which strategies each FSDP option means something under.
+_APPLIES = {
+    "fsdp_axis": ("fsdp", "zero1"),
+    "fsdp_layout": ("fsdp", "zero1"),
+    "fsdp_gather": ("fsdp",),
+    "fsdp_linears": ("fsdp",),
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class FsdpOptions:
+    """How FSDP shards and gathers (ZeRO-1: how it shards the optimizer state).
+
+    - `axis`: the data axis leaves are sharded over (`None`: the last data axis).
+    - `min_weight_size`: leaves this small or smaller stay replicated.
+    - `layout`: the FSDP rule's dimension, `"leading"` or `"largest"`.
+    - `gather`: with minibatches, gather once per `"step"` or per `"minibatch"`.
+    - `linears`: how `eqx.nn.Linear` layers run, `"auto"`, `"gather"` or
+      `"partition"` (`_layout.partitioned`).
+    """
+
+    axis: str | None = None
+    min_weight_size: int = 2**18
+    layout: str = DEFAULT_LAYOUT
+    gather: str = "step"
+    linears: str = "auto"
+
+
+@dataclasses.dataclass(frozen=True)
+class LayoutOptions:
+    """Where a step keeps its arrays: `strategy` over the `data_axes`,
+    tensor-parallel `param_rules` over the other axes, and the `fsdp` options.
+    Build it with `parse`, which checks everything against the mesh."""
+
+    strategy: str
+    data_axes: tuple[str, ...]
+    param_rules: tuple[tuple[str, P], ...]
+    fsdp: FsdpOptions
+
+    @classmethod
+    def parse(
+        cls,
+        caller: str,
+        mesh: Mesh,
+        *,
+        strategy: str,
+        data_axis: AxisName,
+        param_rules: Sequence[tuple[str, P]] = (),
+        min_weight_size: int = 2**18,
+        fsdp_axis: str | None = None,
+        fsdp_layout: str | None = None,
+        fsdp_gather: str | None = None,
+        fsdp_linears: str | None = None,
+    ) -> "LayoutOptions":
+        """The options of `caller`'s keyword arguments (`None`: not given, the
+        default), or a `ValueError` naming the argument, the value and what to
+        pass instead."""
+        if strategy not in STRATEGIES:
+            raise ValueError(
+                f"{caller}: unknown strategy {strategy!r}; use one of "
+                f"{list(STRATEGIES[:2])} (parameters replicated or sharded) or "
+                f"{STRATEGIES[2]!r} (only the optimizer state sharded)."
+            )
+        data_axes = axis_names(data_axis)
+        if not data_axes:
+            raise ValueError(f"{caller}: `data_axis` is empty; name a mesh axis.")
+        if len(set(data_axes)) != len(data_axes):
+            raise ValueError(f"{caller}: `data_axis`={data_axis!r} repeats an axis.")
+        for axis in data_axes:
+            check_axis_in_mesh(mesh, axis, caller, "data_axis")
+        check_min_weight_size(min_weight_size, caller)
+        if fsdp_layout is not None:
+            check_layout(fsdp_layout, caller, "fsdp_layout")
+        _check_choice(caller, "fsdp_gather", fsdp_gather, FSDP_GATHERS)
+        _check_choice(caller, "fsdp_linears", fsdp_linears, LINEAR_MODES)
+        given = {
+            "fsdp_axis": fsdp_axis,
+            "fsdp_layout": fsdp_layout,
+            "fsdp_gather": fsdp_gather,
+            "fsdp_linears": fsdp_linears,
+        }
+        for name, value in given.items():
+            if value is not None and strategy not in _APPLIES[name]:
+                uses = " or ".join(repr(s) for s in _APPLIES[name])
+                raise ValueError(
+                    f"{caller}: `{name}`={value!r} is given but strategy is "
+                    f"{strategy!r}; it only applies to strategy={uses}. Leave it out "
+                    "(or choose that strategy)."
+                )
+        if fsdp_axis is not None and fsdp_axis not in data_axes:
+            raise ValueError(
+                f"{caller}: `fsdp_axis`={fsdp_axis!r} is not one of the data axes "
+                f"{data_axes}; parameters are sharded over one of the axes the "
+                "batch is split over."
+            )
+        defaults = FsdpOptions()
+        fsdp = FsdpOptions(
+            axis=fsdp_axis,
+            min_weight_size=min_weight_size,
+            layout=fsdp_layout or defaults.layout,
+            gather=fsdp_gather or defaults.gather,
+            linears=fsdp_linears or defaults.linears,
+        )
+        return cls(strategy, data_axes, tuple(param_rules), fsdp)
+
+
+_CHOICES = {
+    "fsdp_gather": "'step' (gather once per step) or 'minibatch' (gather per "
+    "minibatch: less memory, one all-gather and reduce-scatter per minibatch)",
+    "fsdp_linears": "'auto' (per layer, whichever moves fewer elements), 'gather' "
+    "(always gather the weights) or 'partition' (partition every layer that can "
+    "be)",
+}
+
+
+def _check_choice(caller: str, name: str, value: Any, valid: Sequence[str]) -> None:
+    if value is not None and value not in valid:
+        raise ValueError(f"{caller}: unknown {name} {value!r}; use {_CHOICES[name]}.")

@@ -1,0 +1,259 @@
+"""The first phase of a training step: the gradients of the loss, in the device
+view (`loss_fn` runs once per device on that device's rows, inside `jax.shard_map`
+manual over the data axes), with the loss, the metrics and the model state, as a
+`Gradients` value for the update phase (`update`).
+
+Per device: the FSDP-sharded parameters are gathered (or their `Linear` layers
+partitioned, `_layout.partitioned`), the loss is differentiated minibatch by
+minibatch (`accumulate`), and the gradients leave the map as sums over the
+devices where they are not averaged yet (`ModelPlan.sum_gradients`): the update
+divides them, fused into the optimizer's pass."""
+
+import dataclasses
+from typing import Any, NamedTuple
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
+from jaxtyping import Array, PRNGKeyArray
+
+from .._layout.options import FsdpOptions
+from .._layout.partitioned import KeyPath, choose
+from .._layout.plan import WEIGHT
+from .._metrics.tree import reduce_metrics
+from .._utils import AxisName, cast_floating, check_axis_bound, is_array, typecheck
+from .accumulate import (
+    Accumulated,
+    CheckedLoss,
+    accumulate,
+    divide_by_weight,
+    weight_scale,
+)
+from .inputs import StepInputs, sync_model_state
+from .options import StepOptions
+from .statistics import NONFINITE, SQUARES, local_sums
+from .update import gradient_finishers
+
+
+class Gradients(NamedTuple):
+    """What the gradient phase gives the update phase, on global arrays.
+
+    - `sums`: each trained leaf's gradient, summed over the devices `counts`
+      says (`ModelPlan.mean_counts`; 1 where it is averaged already).
+    - `loss`: the step's loss over every device (`None` where nothing reads it).
+    - `scale`: a weighted loss's `1 / global weight` (`None`: a mean loss).
+    - `metrics`: the loss's metrics, reduced over the devices.
+    - `model_state`: the model state's arrays as the loss returned them,
+      averaged over the devices (`None` without one).
+    - `statistics`: the global sums of the finished gradients that
+      `statistics_kinds` asks for (`{}` for none).
+    """
+
+    sums: Any
+    loss: Array | None
+    scale: Array | None
+    metrics: Any
+    model_state: Any
+    statistics: dict[str, Array]
+
+
+def statistics_kinds(options: StepOptions) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """The sums a step computes (`statistics`): of its gradients (the sum of
+    squares for `step_info`'s norm, the finiteness sum for `skip_nonfinite`'s
+    check), and of its update (the sum of squares, for `step_info`). Each is a
+    pass over the tree, so only those read."""
+    grads: tuple[str, ...] = (SQUARES,) if options.step_info else ()
+    if options.skip_nonfinite:
+        grads += (NONFINITE,)
+    return grads, (SQUARES,) if options.step_info else ()
+
+
+@typecheck
+def fold_rng_over_axis(key: PRNGKeyArray, axis_name: AxisName) -> Array:
+    """A different key on each device along `axis_name`, inside `jax.shard_map`.
+
+    Folds the device's index along `axis_name` into `key`, so that e.g. dropout
+    masks differ between the devices that hold different parts of a batch, while
+    devices that differ only along other axes (say, a model axis) agree.
+
+    **Arguments:**
+
+    - `key`: a PRNG key (typed `jax.random.key` or raw `uint32[2]`), the same on
+      every device.
+    - `axis_name`: the mesh axis (or axes) to vary over.
+
+    !!! Example
+
+        ```python
+        def loss_fn(model, batch, key):
+            key = ed.fold_rng_over_axis(key, "data")  # per-device dropout key
+            ...
+        ```
+    """
+    names = check_axis_bound(axis_name, "fold_rng_over_axis")
+    return jax.random.fold_in(key, jax.lax.axis_index(names))
+
+
+def shapes(tree: Any) -> Any:
+    """`tree` with a `jax.ShapeDtypeStruct` at each array leaf, of the leaf's type
+    (its sharding too: inside `shard_map` under a mesh context a value's type
+    names the manual mesh, and Equinox's `State.set` compares types)."""
+
+    def shape(x: Any) -> Any:
+        if not is_array(x):
+            return x
+        return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=jax.typeof(x).sharding)
+
+    return jax.tree.map(shape, tree)
+
+
+@dataclasses.dataclass(frozen=True)
+class DeviceGradients:
+    """The gradient phase of one trace of a step in the device view: call
+    `compute(key)` for the `Gradients`.
+
+    - `loss`: the user's `loss_fn`, checked (`CheckedLoss`).
+    - `inputs`: the split model, model state and batch.
+    - `options`, `fsdp`: the step's and FSDP's options.
+    - `counts`: the divisors of the gradient sums (`ModelPlan.mean_counts`).
+    - `wants_loss`: whether the loss over every device is needed.
+    - `model`: the model as shape structs, for the partitioned-linear choice.
+    """
+
+    loss: CheckedLoss
+    inputs: StepInputs
+    options: StepOptions
+    fsdp: FsdpOptions
+    counts: Any
+    wants_loss: bool
+    model: Any
+
+    def compute(self, key: Any) -> Gradients:
+        plan = self.inputs.plan
+        # The `out_specs`: a `Gradients` of specs, replicated but for the sums.
+        specs = Gradients._make([plan.grad_specs, P(), P(), P(), P(), P()])
+        out: Gradients = self.inputs.shard_map(self._per_device, key, P(), specs)
+        return out
+
+    def _per_device(
+        self, trained: Any, frozen: Any, state: Any, batch: Any, key: Any
+    ) -> Gradients:
+        inputs, axes = self.inputs, self.inputs.layout.data_axes
+        full_frozen = inputs.plan.gathered(frozen)
+        partitioned = self._partitioned(trained, state, batch, key)
+        compute_dtype = self.options.compute_dtype
+
+        def loss_of(params: Any, state: Any, minibatch: Any, key: Any) -> Any:
+            if key is not None:
+                key = fold_rng_over_axis(key, axes)
+            params = cast_floating(params, compute_dtype)
+            model = inputs.model(params, full_frozen, partitioned)
+            return self.loss(model, inputs.model_state(state), minibatch, key)
+
+        def materialise(params: Any, combined: bool = False) -> Any:
+            # Cast before the gather, so that FSDP's all-gathers (and the
+            # reduce-scatters of their gradients) move the compute dtype; back to
+            # the parameters' dtype after, so gradients add up in it.
+            full = inputs.plan.gathered(
+                cast_floating(params, compute_dtype),
+                combined=combined,
+                partitioned=partitioned,
+            )
+            return jax.tree.map(lambda f, x: f.astype(x.dtype), full, params)
+
+        def run(loss: Any, params: Any) -> Accumulated:
+            n, scan = self.options.num_minibatches, self.options.use_scan
+            local = inputs.batch(batch)
+            return accumulate(loss, self.loss, params, state, local, key, n, scan)
+
+        if self.fsdp.gather == "step":
+            # Gather once, accumulate full-size gradients over the minibatches,
+            # reduce-scatter once (the VJP of the gather), all of them together.
+            full, pullback = jax.vjp(lambda p: materialise(p, combined=True), trained)
+            out = run(loss_of, full)
+            (grads,) = pullback(out.grads)
+        else:
+            out = run(lambda p, *rest: loss_of(materialise(p), *rest), trained)
+            grads = out.grads
+        sums = inputs.plan.sum_gradients(grads, axes)
+        loss, scale = _over_devices(out, axes, self.wants_loss)
+        metrics = reduce_metrics(out.metrics, axes)
+        new_state = eqx.filter(out.model_state, is_array) if inputs.with_state else None
+        new_state = sync_model_state(new_state, axes)
+        return Gradients(
+            sums, loss, scale, metrics, new_state, self._statistics(sums, scale)
+        )
+
+    def _partitioned(
+        self, trained: Any, state: Any, batch: Any, key: Any
+    ) -> frozenset[KeyPath]:
+        """Inside the step's `shard_map`: the FSDP `Linear` layers whose
+        computation this step partitions instead of gathering their weights
+        (`_layout.partitioned.choose`, from a shape-only trace of the loss on one
+        minibatch). Only trained weights: a frozen one has no gradient to save."""
+        inputs, plan = self.inputs, self.inputs.plan
+        if plan.fsdp_axis is None or not plan.linears:
+            return frozenset()
+        leaves = {path for path, _ in jax.tree_util.tree_flatten_with_path(trained)[0]}
+        paths = [q for q in plan.linears if (*q, WEIGHT) in leaves]
+        n = self.options.num_minibatches
+        minibatch = jax.tree.map(
+            lambda x: jax.ShapeDtypeStruct((x.shape[0] // n, *x.shape[1:]), x.dtype),
+            batch,
+        )
+
+        def call_loss(model: Any, state: Any, minibatch: Any, key: Any) -> Any:
+            model = cast_floating(model, self.options.compute_dtype)
+            return self.loss(
+                model, inputs.model_state(state), inputs.batch(minibatch), key
+            )
+
+        return choose(
+            self.fsdp.linears,
+            paths,
+            self.model,
+            call_loss,
+            (shapes(state), minibatch, shapes(key)),
+            devices=inputs.layout.mesh.shape[plan.fsdp_axis],
+            calls_per_step=n,
+            weight_moves=1 if self.fsdp.gather == "step" else n,
+        )
+
+    def _statistics(self, sums: Any, scale: Array | None) -> dict[str, Array]:
+        """Inside the step's `shard_map`: the global sums (`statistics_kinds`) of
+        the step's gradients, finished (`gradient_finishers`) on the slice each
+        device reads."""
+        kinds, _ = statistics_kinds(self.options)
+        if not kinds:
+            return {}
+        inputs, plan = self.inputs, self.inputs.plan
+        axes = inputs.layout.data_axes
+        local = local_sums(
+            sums,
+            plan.specs,
+            plan.grad_specs,
+            axes,
+            inputs.layout.mesh,
+            kinds,
+            finish=gradient_finishers(self.counts, scale),
+        )
+        total: dict[str, Array] = jax.lax.psum(local, axes)
+        return total
+
+
+def _over_devices(
+    out: Accumulated, axes: tuple[str, ...], wants_loss: bool
+) -> tuple[Any, Any]:
+    """Inside `shard_map`: the step's loss over every device, and the factor that
+    turns the gradient averaged over the devices into the step's gradient
+    (`None`: the average is).
+
+    A `(loss_sum, weight)` loss divides by the global weight, found (with the
+    global loss sum) in one all-reduce of two scalars; a scalar loss needs one
+    only when the loss itself is wanted."""
+    if out.weight is None:
+        return jax.lax.pmean(out.loss, axes) if wants_loss else None, None
+    weight, loss_sum = jax.lax.psum(jnp.stack([out.weight, out.loss]), axes)
+    devices = jax.lax.psum(1, axes)
+    return divide_by_weight(loss_sum, weight), weight_scale(weight / devices)

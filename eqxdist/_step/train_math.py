@@ -1,0 +1,117 @@
+"""What one training step computes (`TrainMath`), in two phases with named
+values between them: the gradients (`gradients.DeviceGradients` gives
+`gradients.Gradients`) and the update (`update.Update`), then the step
+statistics.
+
+Where the step's arrays live is the layout's business (`_layout`), why the step
+does not recompile is the compiled-step cache's (`compiled`), and
+`train_step.make_train_step` puts the three together."""
+
+from typing import Any
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import optax
+from jaxtyping import Array
+
+from .._layout.layout import Layout
+from .._mesh import retyped
+from .accumulate import CheckedLoss
+from .gradients import DeviceGradients, Gradients, shapes, statistics_kinds
+from .inputs import StepInputs
+from .options import StepOptions
+from .state import TrainState
+from .statistics import NONFINITE, SQUARES, TreeSums, global_sums
+from .update import Update, keep_if, reads_value, step_statistics, update_unless
+
+
+class TrainMath(eqx.Module):
+    """What one training step computes on global arrays: `math(state, batch) ->
+    (state, (metrics, info))`, `info` the step statistics (`None` without
+    `step_info`). Traced with `layout.compute_mesh(...)` as the context mesh."""
+
+    loss_fn: Any = eqx.field(static=True)
+    optimizer: optax.GradientTransformation = eqx.field(static=True)
+    layout: Layout = eqx.field(static=True)
+    options: StepOptions = eqx.field(static=True)
+
+    def __call__(self, state: TrainState, batch: Any) -> tuple[TrainState, Any]:
+        layout, options = self.layout, self.options
+        state, batch = retyped((state, batch), layout.mesh)
+        layout.check_rows(batch, options.num_minibatches, traced=True)
+        mask = state.trainable_mask()
+        inputs = StepInputs.split(layout, state.model, mask, state.model_state, batch)
+        trained = eqx.filter(state.model, mask)
+        wants_value = reads_value(self.optimizer, trained, state.opt_state)
+        plan = inputs.plan
+        # The gradients leave the map as sums; the update divides them (see
+        # `ModelPlan.sum_gradients`).
+        counts = plan.mean_counts(layout.mesh, layout.data_axes)
+        grads = DeviceGradients(
+            CheckedLoss(self.loss_fn, inputs.with_state, layout.data_axes),
+            inputs,
+            options,
+            layout.options.fsdp,
+            counts,
+            wants_loss=wants_value or options.skip_nonfinite,
+            model=shapes(state.model),
+        ).compute(jax.random.fold_in(state.key, state.step))
+        _, update_kinds = statistics_kinds(options)
+        update = Update(
+            self.optimizer,
+            grads.sums,
+            counts,
+            grads.scale,
+            {"value": grads.loss} if wants_value else {},
+            # Built here, so that a skipped step reads no update.
+            TreeSums(
+                plan.specs, plan.grad_specs, layout.data_axes, inputs.mesh, update_kinds
+            )
+            if update_kinds
+            else None,
+        )
+        new_model_state = (
+            inputs.model_state(grads.model_state) if inputs.with_state else None
+        )
+        skipped = None
+        if options.skip_nonfinite:
+            skipped = _nonfinite(grads)
+            new_params, opt_state, update_sums = update_unless(
+                skipped, update, trained, state.opt_state, update_kinds
+            )
+            new_model_state = keep_if(skipped, state.model_state, new_model_state)
+        else:
+            new_params, opt_state, update_sums = update(trained, state.opt_state)
+        new_model = eqx.combine(new_params, eqx.filter(state.model, mask, inverse=True))
+        new_state = TrainState(
+            new_model,
+            opt_state,
+            state.step + 1,
+            state.key,
+            model_state=new_model_state,
+            trainable=state.trainable,
+        )
+        if not options.step_info:
+            return new_state, (grads.metrics, None)
+        param_sums = global_sums(
+            new_params,
+            plan.specs,
+            plan.manual,
+            layout.data_axes,
+            inputs.mesh,
+            (SQUARES,),
+        )
+        info = step_statistics(grads.statistics, update_sums, param_sums, skipped)
+        return new_state, (grads.metrics, info)
+
+
+def _nonfinite(grads: Gradients) -> Array:
+    """Whether the step's loss or any gradient element is NaN or infinite (the
+    same on every device: both are global). The step asked for the loss
+    (`wants_loss`)."""
+    assert grads.loss is not None
+    return jnp.logical_or(
+        jnp.logical_not(jnp.isfinite(grads.loss)),
+        jnp.isnan(grads.statistics[NONFINITE]),
+    )
