@@ -5,7 +5,7 @@ never a raw JAX, NumPy, Orbax or OS error.
 
 One table: (id, call, exception type, pattern the message must match). The metric
 and train-step mistakes are tested with their modules (tests/metrics/test_metrics.py,
-tests/test_train.py)."""
+tests/step/test_train_step.py)."""
 
 import contextlib
 import os

@@ -1,4 +1,4 @@
-"""HSDP across processes, run by tests/test_parallel.py as
+"""HSDP across processes, run by tests/layout/test_layout.py as
 `python -m eqxdist.launch -n 2 -d 4 mp_hsdp.py OUT`: a `{"replica": 2, "data": 4}`
 mesh whose replica axis spans the processes (devices ordered by process), each
 process passing its own rows; DP and FSDP (sharded within a process, replicated
@@ -16,8 +16,9 @@ import common  # noqa: E402
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from test_parallel import OPTIMIZER, Net, hsdp_batches, loss_fn  # noqa: E402
+tests = Path(__file__).resolve().parents[1]
+sys.path[:0] = [str(tests), str(tests / "layout")]
+from test_layout import OPTIMIZER, Net, hsdp_batches, loss_fn  # noqa: E402
 
 out = Path(sys.argv[1])
 assert jax.process_count() == 2 and len(jax.devices()) == 8, "run under the launcher"

@@ -226,7 +226,7 @@ def test_rule_mistakes():
 def test_hsdp_across_processes(tmp_path):
     """2 processes x 4 devices, the replica axis across processes, each passing
     its own rows: the same parameters as 1 process x 8 devices."""
-    scripts = Path(__file__).parent / "mp_scripts"
+    scripts = Path(__file__).parents[1] / "mp_scripts"
     result = subprocess.run(
         [
             sys.executable,

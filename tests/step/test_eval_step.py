@@ -64,7 +64,7 @@ def test_compiles_once_per_padded_size(mesh8, rng):
 
 
 def test_train_state_with_model_state(mesh8, rng):
-    from test_train_models import BNNet, bn_loss
+    from test_gradients import BNNet, bn_loss
 
     model, model_state = eqx.nn.make_with_state(BNNet)(
         jax.random.key(0), ("batch", "data")

@@ -1,4 +1,4 @@
-"""The names-to-axes rules (`eqxdist/_rules.py`), checked on specs alone: nothing
+"""The names-to-axes rules (`eqxdist/_layout/rules.py`), checked on specs alone: nothing
 is compiled. The FSDP rule against a NumPy statement of it, the parameter rules'
 matching and every mistake they report."""
 
