@@ -1,31 +1,99 @@
 """Single-device references the distributed tests compare against: plain Equinox
-and Optax on the global batch, and the largest difference of two models."""
+and Optax on the global batch (`train_one_device`), and the largest difference of
+two models (`max_diff`)."""
 
 from collections.abc import Callable, Iterable
-from typing import Any
+from typing import Any, NamedTuple
 
 import equinox as eqx
 import jax
 import numpy as np
 
 
+class Trained(NamedTuple):
+    """What `train_one_device` ends with: the model and its model state, the
+    optimizer state, the loss of each step (on the model before that step's
+    update, as a step's metrics are) and the last step's gradient and update."""
+
+    model: Any
+    model_state: Any
+    opt_state: Any
+    losses: list[float]
+    grads: Any
+    updates: Any
+
+
+def global_minibatches(batch: Any, n: int, devices: int) -> list[Any]:
+    """The rows minibatch m of `n` sees across `devices` devices that each hold a
+    block of `batch`'s rows: each device's m-th block, in device order (all of
+    `batch` when `n` is 1)."""
+    if n == 1:
+        return [batch]
+
+    def split(x: Any) -> list[Any]:
+        per = x.reshape(devices, n, -1, *x.shape[1:])
+        return [per[:, m].reshape(-1, *x.shape[1:]) for m in range(n)]
+
+    parts = {k: split(v) for k, v in batch.items()}
+    return [{k: parts[k][m] for k in batch} for m in range(n)]
+
+
 def train_one_device(
     model: Any,
     data: Iterable[Any],
     optimizer: Any,
-    loss: Callable[[Any, Any], Any],
+    loss: Callable[..., Any],
     trainable: Any = eqx.is_inexact_array,
-) -> Any:
-    """`model` after one `optimizer` step on `loss(model, batch) -> scalar` per
-    batch of `data`, on one device; `trainable` (a filter, as `eqx.partition`
-    takes it) picks the leaves trained."""
+    *,
+    model_state: Any = None,
+    minibatches: int = 1,
+    devices: int = 1,
+    value: bool = False,
+) -> Trained:
+    """`model` after one `optimizer` step per batch of `data`, on one device, in
+    plain Equinox and Optax.
+
+    `loss` is a train step's loss function, called with the key `None`:
+    `loss(model, batch, key)` giving the loss or `(loss, metrics)`, or, with a
+    `model_state`, `loss(model, model_state, batch, key)` giving
+    `(loss, metrics, model_state)`; the model state is carried from minibatch to
+    minibatch and step to step. `trainable` (a filter, as `eqx.partition` takes
+    it) picks the leaves trained. With `minibatches` > 1 each step takes the mean
+    gradient of the batch's minibatches in order, minibatch m being the m-th row
+    block of each of `devices` devices (`global_minibatches`), as the step splits
+    a batch. `value=True` passes the step's mean loss to the optimizer as Optax's
+    `value` (what `optax.contrib.reduce_on_plateau` reads)."""
     params, static = eqx.partition(model, trainable)
     opt_state = optimizer.init(params)
+
+    @jax.jit
+    def value_and_grad(params: Any, model_state: Any, batch: Any) -> Any:
+        def scalar(params: Any, model_state: Any) -> Any:
+            full = eqx.combine(params, static)
+            if model_state is None:
+                out = loss(full, batch, None)
+                return (out[0] if isinstance(out, tuple) else out), None
+            out = loss(full, model_state, batch, None)
+            return out[0], out[2]
+
+        return jax.value_and_grad(scalar, has_aux=True)(params, model_state)
+
+    losses, grads, updates = [], None, None
     for batch in data:
-        grads = jax.grad(lambda p, b: loss(eqx.combine(p, static), b))(params, batch)
-        updates, opt_state = optimizer.update(grads, opt_state, params)
+        step_grads, step_losses = [], []
+        for mb in global_minibatches(batch, minibatches, devices):
+            (loss_value, model_state), g = value_and_grad(params, model_state, mb)
+            step_grads.append(g)
+            step_losses.append(loss_value)
+        grads = jax.tree.map(lambda *g: sum(g) / minibatches, *step_grads)
+        mean_loss = sum(step_losses) / minibatches
+        extra = {"value": mean_loss} if value else {}
+        updates, opt_state = optimizer.update(grads, opt_state, params, **extra)
         params = eqx.apply_updates(params, updates)
-    return eqx.combine(params, static)
+        losses.append(float(mean_loss))
+    return Trained(
+        eqx.combine(params, static), model_state, opt_state, losses, grads, updates
+    )
 
 
 def max_diff(a: Any, b: Any) -> float:

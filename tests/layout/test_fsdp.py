@@ -1,12 +1,17 @@
 """FSDP: shard_params / gather_params / sync_gradients and the FSDP module wrapper,
 checked against single-device computations on the same global data."""
 
+import subprocess
+import sys
+import textwrap
+
 import equinox as eqx
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from harness import over_data
 from jax.sharding import PartitionSpec as P
 
 import eqxdist as ed
@@ -78,13 +83,7 @@ def test_gather_params_forward_and_mean_gradient(mesh8, rng, check_vma):
             grads = ed.sync_gradients(grads, array_specs)
         return grads
 
-    grads = jax.shard_map(
-        local,
-        mesh=mesh8,
-        in_specs=(array_specs, P("data")),
-        out_specs=array_specs,
-        check_vma=check_vma,
-    )(arrays, x)
+    grads = over_data(local, mesh8, array_specs, check_vma=check_vma)(arrays, x)
     expected = _dp_mean_grads(params, x, 8)
     for name in ("rows", "cols"):
         np.testing.assert_allclose(grads[name], expected[name], rtol=1e-5, atol=1e-6)
@@ -116,12 +115,10 @@ def test_combined_gather_reduce_scatters_once_per_dtype(mesh8, rng):
             return _loss(full, xs) + extra
 
         return jax.jit(
-            jax.shard_map(
+            over_data(
                 lambda a, xs: ed.sync_gradients(jax.grad(loss)(a, xs), specs),
-                mesh=mesh8,
-                in_specs=(specs, P("data")),
-                out_specs=specs,
-                check_vma=False,
+                mesh8,
+                specs,
             )
         )
 
@@ -292,15 +289,7 @@ def test_fsdp_module_in_shard_map_matches_dp_gradients(mesh8, rng, remat):
         grads = eqx.filter_grad(loss)(eqx.combine(a, static), xs)
         return ed.sync_gradients(grads, specs)
 
-    step = jax.jit(
-        jax.shard_map(
-            local,
-            mesh=mesh8,
-            in_specs=(specs, P("data")),
-            out_specs=specs,
-            check_vma=False,
-        )
-    )
+    step = jax.jit(over_data(local, mesh8, specs))
     grads = step(arrays, x)
     expected = eqx.filter_grad(
         lambda m: jnp.mean(jnp.stack([loss(m, xs) for xs in jnp.split(x, 8)]))
@@ -364,13 +353,7 @@ def test_leading_layout_gives_the_tutorial_layouts_results(mesh8, rng):
             )(shards)
             return ed.sync_gradients(grads, specs)
 
-        return jax.shard_map(
-            local,
-            mesh=mesh8,
-            in_specs=(specs, P("data")),
-            out_specs=specs,
-            check_vma=False,
-        )(arrays, x)
+        return over_data(local, mesh8, specs)(arrays, x)
 
     tutorial, leading = grads_for("largest"), grads_for("leading")
     for name in arrays:
@@ -420,3 +403,26 @@ def test_fsdp_module_caller_mistakes(mesh8):
         )(linear.weight)
     with pytest.raises(ValueError, match=r"`layout`='rows' is not a layout"):
         ed.FSDP(linear, mesh8, layout="rows")
+
+
+@pytest.mark.slow
+def test_fsdp_min_weight_size_not_an_int():
+    """Outside the test run's type checking, as a user runs it."""
+    code = textwrap.dedent(
+        """
+        import eqxdist as ed
+        ed.simulate_cpu_devices(8)
+        import numpy as np
+        try:
+            ed.FSDP({"w": np.ones((8, 8), np.float32)},
+                    ed.create_data_parallel_mesh(), min_weight_size="x")
+        except TypeError as e:
+            print(e)
+        """
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=300
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert "FSDP: `min_weight_size` must be an int" in proc.stdout
+    assert "got str 'x'" in proc.stdout

@@ -1,11 +1,10 @@
-"""Parallelism beyond one axis: tuple data axes (HSDP with `fsdp_axis`) and tensor
-parallelism from `param_rules`, each against single-device training written in
-plain Equinox/optax on the same global data."""
+"""Strategies over meshes of more than one axis: tuple data axes (HSDP with
+`fsdp_axis`), tensor parallelism from `param_rules` and ZeRO-1 (`strategy="zero1"`,
+parameters replicated as under dp, optimizer state sharded by the FSDP rule), each
+against single-device training in plain Equinox/Optax (`reference.py`) on the same
+global data."""
 
 import re
-import subprocess
-import sys
-from pathlib import Path
 
 import equinox as eqx
 import jax
@@ -13,12 +12,20 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from harness import (
+    ADAMW as OPTIMIZER,
+    MP_SCRIPTS,
+    ResidualMLP as Net,
+    batches,
+    launch,
+    loss_fn,
+    train_hsdp,
+)
 from jax.sharding import AxisType, PartitionSpec as P
-from reference import max_diff
+from reference import max_diff, train_one_device
 
 import eqxdist as ed
 
-OPTIMIZER = optax.adamw(1e-2, weight_decay=0.1)
 MEGATRON = (
     (r"\.up\.weight$", P("model", None)),  # column-parallel: output features
     (r"\.up\.bias$", P("model")),
@@ -26,58 +33,19 @@ MEGATRON = (
 )
 
 
-class Net(eqx.Module):
-    up: eqx.nn.Linear
-    down: eqx.nn.Linear
-    head: eqx.nn.Linear
-
-    def __init__(self, key):
-        k1, k2, k3 = jax.random.split(key, 3)
-        self.up = eqx.nn.Linear(16, 64, key=k1)
-        self.down = eqx.nn.Linear(64, 16, key=k2)
-        self.head = eqx.nn.Linear(16, 4, key=k3)
-
-    def __call__(self, x):
-        return self.head(x + self.down(jax.nn.gelu(self.up(x))))
-
-
-def loss_fn(model, batch, key):
-    del key
-    logits = jax.vmap(model)(batch["x"])
-    losses = optax.softmax_cross_entropy_with_integer_labels(logits, batch["y"])
-    return losses.mean(), {"loss": ed.metrics.Mean().update(losses)}
-
-
 def _batches(steps=3, rows=32, seed=0):
-    rng = np.random.default_rng(seed)
-    return [
-        {
-            "x": rng.normal(size=(rows, 16)).astype(np.float32),
-            "y": rng.integers(0, 4, size=rows).astype(np.int32),
-        }
-        for _ in range(steps)
-    ]
-
-
-def hsdp_batches():
-    """The global batches of the multi-process test (32 rows, 16 per process)."""
-    return _batches(steps=3, rows=32, seed=7)
-
-
-def _reference(model, batches):
-    params = eqx.filter(model, eqx.is_inexact_array)
-    opt_state = OPTIMIZER.init(params)
-    for batch in batches:
-        grads = eqx.filter_grad(lambda m, b=batch: loss_fn(m, b, None)[0])(model)
-        updates, opt_state = OPTIMIZER.update(grads, opt_state, params)
-        model = eqx.apply_updates(model, updates)
-        params = eqx.filter(model, eqx.is_inexact_array)
-    return model
+    return batches(steps, rows, features=16, seed=seed)
 
 
 @pytest.fixture(scope="module")
-def reference():
-    return _reference(Net(jax.random.key(0)), _batches())
+def single_device():
+    """Single-device training: 3 steps, and the loss of the last one."""
+    return train_one_device(Net(jax.random.key(0)), _batches(), OPTIMIZER, loss_fn)
+
+
+@pytest.fixture(scope="module")
+def reference(single_device):
+    return single_device.model
 
 
 def _train(step):
@@ -87,17 +55,16 @@ def _train(step):
     return state, metrics
 
 
+def _step(mesh, **options):
+    """The train step of `loss_fn` over `mesh`, leaves of 64 elements and more
+    sharded."""
+    return ed.make_train_step(loss_fn, OPTIMIZER, mesh, min_weight_size=64, **options)
+
+
 @pytest.mark.parametrize("strategy", ["dp", "fsdp"])
-def test_replica_and_data_axes(reference, strategy, axis_types):
+def test_replica_and_data_axes(single_device, reference, strategy, axis_types):
     mesh = ed.create_device_mesh({"replica": 2, "data": 4}, axis_types=axis_types)
-    step = ed.make_train_step(
-        loss_fn,
-        OPTIMIZER,
-        mesh,
-        strategy=strategy,
-        data_axis=("replica", "data"),
-        min_weight_size=64,
-    )
+    step = _step(mesh, strategy=strategy, data_axis=("replica", "data"))
     state, metrics = _train(step)
     assert max_diff(state.model, reference) < 1e-5
     if strategy == "fsdp":
@@ -107,8 +74,9 @@ def test_replica_and_data_axes(reference, strategy, axis_types):
         assert state.model.up.weight.sharding.spec == spec
         shard = state.model.up.weight.addressable_shards[0].data
         assert shard.size == state.model.up.weight.size // 4
-    expected = float(np.mean([loss_fn(reference, b, None)[0] for b in _batches()[-1:]]))
-    assert np.isfinite(float(metrics["loss"].compute())) and expected > 0
+    # The last step's loss, on the model before its update.
+    expected = single_device.losses[-1]
+    assert float(metrics["loss"].compute()) == pytest.approx(expected, rel=1e-5)
 
 
 # A mixed mesh: the data axis Explicit, the model axis Auto.
@@ -119,14 +87,7 @@ MIXED = (AxisType.Explicit, AxisType.Auto)
 @pytest.mark.parametrize("strategy", ["dp", "fsdp"])
 def test_megatron_rules(reference, strategy, axis_types):
     mesh = ed.create_device_mesh({"data": 4, "model": 2}, axis_types=axis_types)
-    step = ed.make_train_step(
-        loss_fn,
-        OPTIMIZER,
-        mesh,
-        strategy=strategy,
-        param_rules=MEGATRON,
-        min_weight_size=64,
-    )
+    step = _step(mesh, strategy=strategy, param_rules=MEGATRON)
     state, _ = _train(step)
     assert max_diff(state.model, reference) < 1e-5
     specs = step.state_specs(state)
@@ -226,39 +187,10 @@ def test_rule_mistakes():
 def test_hsdp_across_processes(tmp_path):
     """2 processes x 4 devices, the replica axis across processes, each passing
     its own rows: the same parameters as 1 process x 8 devices."""
-    scripts = Path(__file__).parents[1] / "mp_scripts"
-    result = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "eqxdist.launch",
-            "-n",
-            "2",
-            "-d",
-            "4",
-            str(scripts / "mp_hsdp.py"),
-            str(tmp_path),
-        ],
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    result = launch(MP_SCRIPTS / "mp_hsdp.py", tmp_path, timeout=300)
     assert result.returncode == 0, result.stdout + result.stderr
-    mesh = ed.create_device_mesh({"replica": 2, "data": 4})
     for strategy in ("dp", "fsdp"):
-        step = ed.make_train_step(
-            loss_fn,
-            OPTIMIZER,
-            mesh,
-            strategy=strategy,
-            data_axis=("replica", "data"),
-            min_weight_size=64,
-        )
-        state = ed.TrainState.create(
-            Net(jax.random.key(0)), OPTIMIZER, jax.random.key(1)
-        )
-        for batch in hsdp_batches():
-            state, _ = step(state, batch)
+        state = train_hsdp(strategy)  # 1 process x 8 devices
         saved = np.load(tmp_path / f"{strategy}.npz")
         leaves = jax.tree_util.tree_flatten_with_path(
             eqx.filter(state.model, eqx.is_array)
@@ -305,21 +237,12 @@ class Deep(eqx.Module):
         return self.head(self.body(x))
 
 
-def _deep_loss(model, batch, key):
-    del key
-    logits = jax.vmap(model)(batch["x"])
-    return optax.softmax_cross_entropy_with_integer_labels(
-        logits, batch["y"]
-    ).mean(), {}
-
-
 @pytest.mark.parametrize("strategy", ["dp", "fsdp"])
 def test_stacked_layers_with_megatron_rules(strategy):
     """Scan over layers composes with tensor-parallel rules: the layer axis stays
     whole, the rule takes its dimension, FSDP another."""
     blocks = [Block(k) for k in jax.random.split(jax.random.key(0), 3)]
     head = eqx.nn.Linear(16, 4, key=jax.random.key(9))
-    reference = Deep(eqx.nn.Sequential(blocks), head)
     model = Deep(ed.Stacked(blocks), head)
     rules = (
         (r"\.up\.weight$", P(None, "model", None)),
@@ -327,23 +250,13 @@ def test_stacked_layers_with_megatron_rules(strategy):
         (r"\.down\.weight$", P(None, None, "model")),
     )
     mesh = ed.create_device_mesh({"data": 4, "model": 2})
-    step = ed.make_train_step(
-        _deep_loss,
-        OPTIMIZER,
-        mesh,
-        strategy=strategy,
-        param_rules=rules,
-        min_weight_size=64,
-    )
+    step = _step(mesh, strategy=strategy, param_rules=rules)
     state = ed.TrainState.create(model, OPTIMIZER, jax.random.key(1))
-    params = eqx.filter(reference, eqx.is_inexact_array)
-    opt_state = OPTIMIZER.init(params)
     for batch in _batches():
         state, _ = step(state, batch)
-        grads = eqx.filter_grad(lambda m, b=batch: _deep_loss(m, b, None)[0])(reference)
-        updates, opt_state = OPTIMIZER.update(grads, opt_state, params)
-        reference = eqx.apply_updates(reference, updates)
-        params = eqx.filter(reference, eqx.is_inexact_array)
+    reference = train_one_device(
+        Deep(eqx.nn.Sequential(blocks), head), _batches(), OPTIMIZER, loss_fn
+    ).model
     stacked = jax.tree.map(lambda *xs: jnp.stack(xs), *reference.body.layers)
     np.testing.assert_allclose(
         state.model.body.layers.up.weight, stacked.up.weight, atol=1e-5
@@ -395,14 +308,7 @@ def test_fsdp_gather_keeps_tensor_parallel_shards():
     # shard_map would be partitioned by XLA with its operand replicated over
     # "model", so every device would hold (and multiply) whole weights.
     mesh = ed.create_device_mesh({"data": 4, "model": 2})
-    step = ed.make_train_step(
-        loss_fn,
-        OPTIMIZER,
-        mesh,
-        strategy="fsdp",
-        param_rules=MEGATRON,
-        min_weight_size=64,
-    )
+    step = _step(mesh, strategy="fsdp", param_rules=MEGATRON)
     state = ed.TrainState.create(Net(jax.random.key(0)), OPTIMIZER, jax.random.key(1))
     hlo = step.lower(state, _batches(steps=1)[0]).compile().as_text()
     gathered = _all_gathers(hlo)
@@ -419,15 +325,178 @@ def test_megatron_rules_with_accumulation(reference, fsdp_gather):
     # Ruled leaves are gathered at the shard_map boundary; accumulation in either
     # gather mode still gives the single-device update.
     mesh = ed.create_device_mesh({"data": 4, "model": 2})
-    step = ed.make_train_step(
-        loss_fn,
-        OPTIMIZER,
+    step = _step(
         mesh,
         strategy="fsdp",
         param_rules=MEGATRON,
-        min_weight_size=64,
         num_minibatches=2,
         fsdp_gather=fsdp_gather,
     )
     state, _ = _train(step)
     assert max_diff(state.model, reference) < 1e-5
+
+
+# -- ZeRO-1 ----------------------------------------------------------------------
+
+MIN_WEIGHT_SIZE = 64
+
+
+class MLP(eqx.Module):
+    layers: list
+
+    def __init__(self, key):
+        k = jax.random.split(key, 3)
+        self.layers = [
+            eqx.nn.Linear(16, 64, key=k[0]),
+            eqx.nn.Linear(64, 64, key=k[1]),
+            eqx.nn.Linear(64, 4, key=k[2]),
+        ]
+
+    def __call__(self, x):
+        for layer in self.layers[:-1]:
+            x = jax.nn.gelu(layer(x))
+        return self.layers[-1](x)
+
+
+def _train_mlp(mesh, strategy, batches, **kw):
+    step = ed.make_train_step(
+        loss_fn,
+        OPTIMIZER,
+        mesh,
+        strategy=strategy,
+        min_weight_size=MIN_WEIGHT_SIZE,
+        **kw,
+    )
+    state = ed.TrainState.create(MLP(jax.random.key(0)), OPTIMIZER, jax.random.key(1))
+    for batch in batches:
+        state, _ = step(state, batch)
+    return step, jax.block_until_ready(state)
+
+
+@pytest.fixture(scope="module", params=["auto", "explicit"])
+def trained(request):
+    mesh = ed.create_data_parallel_mesh(axis_types=request.param)
+    batches = _batches()
+    return {
+        "single": train_one_device(
+            MLP(jax.random.key(0)), batches, OPTIMIZER, loss_fn
+        ).model,
+        "dp": _train_mlp(mesh, "dp", batches),
+        "zero1": _train_mlp(mesh, "zero1", batches),
+    }
+
+
+def test_zero1_trains_as_dp_and_single_device(trained):
+    _, dp = trained["dp"]
+    _, zero1 = trained["zero1"]
+    assert max_diff(zero1.model, dp.model) < 1e-5
+    assert max_diff(zero1.model, trained["single"]) < 1e-5
+    assert max_diff(zero1.opt_state, dp.opt_state) < 1e-5
+    assert int(zero1.step) == 3
+
+
+def _bytes_per_device(tree):
+    """Bytes of `tree`'s arrays on device 0 (every device holds as much here)."""
+    return sum(
+        x.addressable_shards[0].data.nbytes
+        for x in jax.tree.leaves(tree)
+        if eqx.is_array(x)
+    )
+
+
+def test_zero1_shards_the_optimizer_state_only(trained):
+    step, zero1 = trained["zero1"]
+    _, dp = trained["dp"]
+    # Parameters are replicated, as under dp.
+    for x in jax.tree.leaves(eqx.filter(zero1.model, eqx.is_array)):
+        assert x.sharding.is_fully_replicated
+    # Every moment of a leaf above min_weight_size is split in 8 on device 0.
+    adam = 0  # optax.adamw: chain(scale_by_adam, add_decayed_weights, ...)
+    for moments in ("mu", "nu"):
+        z = getattr(zero1.opt_state[adam], moments)
+        d = getattr(dp.opt_state[adam], moments)
+        big = [
+            (a, b)
+            for a, b in zip(jax.tree.leaves(z), jax.tree.leaves(d), strict=True)
+            if a.size > MIN_WEIGHT_SIZE
+        ]
+        assert len(big) == 3  # the weights; biases of <= 64 elements stay whole
+        for a, b in big:
+            assert a.addressable_shards[0].data.size * 8 == b.size
+            assert b.addressable_shards[0].data.shape == b.shape
+        assert _bytes_per_device([a for a, _ in big]) * 8 == _bytes_per_device(
+            [b for _, b in big]
+        )
+    specs = step.state_specs(zero1)
+    assert specs.opt_state[adam].mu.layers[1].weight == P("data", None)
+    assert specs.opt_state[adam].mu.layers[2].bias == P()  # 4 elements: replicated
+    assert set(jax.tree.leaves(specs.model)) == {P()}
+
+
+def test_zero1_with_hsdp_axes_and_rules():
+    """ZeRO-1 over `fsdp_axis="data"` of a (replica, data) mesh, and with a
+    tensor-parallel rule on a (data, model) mesh: single-device parameters."""
+    batches = _batches()
+    single = train_one_device(MLP(jax.random.key(0)), batches, OPTIMIZER, loss_fn).model
+    hsdp_mesh = ed.create_device_mesh({"replica": 2, "data": 4})
+    step, hsdp = _train_mlp(
+        hsdp_mesh, "zero1", batches, data_axis=("replica", "data"), fsdp_axis="data"
+    )
+    assert max_diff(hsdp.model, single) < 1e-5
+    mu = hsdp.opt_state[0].mu.layers[1].weight
+    assert step.state_specs(hsdp).opt_state[0].mu.layers[1].weight == P("data", None)
+    assert mu.addressable_shards[0].data.shape == (16, 64)
+    tp_mesh = ed.create_device_mesh({"data": 4, "model": 2})
+    rule = [(r"layers\[1\]\.weight", P(None, "model"))]
+    step, tp = _train_mlp(tp_mesh, "zero1", batches, param_rules=rule)
+    assert max_diff(tp.model, single) < 1e-5
+    specs = step.state_specs(tp)
+    assert specs.model.layers[1].weight == P(None, "model")
+    assert specs.opt_state[0].mu.layers[1].weight == P("data", "model")
+
+
+def test_eval_step_accepts_zero1(trained, mesh8):
+    _, zero1 = trained["zero1"]
+
+    def eval_fn(model, batch, mask):
+        logits = jax.vmap(model)(batch["x"])
+        return {"accuracy": ed.metrics.Accuracy().update(logits, batch["y"], mask)}
+
+    batch = _batches(steps=1, rows=20)[0]
+    metrics = ed.make_eval_step(eval_fn, mesh8, strategy="zero1")(zero1, batch)
+    logits = jax.vmap(trained["single"])(batch["x"])
+    expected = np.mean(np.argmax(logits, -1) == batch["y"])
+    assert float(metrics["accuracy"].compute()) == pytest.approx(expected)
+
+
+def test_zero1_errors(mesh8):
+    with pytest.raises(ValueError, match=r"make_train_step: unknown strategy 'zero2'"):
+        ed.make_train_step(loss_fn, OPTIMIZER, mesh8, strategy="zero2")
+    with pytest.raises(ValueError, match=r"`fsdp_axis`='model' is not one of the data"):
+        ed.make_train_step(
+            loss_fn,
+            OPTIMIZER,
+            ed.create_device_mesh({"data": 4, "model": 2}),
+            strategy="zero1",
+            fsdp_axis="model",
+        )
+
+
+def test_zero1_with_frozen_leaves(mesh8):
+    """Frozen leaves get no optimizer state and no gradient to scatter."""
+    batches = _batches(steps=2)
+    model = MLP(jax.random.key(0))
+    trainable = eqx.tree_at(
+        lambda m: m.layers[1], jax.tree.map(lambda _: True, model), replace=False
+    )
+    step = ed.make_train_step(
+        loss_fn, OPTIMIZER, mesh8, strategy="zero1", min_weight_size=MIN_WEIGHT_SIZE
+    )
+    state = ed.TrainState.create(
+        model, OPTIMIZER, jax.random.key(1), trainable=trainable
+    )
+    for batch in batches:
+        state, _ = step(state, batch)
+    want = train_one_device(model, batches, OPTIMIZER, loss_fn, trainable).model
+    assert max_diff(state.model, want) < 1e-5
+    assert max_diff(state.model.layers[1], model.layers[1]) == 0.0

@@ -71,14 +71,10 @@ def weighted_loss(model, batch, key):
     return (jnp.sum(batch["w"] * losses(model, batch)), batch["w"].sum()), {}
 
 
-def reference(model, data, optimizer, weighted):
-    def loss(model, batch):
-        per_row = losses(model, batch)
-        if weighted:
-            return jnp.sum(batch["w"] * per_row) / batch["w"].sum()
-        return per_row.mean()
-
-    return train_one_device(model, data, optimizer, loss)
+def weighted_mean(model, batch, key):
+    """`weighted_loss` as one device computes it: the weighted mean of the rows."""
+    del key
+    return jnp.sum(batch["w"] * losses(model, batch)) / batch["w"].sum()
 
 
 def make_step(loss_fn, optimizer, setup="fsdp", **kwargs):
@@ -117,7 +113,9 @@ def all_to_alls(step, state, batch):
 def test_partitioned_layers_train_as_one_device_does(setup, n, gather, weighted):
     optimizer = optax.adamw(1e-2, weight_decay=0.1)
     data = [batch_of(s) for s in range(3)]
-    want = reference(Net(), data, optimizer, weighted)
+    want = train_one_device(
+        Net(), data, optimizer, weighted_mean if weighted else mean_loss
+    ).model
     step = make_step(
         weighted_loss if weighted else mean_loss,
         optimizer,
@@ -202,9 +200,7 @@ def test_weight_tying_and_frozen_layers_train_as_one_device_does():
         lambda m: m.frozen, trainable, jax.tree.map(lambda _: False, trainable.frozen)
     )
 
-    want = train_one_device(
-        Tied(), data, optimizer, lambda m, b: losses(m, b).mean(), trainable
-    )
+    want = train_one_device(Tied(), data, optimizer, mean_loss, trainable).model
 
     step = make_step(mean_loss, optimizer, fsdp_linears="partition")
     state = ed.TrainState.create(
@@ -234,7 +230,7 @@ class Branchy(eqx.Module):
 def test_a_layer_under_a_branch_is_gathered_even_when_partitioning():
     optimizer = optax.sgd(0.1)
     data = [batch_of(s) for s in range(2)]
-    want = reference(Branchy(), data, optimizer, weighted=False)
+    want = train_one_device(Branchy(), data, optimizer, mean_loss).model
     step = make_step(mean_loss, optimizer, fsdp_linears="partition")
     state = ed.TrainState.create(Branchy(), optimizer, jax.random.key(0))
     assert all_to_alls(step, state, data[0]) == 2  # the first block only
@@ -247,9 +243,8 @@ def test_step_info_norms_with_partitioned_layers():
     optimizer = optax.adamw(1e-2, weight_decay=0.1)
     batch = batch_of(5)
     model = Net()
-    params = eqx.filter(model, eqx.is_inexact_array)
-    grads = eqx.filter_grad(lambda m: mean_loss(m, batch, None)[0])(model)
-    updates, _ = optimizer.update(grads, optimizer.init(params), params)
+    one_step = train_one_device(model, [batch], optimizer, mean_loss)
+    grads, updates = one_step.grads, one_step.updates
     step = make_step(mean_loss, optimizer, fsdp_linears="partition", step_info=True)
     state = ed.TrainState.create(model, optimizer, jax.random.key(0))
     out = step(state, batch)
@@ -305,18 +300,9 @@ def test_spectral_and_weight_norm_layers_are_gathered(shape, axes, linears):
     model, model_state = eqx.nn.make_with_state(NormedNet)()
 
     # Single device: plain Equinox and Optax, the model state carried along.
-    params, static = eqx.partition(model, eqx.is_inexact_array)
-    opt_state = optimizer.init(params)
-
-    def loss(params, state, batch):
-        value, _, state = normed_loss(eqx.combine(params, static), state, batch, None)
-        return value, state
-
-    ref_state = model_state
-    for batch in data:
-        grads, ref_state = jax.grad(loss, has_aux=True)(params, ref_state, batch)
-        updates, opt_state = optimizer.update(grads, opt_state, params)
-        params = eqx.apply_updates(params, updates)
+    want = train_one_device(
+        model, data, optimizer, normed_loss, model_state=model_state
+    )
 
     step = ed.make_train_step(
         normed_loss,
@@ -332,7 +318,7 @@ def test_spectral_and_weight_norm_layers_are_gathered(shape, axes, linears):
     )
     for batch in data:
         state, _ = step(state, batch)
-    assert max_diff(state.model, eqx.combine(params, static)) < 1e-5
-    assert max_diff(state.model_state, ref_state) < 1e-5
+    assert max_diff(state.model, want.model) < 1e-5
+    assert max_diff(state.model_state, want.model_state) < 1e-5
     weight = state.model.spectral.layer.weight
     assert weight.addressable_shards[0].data.size * 4 <= weight.size  # sharded

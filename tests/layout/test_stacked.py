@@ -10,7 +10,9 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from harness import over_data
 from jax.sharding import PartitionSpec as P
+from reference import train_one_device
 
 import eqxdist as ed
 from eqxdist._layout.fsdp import CPU_FSDP_OPTIONS
@@ -66,14 +68,8 @@ def _batch(rng):
 
 
 def _single_device(model, batch, optimizer, steps):
-    params = eqx.filter(model, eqx.is_inexact_array)
-    opt_state = optimizer.init(params)
-    for _ in range(steps):
-        grads = eqx.filter_grad(lambda m: _loss_fn(m, batch, None)[0])(model)
-        updates, opt_state = optimizer.update(grads, opt_state, params)
-        model = eqx.apply_updates(model, updates)
-        params = eqx.filter(model, eqx.is_inexact_array)
-    return model
+    """`steps` steps on `batch`, on one device."""
+    return train_one_device(model, [batch] * steps, optimizer, _loss_fn).model
 
 
 def _layer_weights(body):
@@ -222,15 +218,7 @@ def _compiled(model, x, mesh, *, grad):
 
     fn = jax.grad(loss) if grad else loss
     out_specs = specs if grad else P()
-    step = jax.jit(
-        jax.shard_map(
-            fn,
-            mesh=mesh,
-            in_specs=(specs, P("data")),
-            out_specs=out_specs,
-            check_vma=False,
-        )
-    )
+    step = jax.jit(over_data(fn, mesh, specs, out_specs=out_specs))
     return step.lower(arrays, x).compile(compiler_options=CPU_FSDP_OPTIONS).as_text()
 
 
@@ -305,15 +293,7 @@ def _compiled_instructions(num_layers):
         return jnp.sum(eqx.combine(a, static)(xs) ** 2)
 
     text = (
-        jax.jit(
-            jax.shard_map(
-                jax.grad(loss),
-                mesh=mesh,
-                in_specs=(specs, P("data")),
-                out_specs=specs,
-                check_vma=False,
-            )
-        )
+        jax.jit(over_data(jax.grad(loss), mesh, specs))
         .lower(arrays, jnp.ones((16, WIDTH)))
         .compile()
         .as_text()
@@ -375,15 +355,7 @@ def test_stacked_under_vmap_reduce_scatters_once_per_parameter(mesh8, remat):
     def loss(a, xs):
         return jnp.sum(jax.vmap(eqx.combine(a, static))(xs) ** 2)
 
-    grad = jax.jit(
-        jax.shard_map(
-            jax.grad(loss),
-            mesh=mesh8,
-            in_specs=(specs, P("data")),
-            out_specs=specs,
-            check_vma=False,
-        )
-    )
+    grad = jax.jit(over_data(jax.grad(loss), mesh8, specs))
     hlo = grad.lower(arrays, x).compile().as_text()
     shapes = re.findall(r"= f32\[([\d,]*)\]\S* reduce-scatter\(", hlo)
     assert shapes and all(s == f"{WIDTH},{WIDTH // 8}" for s in shapes), shapes

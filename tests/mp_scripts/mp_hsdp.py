@@ -16,9 +16,8 @@ import common  # noqa: E402
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
-tests = Path(__file__).resolve().parents[1]
-sys.path[:0] = [str(tests), str(tests / "layout")]
-from test_layout import OPTIMIZER, Net, hsdp_batches, loss_fn  # noqa: E402
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from harness import train_hsdp  # noqa: E402
 
 out = Path(sys.argv[1])
 assert jax.process_count() == 2 and len(jax.devices()) == 8, "run under the launcher"
@@ -29,18 +28,7 @@ assert {d.process_index for d in mesh.devices[jax.process_index()]} == {
 }
 half = slice(jax.process_index() * 16, (jax.process_index() + 1) * 16)
 for strategy in ("dp", "fsdp"):
-    step = ed.make_train_step(
-        loss_fn,
-        OPTIMIZER,
-        mesh,
-        strategy=strategy,
-        data_axis=("replica", "data"),
-        min_weight_size=64,
-    )
-    state = ed.TrainState.create(Net(jax.random.key(0)), OPTIMIZER, jax.random.key(1))
-    for batch in hsdp_batches():
-        local = {k: v[half] for k, v in batch.items()}  # this process's rows
-        state, _ = step(state, local)
+    state = train_hsdp(strategy, half)  # this process's rows
     arrays = common.flat(state.model)
     if jax.process_index() == 0:
         np.savez(out / f"{strategy}.npz", **arrays)

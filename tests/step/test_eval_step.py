@@ -6,6 +6,7 @@ import jax
 import numpy as np
 import optax
 import pytest
+from harness import BNNet, batch as _batch, bn_loss
 
 import eqxdist as ed
 from eqxdist._step.eval_step import padded_rows
@@ -18,13 +19,6 @@ def eval_fn(model, batch, mask):
         "accuracy": ed.metrics.Accuracy().update(logits, batch["y"], mask),
         "loss": ed.metrics.Mean().update(losses, mask),
         "count": (mask.sum(), None)[0],
-    }
-
-
-def _batch(rng, n):
-    return {
-        "x": rng.normal(size=(n, 8)).astype(np.float32),
-        "y": rng.integers(0, 4, size=n).astype(np.int32),
     }
 
 
@@ -64,8 +58,6 @@ def test_compiles_once_per_padded_size(mesh8, rng):
 
 
 def test_train_state_with_model_state(mesh8, rng):
-    from test_gradients import BNNet, bn_loss
-
     model, model_state = eqx.nn.make_with_state(BNNet)(
         jax.random.key(0), ("batch", "data")
     )
@@ -106,3 +98,13 @@ def test_eval_mistakes(mesh8, rng):
         step(model, {"x": np.float32(1.0)})
     with pytest.raises(ValueError, match=r"unknown strategy"):
         ed.make_eval_step(eval_fn, mesh8, strategy="tp")
+
+
+def test_eval_function_of_the_wrong_arity(mesh8, rng):
+    def eval_fn(model, x, y, mask):
+        return {}
+
+    with pytest.raises(TypeError, match=r"eval_fn is called as `eval_fn\(model, b"):
+        ed.make_eval_step(eval_fn, mesh8)(
+            eqx.nn.MLP(8, 4, 16, 2, key=jax.random.key(0)), _batch(rng, 16)
+        )

@@ -1,6 +1,7 @@
-"""Training any Equinox model: model state (BatchNorm), frozen parameters, bf16
-compute and FSDP accumulation, each against a single-device reference written in
-plain Equinox/optax (not through eqxdist) on the same global data."""
+"""The gradient phase of a step on any Equinox model: model state (BatchNorm, its
+"batch" and "ema" modes), frozen parameters, bf16 compute and FSDP accumulation,
+each against single-device training in plain Equinox/Optax (`reference.py`, not
+through eqxdist) on the same global data."""
 
 import re
 
@@ -10,84 +11,40 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from reference import max_diff
+from harness import ADAMW as OPTIMIZER, BNNet, batches, bn_loss, counted_loss
+from reference import max_diff, train_one_device
 
 import eqxdist as ed
 
-DEVICES = 8
-OPTIMIZER = optax.adamw(1e-2, weight_decay=0.1)
+
+def _batches(steps=3):
+    return batches(steps, rows=64)
 
 
-class BNNet(eqx.Module):
-    l1: eqx.nn.Linear
-    bn: eqx.nn.BatchNorm
-    l2: eqx.nn.Linear
-
-    def __init__(self, key, axis_name):
-        k1, k2 = jax.random.split(key)
-        self.l1 = eqx.nn.Linear(8, 16, key=k1)
-        self.bn = eqx.nn.BatchNorm(16, axis_name=axis_name, momentum=0.9, mode="batch")
-        self.l2 = eqx.nn.Linear(16, 4, key=k2)
-
-    def __call__(self, x, state):
-        h, state = self.bn(jax.nn.relu(self.l1(x)), state)
-        return self.l2(h), state
-
-
-def bn_loss(model, model_state, batch, key):
-    del key
-    logits, model_state = jax.vmap(
-        model, axis_name="batch", in_axes=(0, None), out_axes=(0, None)
-    )(batch["x"], model_state)
-    losses = optax.softmax_cross_entropy_with_integer_labels(logits, batch["y"])
-    return losses.mean(), {"loss": ed.metrics.Mean().update(losses)}, model_state
+def _bn_single_device(data, optimizer, n, devices, mode="batch", **options):
+    """A `BNNet` trained on one device: `n` minibatches as on `devices` devices."""
+    model, model_state = eqx.nn.make_with_state(BNNet)(jax.random.key(3), "batch", mode)
+    return train_one_device(
+        model,
+        data,
+        optimizer,
+        bn_loss,
+        model_state=model_state,
+        minibatches=n,
+        devices=devices,
+        **options,
+    )
 
 
-def _batches(rows=64, steps=3, seed=0):
-    rng = np.random.default_rng(seed)
-    return [
-        {
-            "x": rng.normal(size=(rows, 8)).astype(np.float32),
-            "y": rng.integers(0, 4, size=rows).astype(np.int32),
-        }
-        for _ in range(steps)
-    ]
-
-
-def _global_minibatches(batch, n):
-    """The rows minibatch m sees across the 8 devices: each device's m-th block."""
-
-    def split(x):
-        per = x.reshape(DEVICES, n, -1, *x.shape[1:])
-        return [per[:, m].reshape(-1, *x.shape[1:]) for m in range(n)]
-
-    parts = {k: split(v) for k, v in batch.items()}
-    return [{k: parts[k][m] for k in batch} for m in range(n)]
-
-
-def _reference(model, model_state, batches, n, optimizer=OPTIMIZER, trainable=None):
-    """Plain single-device training: minibatches in order, mean gradient."""
-    trainable = eqx.is_inexact_array if trainable is None else trainable
-    params, frozen = eqx.partition(model, trainable)
-    opt_state = optimizer.init(params)
-
-    @jax.jit
-    def grads_of(params, model_state, mb):
-        def loss(p, s):
-            out = bn_loss(eqx.combine(p, frozen), s, mb, None)
-            return out[0], out[2]
-
-        return jax.grad(loss, has_aux=True)(params, model_state)
-
-    for batch in batches:
-        total = None
-        for mb in _global_minibatches(batch, n):
-            g, model_state = grads_of(params, model_state, mb)
-            total = g if total is None else jax.tree.map(jnp.add, total, g)
-        grads = jax.tree.map(lambda g: g / n, total)
-        updates, opt_state = optimizer.update(grads, opt_state, params)
-        params = eqx.apply_updates(params, updates)
-    return eqx.combine(params, frozen), model_state
+def _bn_step(model, model_state, data, optimizer, mesh, **options):
+    """`model` trained by a step of `bn_loss`: the state and the last metrics."""
+    step = ed.make_train_step(bn_loss, optimizer, mesh, min_weight_size=16, **options)
+    state = ed.TrainState.create(
+        model, optimizer, jax.random.key(0), model_state=model_state
+    )
+    for batch in data:
+        state, metrics = step(state, batch)
+    return state, metrics
 
 
 @pytest.mark.parametrize("strategy", ["dp", "fsdp"])
@@ -96,23 +53,12 @@ def test_batchnorm_matches_single_device(axis_types, strategy, n):
     mesh8 = ed.create_data_parallel_mesh(axis_types=axis_types)
     key = jax.random.key(3)
     model, model_state = eqx.nn.make_with_state(BNNet)(key, ("batch", "data"))
-    ref_model, ref_state = eqx.nn.make_with_state(BNNet)(key, "batch")
     batches = _batches()
-    ref_model, ref_state = _reference(ref_model, ref_state, batches, n)
+    want = _bn_single_device(batches, OPTIMIZER, n, devices=8)
+    ref_model, ref_state = want.model, want.model_state
 
-    step = ed.make_train_step(
-        bn_loss,
-        OPTIMIZER,
-        mesh8,
-        strategy=strategy,
-        num_minibatches=n,
-        min_weight_size=16,
-    )
-    state = ed.TrainState.create(
-        model, OPTIMIZER, jax.random.key(0), model_state=model_state
-    )
-    for batch in batches:
-        state, metrics = step(state, batch)
+    options = {"strategy": strategy, "num_minibatches": n}
+    state, metrics = _bn_step(model, model_state, batches, OPTIMIZER, mesh8, **options)
     assert max_diff(state.model, ref_model) < 1e-5
     assert max_diff(state.model_state, ref_state) < 1e-5
     # The running statistics moved (they are not the initial zeros/ones), and the
@@ -124,6 +70,49 @@ def test_batchnorm_matches_single_device(axis_types, strategy, n):
     if strategy == "fsdp":
         assert not state.model.l1.weight.sharding.is_fully_replicated
     assert np.isfinite(float(metrics["loss"].compute()))
+
+
+SETUPS = {
+    # name: (mesh shape, data axes, strategy)
+    "single": ({"data": 1}, ("data",), "dp"),
+    "dp": ({"data": 8}, ("data",), "dp"),
+    "fsdp": ({"data": 8}, ("data",), "fsdp"),
+    "hsdp": ({"replica": 2, "data": 4}, ("replica", "data"), "fsdp"),
+}
+
+
+@pytest.mark.parametrize("mode", ["ema", "legacy"])
+@pytest.mark.parametrize("setup", sorted(SETUPS))
+def test_batchnorm_ema_matches_single_device(setup, mode):
+    shape, axes, strategy = SETUPS[setup]
+    if mode == "legacy" and setup != "dp":
+        pytest.skip("legacy is ema: one layout is enough")
+    mesh = ed.create_device_mesh(shape)
+    devices = int(np.prod(list(shape.values())))
+    optimizer = optax.adam(1e-2)
+    key = jax.random.key(3)
+    with pytest.warns(UserWarning) if mode == "legacy" else _nothing():
+        model, model_state = eqx.nn.make_with_state(BNNet)(key, ("batch", *axes), mode)
+    data = batches()
+    want = _bn_single_device(data, optimizer, 2, devices, mode="ema", value=True)
+    ref_model, ref_state = want.model, want.model_state
+
+    options = {"strategy": strategy, "data_axis": axes, "num_minibatches": 2}
+    state, _ = _bn_step(model, model_state, data, optimizer, mesh, **options)
+    assert max_diff(state.model, ref_model) < 1e-5
+    assert max_diff(state.model_state, ref_state) < 1e-5
+    flags = [x for x in jax.tree.leaves(state.model_state) if x.dtype == jnp.bool_]
+    assert flags == [False]  # the running statistics were started
+    if strategy == "fsdp":
+        assert not state.model.l1.weight.sharding.is_fully_replicated
+
+
+class _nothing:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
 
 
 def test_model_state_nonfloat_leaves_from_first_device(mesh8):
@@ -148,11 +137,11 @@ def test_model_state_nonfloat_leaves_from_first_device(mesh8):
     assert float(state.model_state["avg"]) == pytest.approx(1.0 + 3.5)
 
 
-def _mlp_loss(model, batch, key):
-    del key
-    logits = jax.vmap(model)(batch["x"])
-    losses = optax.softmax_cross_entropy_with_integer_labels(logits, batch["y"])
-    return losses.mean(), {"loss": (losses.sum(), losses.shape[0])}
+def _mlp_step(mesh, optimizer=OPTIMIZER, **options):
+    """A step of `counted_loss`, leaves of 16 elements and more sharded."""
+    return ed.make_train_step(
+        counted_loss, optimizer, mesh, min_weight_size=16, **options
+    )
 
 
 @pytest.mark.parametrize("strategy", ["dp", "fsdp"])
@@ -166,9 +155,7 @@ def test_frozen_leaves_never_change(mesh8, strategy):
     # No optimizer state for frozen leaves.
     mu = state.opt_state[0].mu
     assert mu.layers[0].weight is None and mu.layers[-1].weight is not None
-    step = ed.make_train_step(
-        _mlp_loss, OPTIMIZER, mesh8, strategy=strategy, min_weight_size=16
-    )
+    step = _mlp_step(mesh8, strategy=strategy)
     batches = _batches()
     for batch in batches:
         state, _ = step(state, batch)
@@ -180,15 +167,8 @@ def test_frozen_leaves_never_change(mesh8, strategy):
         assert not state.model.layers[0].weight.sharding.is_fully_replicated
 
     # The trainable head matches plain optax on one device.
-    params, frozen = eqx.partition(model, trainable)
-    opt_state = OPTIMIZER.init(params)
-    for batch in batches:
-        grads = jax.grad(
-            lambda p, b=batch: _mlp_loss(eqx.combine(p, frozen), b, None)[0]
-        )(params)
-        updates, opt_state = OPTIMIZER.update(grads, opt_state, params)
-        params = eqx.apply_updates(params, updates)
-    assert max_diff(state.model, eqx.combine(params, frozen)) < 1e-5
+    want = train_one_device(model, batches, OPTIMIZER, counted_loss, trainable)
+    assert max_diff(state.model, want.model) < 1e-5
 
 
 def test_frozen_leaves_are_inputs_not_constants(mesh8):
@@ -199,7 +179,7 @@ def test_frozen_leaves_are_inputs_not_constants(mesh8):
     state = ed.TrainState.create(
         model, OPTIMIZER, jax.random.key(0), trainable=trainable
     )
-    step = ed.make_train_step(_mlp_loss, OPTIMIZER, mesh8)
+    step = ed.make_train_step(counted_loss, OPTIMIZER, mesh8)
     hlo = step.lower(state, _batches(steps=1)[0]).as_text()
     # A 256x8 frozen weight baked in would appear as a large constant.
     assert not re.search(r"constant\(.*\{.{2000,}", hlo)
@@ -214,13 +194,8 @@ def test_bf16_compute_close_to_bf16_reference(mesh8):
     model = eqx.nn.MLP(8, 4, 32, 2, key=jax.random.key(2))
     batches = _batches()
     for strategy in ["dp", "fsdp"]:
-        step = ed.make_train_step(
-            _mlp_loss,
-            opt,
-            mesh8,
-            strategy=strategy,
-            min_weight_size=16,
-            compute_dtype=jnp.bfloat16,
+        step = _mlp_step(
+            mesh8, optimizer=opt, strategy=strategy, compute_dtype=jnp.bfloat16
         )
         state = ed.TrainState.create(model, opt, jax.random.key(0))
         for batch in batches:
@@ -231,27 +206,17 @@ def test_bf16_compute_close_to_bf16_reference(mesh8):
         ):
             assert leaf.dtype == jnp.float32
 
-        params = model
-        opt_state = opt.init(eqx.filter(params, eqx.is_inexact_array))
-
-        def bf16_loss(p, batch):
+        def bf16_loss(p, batch, key):
             cast = jax.tree.map(
                 lambda x: x.astype(jnp.bfloat16) if eqx.is_inexact_array(x) else x, p
             )
-            return _mlp_loss(cast, batch, None)[0]
+            return counted_loss(cast, batch, key)
 
-        for batch in batches:
-            grads = eqx.filter_grad(bf16_loss)(params, batch)
-            updates, opt_state = opt.update(
-                grads, opt_state, eqx.filter(params, eqx.is_inexact_array)
-            )
-            params = eqx.apply_updates(params, updates)
+        params = train_one_device(model, batches, opt, bf16_loss).model
         diff = max_diff(state.model, params)
         print(strategy, diff, max_diff(params, model))
         assert diff < 5e-3
-        f32 = ed.make_train_step(
-            _mlp_loss, opt, mesh8, strategy=strategy, min_weight_size=16
-        )
+        f32 = _mlp_step(mesh8, optimizer=opt, strategy=strategy)
         s32 = ed.TrainState.create(model, opt, jax.random.key(0))
         for batch in batches:
             s32, _ = f32(s32, batch)
@@ -262,14 +227,7 @@ def test_bf16_compute_close_to_bf16_reference(mesh8):
 def test_bf16_fsdp_gathers_move_bf16(mesh8):
     model = eqx.nn.MLP(8, 4, 64, 2, key=jax.random.key(2))
     state = ed.TrainState.create(model, OPTIMIZER, jax.random.key(0))
-    step = ed.make_train_step(
-        _mlp_loss,
-        OPTIMIZER,
-        mesh8,
-        strategy="fsdp",
-        min_weight_size=16,
-        compute_dtype=jnp.bfloat16,
-    )
+    step = _mlp_step(mesh8, strategy="fsdp", compute_dtype=jnp.bfloat16)
     # The program JAX hands to XLA (XLA:CPU itself computes bf16 collectives in
     # float32; GPU and TPU keep them bf16).
     text = step.lower(state, _batches(steps=1)[0]).as_text()
@@ -291,15 +249,7 @@ def test_fsdp_accumulation_gathers_once(mesh8):
     batch = _batches(steps=1)[0]
     counts = {}
     for n, gather in [(1, "step"), (4, "step"), (4, "minibatch")]:
-        step = ed.make_train_step(
-            _mlp_loss,
-            OPTIMIZER,
-            mesh8,
-            strategy="fsdp",
-            min_weight_size=16,
-            num_minibatches=n,
-            fsdp_gather=gather,
-        )
+        step = _mlp_step(mesh8, strategy="fsdp", num_minibatches=n, fsdp_gather=gather)
         compiled = step.lower(state, batch).compile()
         counts[n, gather] = _collectives(compiled)
         scatters = ed.count_collectives(compiled)["reduce-scatter"]
@@ -318,15 +268,7 @@ def test_fsdp_accumulation_values(mesh8, gather):
     results = []
     for strategy, n in [("dp", 1), ("fsdp", 4)]:
         fsdp = {"fsdp_gather": gather} if strategy == "fsdp" else {}
-        step = ed.make_train_step(
-            _mlp_loss,
-            OPTIMIZER,
-            mesh8,
-            strategy=strategy,
-            min_weight_size=16,
-            num_minibatches=n,
-            **fsdp,
-        )
+        step = _mlp_step(mesh8, strategy=strategy, num_minibatches=n, **fsdp)
         state = ed.TrainState.create(model, OPTIMIZER, jax.random.key(0))
         for batch in batches:
             state, metrics = step(state, batch)
@@ -346,13 +288,13 @@ def test_train_state_mistakes(mesh8):
         ed.TrainState.create(model, OPTIMIZER, jax.random.key(0), trainable=False)
     state = ed.TrainState.create(model, optax.adam(1e-3), jax.random.key(0))
     step = ed.make_train_step(
-        _mlp_loss, optax.chain(optax.clip(1.0), optax.adam(1e-3)), mesh8
+        counted_loss, optax.chain(optax.clip(1.0), optax.adam(1e-3)), mesh8
     )
     with pytest.raises(ValueError, match=r"not what this step's optimizer makes"):
         step(state, _batches(steps=1)[0])
 
     def string_metrics(model, batch, key):
-        return _mlp_loss(model, batch, key)[0], {"name": "resnet"}
+        return counted_loss(model, batch, key)[0], {"name": "resnet"}
 
     state = ed.TrainState.create(model, OPTIMIZER, jax.random.key(0))
     with pytest.raises(TypeError, match=r"metrics leaf \['name'\] is a str"):
@@ -360,12 +302,12 @@ def test_train_state_mistakes(mesh8):
             state, _batches(steps=1)[0]
         )
     with pytest.raises(ValueError, match=r"unknown fsdp_gather 'layer'"):
-        ed.make_train_step(_mlp_loss, OPTIMIZER, mesh8, fsdp_gather="layer")
+        ed.make_train_step(counted_loss, OPTIMIZER, mesh8, fsdp_gather="layer")
     with pytest.raises(TypeError, match=r"`compute_dtype` must be a floating-point"):
-        ed.make_train_step(_mlp_loss, OPTIMIZER, mesh8, compute_dtype=jnp.int8)
+        ed.make_train_step(counted_loss, OPTIMIZER, mesh8, compute_dtype=jnp.int8)
 
     def no_state(model, model_state, batch, key):
-        return _mlp_loss(model, batch, key)
+        return counted_loss(model, batch, key)
 
     state = ed.TrainState.create(
         model, OPTIMIZER, jax.random.key(0), model_state={"a": jnp.zeros(2)}

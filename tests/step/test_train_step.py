@@ -1,5 +1,6 @@
-"""Training: TrainState, accumulate_gradients, make_train_step (DP and FSDP) and
-print_metrics, checked against a plain single-device training loop."""
+"""make_train_step and TrainState (DP and FSDP, minibatches, placement, keys,
+caller mistakes), checked against a plain single-device training loop
+(`reference.py`)."""
 
 import equinox as eqx
 import jax
@@ -7,8 +8,9 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from harness import batch as _batch, batches, counted_loss as loss_fn
 from jax.sharding import NamedSharding, PartitionSpec as P
-from reference import max_diff
+from reference import max_diff, train_one_device
 
 import eqxdist as ed
 
@@ -21,42 +23,11 @@ def _model(key=0):
     return eqx.nn.MLP(8, 4, 16, 2, key=jax.random.key(key))
 
 
-def _batch(rng, rows=32):
-    return {
-        "x": rng.normal(size=(rows, 8)).astype(np.float32),
-        "y": rng.integers(0, 4, size=rows).astype(np.int32),
-    }
-
-
-def loss_fn(model, batch, key):
-    del key
-    logits = jax.vmap(model)(batch["x"])
-    losses = optax.softmax_cross_entropy_with_integer_labels(logits, batch["y"])
-    metrics = {
-        "loss": (losses.sum(), batch["x"].shape[0]),
-        "accuracy": ed.metrics.Accuracy().update(logits, batch["y"]),
-    }
-    return losses.mean(), metrics
-
-
-def _single_device(model, batches, optimizer=OPTIMIZER):
-    """The reference: a plain jitted loop on one device, full batch per step."""
-    opt_state = optimizer.init(eqx.filter(model, eqx.is_inexact_array))
-
-    @eqx.filter_jit
-    def step(model, opt_state, batch):
-        (loss, _), grads = eqx.filter_value_and_grad(loss_fn, has_aux=True)(
-            model, batch, None
-        )
-        params = eqx.filter(model, eqx.is_inexact_array)
-        updates, opt_state = optimizer.update(grads, opt_state, params)
-        return eqx.apply_updates(model, updates), opt_state, loss
-
-    losses = []
-    for batch in batches:
-        model, opt_state, loss = step(model, opt_state, batch)
-        losses.append(float(loss))
-    return model, losses
+def _single_device(model, batches):
+    """The reference: one device, the full batch per step; the model and each
+    step's loss."""
+    trained = train_one_device(model, batches, OPTIMIZER, loss_fn)
+    return trained.model, trained.losses
 
 
 def _train(step, model, batches, key=1):
@@ -251,86 +222,6 @@ def test_dropout_keys_differ_per_device_and_minibatch(mesh8):
     assert not np.allclose(again["u"], u)  # step 1 draws new numbers
 
 
-def test_accumulate_gradients_sums_metrics_and_averages_grads(rng):
-    model = _model()
-    batch = _batch(rng, rows=12)
-    (_, _), full_grads = eqx.filter_value_and_grad(loss_fn, has_aux=True)(
-        model, batch, None
-    )
-    accumulate = eqx.filter_jit(ed.accumulate_gradients)
-    results = [
-        accumulate(loss_fn, model, batch, None, 3, use_scan=use_scan)
-        for use_scan in (True, False)
-    ]
-    for grads, metrics in results:
-        assert max_diff(grads, full_grads) < 1e-6
-        total, count = metrics["loss"]
-        assert int(count) == 12
-        expected = float(loss_fn(model, batch, None)[0]) * 12
-        np.testing.assert_allclose(total, expected, rtol=1e-5)
-        assert int(metrics["accuracy"].total.value) == 12
-    assert max_diff(results[0][0], results[1][0]) < 1e-7  # scan and loop
-
-
-@pytest.mark.parametrize("use_scan", [True, False])
-@pytest.mark.parametrize("weighted", [False, True])
-def test_accumulate_gradients_inside_shard_map_with_check_vma(
-    mesh8, rng, use_scan, weighted
-):
-    # Under JAX's default `check_vma=True` a loop carry must keep its type: the
-    # losses depend on each device's rows, and so does the model state here.
-    model, batch = _model(), _batch(rng)
-
-    def stateful(model, state, batch, key):
-        loss, metrics = loss_fn(model, batch, key)
-        if weighted:  # (sum, weight): weight 1 per row, the same mean
-            loss = (loss * batch["x"].shape[0], batch["x"].shape[0])
-        return loss, metrics, state + jnp.sum(batch["x"])
-
-    params, static = eqx.partition(model, eqx.is_array)
-
-    def local(params, batch):
-        grads, metrics, state = ed.accumulate_gradients(
-            stateful,
-            eqx.combine(params, static),
-            batch,
-            None,
-            2,
-            use_scan=use_scan,
-            model_state=jnp.zeros(()),
-        )
-        return eqx.filter(grads, eqx.is_array), metrics["loss"][0][None], state[None]
-
-    grads, loss_sums, states = jax.jit(
-        jax.shard_map(
-            local,
-            mesh=mesh8,
-            in_specs=(P(), P("data")),
-            out_specs=(P(), P("data"), P("data")),
-        )
-    )(params, batch)
-    # JAX sums the replicated parameters' gradients over the 8 devices: 8 times the
-    # gradient of the global mean.
-    (_, _), full = eqx.filter_value_and_grad(loss_fn, has_aux=True)(model, batch, None)
-    assert max_diff(grads, jax.tree.map(lambda g: 8 * g, full)) < 1e-5
-    rows = batch["x"].reshape(8, 4, 8)
-    np.testing.assert_allclose(states, rows.sum(axis=(1, 2)), rtol=1e-5)
-    losses = optax.softmax_cross_entropy_with_integer_labels(
-        jax.vmap(model)(batch["x"]), batch["y"]
-    )
-    np.testing.assert_allclose(loss_sums, losses.reshape(8, 4).sum(1), rtol=1e-5)
-
-
-def test_accumulate_gradients_splits_the_key(rng):
-    def keyed(model, batch, key):
-        return jnp.sum(model) * 0.0, {"u": jax.random.uniform(key)}
-
-    key = jax.random.key(3)
-    _, metrics = ed.accumulate_gradients(keyed, jnp.ones(2), jnp.ones((4, 1)), key, 2)
-    expected = sum(float(jax.random.uniform(k)) for k in jax.random.split(key, 2))
-    np.testing.assert_allclose(metrics["u"], expected, rtol=1e-6)
-
-
 def test_a_loop_that_never_blocks_does_not_deadlock(mesh8):
     # XLA's CPU collectives abort when too many multi-device steps are queued; the
     # step bounds the number in flight. 3000 steps of a tiny model, never blocking.
@@ -346,32 +237,6 @@ def test_a_loop_that_never_blocks_does_not_deadlock(mesh8):
     for _ in range(3000):
         state, _ = step(state, batch)
     assert int(state.step) == 3000
-
-
-def test_print_metrics_format(capsys):
-    accuracy = ed.metrics.Accuracy().update(
-        jnp.array([1, 2, 3, 3]), jnp.array([1, 2, 0, 0])
-    )
-    ed.print_metrics(
-        {"loss": (jnp.array(2.0), 4), "accuracy": accuracy}, "FSDP - Final metrics"
-    )
-    # The tutorial's rule: centred in `=` to the longest line's width; a title
-    # wider than every line still gets one `=` on each side.
-    assert capsys.readouterr().out == (
-        "= FSDP - Final metrics =\nloss: 0.500000\naccuracy: 0.500000\n"
-    )
-    ed.print_metrics({"loss": (jnp.array(2.0), 4)}, "Final")
-    assert capsys.readouterr().out == "=== Final ====\nloss: 0.500000\n"
-    ed.print_metrics({"a_long_metric_name": (jnp.array(1.0), 2)}, "T")
-    assert capsys.readouterr().out == (
-        "============ T =============\na_long_metric_name: 0.500000\n"
-    )
-    ed.print_metrics({"loss": (jnp.array(1.0), 3)})
-    assert capsys.readouterr().out == "loss: 0.333333\n"
-    ed.print_metrics({"x": jnp.array([1.0, 0.5])})
-    assert capsys.readouterr().out == "x: [1. , 0.5]\n"
-    with pytest.raises(TypeError, match=r"metric 'name' is a str"):
-        ed.print_metrics({"name": "resnet"})
 
 
 def test_train_state_create():
@@ -414,6 +279,41 @@ def test_bad_inputs_raise_clear_errors(mesh8, rng):
 
     with pytest.raises(TypeError, match=r"tuple `\(loss, metrics\)`"):
         ed.make_train_step(loss_only, OPTIMIZER, mesh8)(state, _batch(rng, 16))
+
+
+def test_batch_leaves_with_different_rows(mesh8):
+    step = ed.make_train_step(loss_fn, optax.sgd(0.1), mesh8)
+    state = ed.TrainState.create(_model(), optax.sgd(0.1), jax.random.key(0))
+    batch = batches()[0]
+    bad = {"x": batch["x"], "y": batch["y"][:16]}
+    with pytest.raises(ValueError, match=r"\['x'\]: 32, \['y'\]: 16"):
+        step(state, bad)
+
+
+def test_string_labels_after_good_steps(mesh8):
+    step = ed.make_train_step(loss_fn, optax.sgd(0.1), mesh8)
+    state = ed.TrainState.create(_model(), optax.sgd(0.1), jax.random.key(0))
+    batch = batches()[0]
+    state, _ = step(state, batch)
+    state, _ = step(state, batch)
+    labels = np.array([f"c{i}" for i in batch["y"]])
+    with pytest.raises(TypeError, match=r"batch` leaf \['y'\] is a NumPy array of"):
+        step(state, {"x": batch["x"], "y": labels})
+    objects = batch["y"].astype(object)
+    with pytest.raises(TypeError, match=r"batch` leaf \['y'\] is a NumPy array of"):
+        step(state, {"x": batch["x"], "y": objects})
+
+
+def test_empty_batch(mesh8):
+    step = ed.make_train_step(loss_fn, optax.sgd(0.1), mesh8)
+    state = ed.TrainState.create(_model(), optax.sgd(0.1), jax.random.key(0))
+    batch = batches()[0]
+    empty = {k: v[:0] for k, v in batch.items()}
+    with pytest.raises(ValueError, match="train step: the batch has 0 rows"):
+        step(state, empty)
+    state, _ = step(state, batch)
+    with pytest.raises(ValueError, match="train step: the batch has 0 rows"):
+        step(state, empty)
 
 
 def _step_error(mesh, loss, state, batch, optimizer=OPTIMIZER):
@@ -474,14 +374,6 @@ def test_loss_mistakes_name_the_loss_the_leaf_and_the_fix(mesh8, rng):
     assert "`optimizer.init` gives (" in message and "with 13 leaves" in message
     assert "the state holds (TraceState, EmptyState)" in message
     assert "PyTreeDef" not in message and len(message) < 400
-
-
-def test_eval_function_of_the_wrong_arity(mesh8, rng):
-    def eval_fn(model, x, y, mask):
-        return {}
-
-    with pytest.raises(TypeError, match=r"eval_fn is called as `eval_fn\(model, b"):
-        ed.make_eval_step(eval_fn, mesh8)(_model(), _batch(rng, 16))
 
 
 def test_per_block_remat_regathers_and_lowers_step_memory(mesh8):
