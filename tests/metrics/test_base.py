@@ -1,12 +1,13 @@
-"""A collection of the v0.2 and the new metrics syncs with one all-reduce per
-(ReduceOp, dtype) in use, counted in the compiled HLO; its state dict round
-trips."""
+"""`MetricCollection` (`eqxdist/_metrics/base.py`): a collection of the v0.2 and
+the new metrics syncs with one all-reduce per (ReduceOp, dtype) in use, counted in
+the compiled HLO; its state dict round trips."""
 
 import re
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from harness import smap
 from jax.sharding import PartitionSpec as P
 
 import eqxdist as ed
@@ -92,9 +93,7 @@ def test_one_all_reduce_per_op_and_dtype_and_global_values(mesh8):
     def per_device(d):
         return _update(_collection(), d).reduce("data")
 
-    fn = jax.jit(
-        jax.shard_map(per_device, mesh=mesh8, in_specs=P("data"), out_specs=P())
-    )
+    fn = smap(mesh8, per_device, P("data"))
     lowered = fn.lower(data)
     # (sum, int32): every count; (sum, float32): the float sums and the folded
     # moments; (max, float32): `Max`. Nothing else, however many metrics.

@@ -1,8 +1,8 @@
 """`CalibrationError` on 8 devices against NumPy float64 on the concatenated
 data: one update, merged, synced inside `shard_map`, with a mask."""
 
-import jax
 import numpy as np
+from harness import one_and_merged, synced
 from jax.sharding import PartitionSpec as P
 
 import eqxdist as ed
@@ -53,19 +53,11 @@ def test_one_update_merged_and_synced_match_numpy(mesh8):
         "ece_10": _ece(probs[m], labels[m], 10),
     }
 
-    @jax.jit
-    def one_and_merged(p, y, m):
-        first = _update(_collection(), p[0], y[0], m[0])
-        second = _update(_collection(), p[1], y[1], m[1])
-        return _update(_collection(), p, y, m).compute(), first.merge(second).compute()
-
-    def per_device(p, y, m):
-        return _update(_collection(), p, y, m).sync("data").compute()
-
-    fn = jax.jit(
-        jax.shard_map(per_device, mesh=mesh8, in_specs=P(None, "data"), out_specs=P())
+    data = (probs, labels, mask)
+    on_devices = synced(
+        mesh8, _collection, _update, data, in_specs=P(None, "data"), compute=True
     )
-    for computed in (*one_and_merged(probs, labels, mask), fn(probs, labels, mask)):
+    for computed in (*one_and_merged(_collection, _update, data, (0, 1)), on_devices):
         for name, want in expected.items():
             np.testing.assert_allclose(computed[name], want, rtol=1e-5, err_msg=name)
 

@@ -1,6 +1,7 @@
-"""Every caller mistake with the regression, ranking, retrieval, calibration,
-image and confusion-score metrics is a clear `ValueError`/`TypeError` naming the
-argument, the value seen and what was expected (one table)."""
+"""The input checks of the regression, ranking, retrieval, calibration, image and
+confusion-score metrics (`eqxdist/_metrics/checks.py`): every caller mistake is a
+clear `ValueError`/`TypeError` naming the argument, the value seen and what was
+expected (one table)."""
 
 import numpy as np
 import pytest

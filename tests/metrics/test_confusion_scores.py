@@ -3,10 +3,9 @@ devices against scikit-learn on the concatenated data: one update, merged, synce
 inside `shard_map`, with a mask, imbalanced classes and a class that never
 appears as a label."""
 
-import jax
 import numpy as np
 import pytest
-from jax.sharding import PartitionSpec as P
+from harness import assert_matches, one_and_merged, synced
 from sklearn import metrics as skm
 
 import eqxdist as ed
@@ -83,38 +82,17 @@ def _expected(logits, labels, mask, binary, binary_preds):
     return out
 
 
-def _assert_matches(computed, expected):
-    assert set(computed) == set(expected)
-    for name, want in expected.items():
-        np.testing.assert_allclose(computed[name], want, rtol=1e-5, err_msg=name)
-
-
 def test_one_update_merged_and_synced_match_sklearn(mesh8):
     data = _data()
     expected = _expected(*data)
 
-    @jax.jit
-    def one_and_merged(*d):
-        h = N_DEV * ROWS // 2
-        first = _update(_collection(), *(x[:h] for x in d))
-        second = _update(_collection(), *(x[h:] for x in d))
-        return _update(_collection(), *d).compute(), first.merge(second).compute()
+    one, merged = one_and_merged(_collection, _update, data)
+    assert_matches(one, expected)
+    assert_matches(merged, expected)
 
-    one, merged = one_and_merged(*data)
-    _assert_matches(one, expected)
-    _assert_matches(merged, expected)
-
-    def per_device(*d):
-        metrics = _collection()
-        for r in (slice(0, 7), slice(7, None)):
-            metrics = _update(metrics, *(x[r] for x in d))
-        return metrics.reduce("data")
-
-    fn = jax.jit(
-        jax.shard_map(per_device, mesh=mesh8, in_specs=P("data"), out_specs=P())
-    )
-    reduced = fn(*data)
-    _assert_matches(reduced.compute(), expected)
+    rows = (slice(0, 7), slice(7, None))
+    reduced = synced(mesh8, _collection, _update, data, rows)
+    assert_matches(reduced.compute(), expected)
     # The absent class: Jaccard 0 (0/0), counted in the macro mean.
     assert float(reduced["jaccard_None"].compute()[C - 1]) == 0.0
     # Every score is a view of the same counts.

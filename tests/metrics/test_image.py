@@ -2,10 +2,9 @@
 images: one update, merged, synced inside `shard_map`, grayscale and colour,
 with a mask over images."""
 
-import jax
 import numpy as np
 import pytest
-from jax.sharding import PartitionSpec as P
+from harness import one_and_merged, synced
 from skimage.metrics import peak_signal_noise_ratio, structural_similarity
 
 import eqxdist as ed
@@ -65,22 +64,9 @@ def test_one_update_merged_and_synced_match_skimage(mesh8, shape, data_range):
             ssim=(p, t, m), psnr={"preds": p, "targets": t, "mask": m}
         )
 
-    @jax.jit
-    def one_and_merged(p, t, m):
-        h = len(p) // 2
-        first, second = (
-            update(collection(), p[r], t[r], m[r])
-            for r in (slice(0, h), slice(h, None))
-        )
-        return update(collection(), p, t, m).compute(), first.merge(second).compute()
-
-    def per_device(p, t, m):
-        return update(collection(), p, t, m).sync("data").compute()
-
-    fn = jax.jit(
-        jax.shard_map(per_device, mesh=mesh8, in_specs=P("data"), out_specs=P())
-    )
-    for computed in (*one_and_merged(preds, targets, mask), fn(preds, targets, mask)):
+    data = (preds, targets, mask)
+    on_devices = synced(mesh8, collection, update, data, compute=True)
+    for computed in (*one_and_merged(collection, update, data), on_devices):
         for name, want in expected.items():
             np.testing.assert_allclose(computed[name], want, rtol=2e-5, err_msg=name)
 

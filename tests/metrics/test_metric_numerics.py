@@ -6,16 +6,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from harness import smap
 from jax.sharding import PartitionSpec as P
 
 import eqxdist as ed
 from eqxdist._metrics import numerics as num
 
 N_DEV = 8
-
-
-def smap(mesh, fn, in_specs, out_specs=P()):
-    return jax.jit(jax.shard_map(fn, mesh=mesh, in_specs=in_specs, out_specs=out_specs))
 
 
 def _exact(acc):

@@ -4,10 +4,10 @@ NumPy float64 on the concatenated data (one update, merged updates, synced acros
 
 import re
 
-import jax
 import numpy as np
 import pytest
 import sklearn.metrics as skm
+from harness import smap
 from jax.sharding import PartitionSpec as P
 
 import eqxdist as ed
@@ -105,9 +105,7 @@ def test_synced_across_8_devices_matches_sklearn_with_one_collective_per_dtype(
     def per_device(d):
         return _update(_collection(), d).sync("data").compute()
 
-    fn = jax.jit(
-        jax.shard_map(per_device, mesh=mesh8, in_specs=(P("data"),), out_specs=P())
-    )
+    fn = smap(mesh8, per_device, (P("data"),))
     lowered = fn.lower(d)
     # (sum, int32): the counts; (sum, float32): the weighted states and NLL sums.
     assert len(re.findall(r"stablehlo\.all_reduce", lowered.as_text())) == 2

@@ -7,23 +7,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from harness import assert_same_tree, smap
 from hypothesis import given, settings, strategies as st
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 import eqxdist as ed
 
 N_DEV = 8
-
-
-def smap(mesh, fn, in_specs, out_specs=P()):
-    return jax.jit(jax.shard_map(fn, mesh=mesh, in_specs=in_specs, out_specs=out_specs))
-
-
-def assert_same_tree(a, b):
-    assert jax.tree.structure(a) == jax.tree.structure(b)
-    for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True):
-        assert x.dtype == y.dtype
-        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
 
 
 # --------------------------------------------------------------------------- d9d cases

@@ -6,6 +6,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from harness import AGGREGATIONS
 
 import eqxdist as ed
 
@@ -183,13 +184,7 @@ CASES = [
             ValueError,
             r"unknown `nan_strategy` 'drop'; expected one of \['propagate', 'ignore'\]",
         )
-        for make in (
-            ed.metrics.Sum,
-            ed.metrics.Mean,
-            ed.metrics.Max,
-            ed.metrics.Min,
-            ed.metrics.Std,
-        )
+        for make in AGGREGATIONS
     ],
     (
         lambda: ed.metrics.Precision(3, average="mean"),

@@ -10,6 +10,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from harness import AGGREGATIONS, assert_same_tree, smap
 from jax.sharding import PartitionSpec as P
 from sklearn import metrics as skm
 
@@ -17,13 +18,6 @@ import eqxdist as ed
 
 N_DEV, ROWS, UPDATES, C = 8, 12, 3, 5
 AVERAGES = ("micro", "macro", "weighted", None)
-
-
-def assert_same_tree(a, b):
-    assert jax.tree.structure(a) == jax.tree.structure(b)
-    for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True):
-        assert x.dtype == y.dtype
-        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
 
 
 def _data(seed=0):
@@ -138,9 +132,7 @@ def evaluated(mesh8):
             metrics = _update(metrics, part, (index * UPDATES + i).astype(jnp.float32))
         return metrics.reduce("data")
 
-    fn = jax.jit(
-        jax.shard_map(per_device, mesh=mesh8, in_specs=P("data"), out_specs=P())
-    )
+    fn = smap(mesh8, per_device, P("data"))
     lowered = fn.lower(data)
     reduced = fn(data)
     return data, reduced.compute(), reduced, lowered
@@ -258,9 +250,7 @@ def test_counts_past_2_pow_31_stay_exact(mesh8):
         synced = local.sync("data")
         return synced.synchronized, synced.synchronized_hi
 
-    synced = jax.jit(
-        jax.shard_map(per_device, mesh=mesh8, in_specs=P("data"), out_specs=P())
-    )(jnp.arange(N_DEV, dtype=jnp.int32))
+    synced = smap(mesh8, per_device, P("data"))(jnp.arange(N_DEV, dtype=jnp.int32))
     exact = int(synced[0]) + (int(synced[1]) << 16)
     assert exact == N_DEV * 2**33 + sum(range(N_DEV))
 
@@ -289,9 +279,7 @@ def test_last_value_after_sync_skips_devices_without_one(mesh8):
         )
         return last.sync("data").compute(), fresh.sync("data").compute()
 
-    last, empty = jax.jit(
-        jax.shard_map(per_device, mesh=mesh8, in_specs=P("data"), out_specs=P())
-    )(jnp.arange(N_DEV))
+    last, empty = smap(mesh8, per_device, P("data"))(jnp.arange(N_DEV))
     np.testing.assert_array_equal(last, [4.0, -4.0])  # device 4: the last with one
     assert np.isnan(empty).all()
     merged = ed.metrics.LastValue().update(1.0).merge(ed.metrics.LastValue())
@@ -301,13 +289,7 @@ def test_last_value_after_sync_skips_devices_without_one(mesh8):
 
 def test_nan_strategy():
     x = np.array([1.0, np.nan, 3.0], np.float32)
-    for make in (
-        ed.metrics.Sum,
-        ed.metrics.Mean,
-        ed.metrics.Max,
-        ed.metrics.Min,
-        ed.metrics.Std,
-    ):
+    for make in AGGREGATIONS:
         assert np.isnan(make().update(x).compute()), make
     ignored = {
         ed.metrics.Sum: 4.0,

@@ -3,9 +3,8 @@
 inside `shard_map`, with a mask and weights; within 1e-2 at 200 thresholds and
 converging with more; ties."""
 
-import jax
 import numpy as np
-from jax.sharding import PartitionSpec as P
+from harness import one_and_merged, synced
 from sklearn import metrics as skm
 
 import eqxdist as ed
@@ -56,33 +55,17 @@ def _check(computed, data):
 def test_one_update_merged_and_synced_match_sklearn(mesh8):
     data = _data()
 
-    @jax.jit
-    def one_and_merged(s, y, m, w):
-        one = _update(_collection(), s, y, m, w)
-        h = N_DEV * ROWS // 2
-        first = _update(_collection(), s[:h], y[:h], m[:h], w[:h])
-        second = _update(_collection(), s[h:], y[h:], m[h:], w[h:])
-        return one.compute(), first.merge(second).compute()
-
-    one, merged = one_and_merged(*data)
+    one, merged = one_and_merged(_collection, _update, data)
     _check(one, data)
     _check(merged, data)
     for name in one:
         np.testing.assert_allclose(merged[name], one[name], rtol=1e-6)
 
-    def per_device(s, y, m, w):
-        metrics = _collection()
-        for r in (slice(0, 5), slice(5, None)):
-            metrics = _update(metrics, s[r], y[r], m[r], w[r])
-        return metrics.sync("data").compute()
-
-    fn = jax.jit(
-        jax.shard_map(per_device, mesh=mesh8, in_specs=P("data"), out_specs=P())
-    )
-    synced = fn(*data)
-    _check(synced, data)
+    rows = (slice(0, 5), slice(5, None))
+    on_devices = synced(mesh8, _collection, _update, data, rows, compute=True)
+    _check(on_devices, data)
     for name in one:
-        np.testing.assert_allclose(synced[name], one[name], rtol=1e-5)
+        np.testing.assert_allclose(on_devices[name], one[name], rtol=1e-5)
 
 
 def test_converges_to_sklearn_with_more_thresholds():

@@ -5,8 +5,8 @@ unweighted and weighted; constant targets and weight-0 NaNs."""
 import jax
 import numpy as np
 import pytest
+from harness import assert_matches, one_and_merged, synced
 from hypothesis import given, settings, strategies as st
-from jax.sharding import PartitionSpec as P
 from sklearn import metrics as skm
 
 import eqxdist as ed
@@ -68,37 +68,20 @@ def _expected(preds, targets, weights):
 
 
 def _assert_matches(computed, expected):
-    assert set(computed) == set(expected)
-    for name, want in expected.items():
-        np.testing.assert_allclose(computed[name], want, rtol=2e-5, err_msg=name)
+    assert_matches(computed, expected, rtol=2e-5)
 
 
 def test_one_update_merged_and_synced_match_sklearn(mesh8):
     preds, targets, weights = _data()
     expected = _expected(preds, targets, weights)
 
-    @jax.jit  # one program: compiling is what makes metric tests slow
-    def one_and_merged(p, t, w):
-        one = _update(_collection(), p, t, w)
-        half = N_DEV * ROWS // 2
-        first = _update(_collection(), p[:half], t[:half], w[:half])
-        second = _update(_collection(), p[half:], t[half:], w[half:])
-        return one.compute(), first.merge(second).compute()
-
-    one, merged = one_and_merged(preds, targets, weights)
+    data = (preds, targets, weights)
+    one, merged = one_and_merged(_collection, _update, data)
     _assert_matches(one, expected)
     _assert_matches(merged, expected)
 
-    def per_device(p, t, w):
-        metrics = _collection()
-        for rows in (slice(0, 2), slice(2, None)):
-            metrics = _update(metrics, p[rows], t[rows], w[rows])
-        return metrics.reduce("data")
-
-    fn = jax.jit(
-        jax.shard_map(per_device, mesh=mesh8, in_specs=P("data"), out_specs=P())
-    )
-    _assert_matches(fn(preds, targets, weights).compute(), expected)
+    rows = (slice(0, 2), slice(2, None))
+    _assert_matches(synced(mesh8, _collection, _update, data, rows).compute(), expected)
 
 
 def test_r2_and_pearson_edge_cases():

@@ -5,10 +5,9 @@ over queries, ties, queries without a relevant item and `k` beyond the list."""
 
 import itertools
 
-import jax
 import numpy as np
 import pytest
-from jax.sharding import PartitionSpec as P
+from harness import assert_matches, one_and_merged, synced
 from sklearn import metrics as skm
 
 import eqxdist as ed
@@ -84,37 +83,18 @@ def _expected(scores, relevance, mask):
     return expected
 
 
-def _assert_matches(computed, expected):
-    assert set(computed) == set(expected)
-    for name, want in expected.items():
-        np.testing.assert_allclose(computed[name], want, rtol=1e-5, err_msg=name)
-
-
 def test_one_update_merged_and_synced_match_brute_force_and_sklearn(mesh8):
     data = _data()
     expected = _expected(*data)
 
-    @jax.jit
-    def one_and_merged(*d):
-        h = N_DEV * QUERIES // 2
-        first = _update(_collection(), *(x[:h] for x in d))
-        second = _update(_collection(), *(x[h:] for x in d))
-        return _update(_collection(), *d).compute(), first.merge(second).compute()
+    one, merged = one_and_merged(_collection, _update, data)
+    assert_matches(one, expected)
+    assert_matches(merged, expected)
 
-    one, merged = one_and_merged(*data)
-    _assert_matches(one, expected)
-    _assert_matches(merged, expected)
-
-    def per_device(*d):
-        metrics = _collection()
-        for r in (slice(0, 1), slice(1, None)):
-            metrics = _update(metrics, *(x[r] for x in d))
-        return metrics.sync("data").compute()
-
-    fn = jax.jit(
-        jax.shard_map(per_device, mesh=mesh8, in_specs=P("data"), out_specs=P())
+    rows = (slice(0, 1), slice(1, None))
+    assert_matches(
+        synced(mesh8, _collection, _update, data, rows, compute=True), expected
     )
-    _assert_matches(fn(*data), expected)
 
 
 def test_single_queries():
