@@ -20,11 +20,16 @@ numbers must be printed exactly. A block that prints must state all of it, once.
 
 import ast
 import io
+import os
 import re
+import subprocess
+import sys
 import tokenize
 from decimal import Decimal
 from pathlib import Path
 from typing import NamedTuple
+
+ROOT = Path(__file__).resolve().parent.parent
 
 # A python block, and the ```text block that may follow it at the same indentation.
 BLOCK = re.compile(
@@ -152,3 +157,21 @@ def mismatch(stated: list[str], printed: list[str]) -> str | None:
     if lines_match(stated, printed):
         return None
     return "states:\n  " + "\n  ".join(stated) + "\nprints:\n  " + "\n  ".join(printed)
+
+
+def run_as_pasted(script: Path) -> subprocess.CompletedProcess:
+    """`script` run as a reader runs what they pasted: a fresh Python in the
+    script's folder, without this process's `XLA_FLAGS`, importing the checkout's
+    eqxdist (as the tests do); its output captured."""
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    env["PYTHONPATH"] = os.pathsep.join(
+        [str(ROOT), *filter(None, [env.get("PYTHONPATH")])]
+    )
+    return subprocess.run(
+        [sys.executable, str(script)],
+        cwd=script.parent,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )

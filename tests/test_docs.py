@@ -10,15 +10,19 @@ itself)."""
 
 import contextlib
 import io
-import os
 import re
-import subprocess
-import sys
 import warnings
 from pathlib import Path
 
 import pytest
-from stated_output import Block, blocks_of, line_matches, mismatch, stated_output
+from stated_output import (
+    Block,
+    blocks_of,
+    line_matches,
+    mismatch,
+    run_as_pasted,
+    stated_output,
+)
 
 ROOT = Path(__file__).resolve().parent.parent
 DOCS = ROOT / "docs"
@@ -86,18 +90,7 @@ def test_doc_page_set_up_runs_as_pasted(page: Path, tmp_path: Path) -> None:
         blocks_of(page)[0].code + "\n\nimport jax\n\n"
         "print('devices:', jax.device_count())\n"
     )
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-    env["PYTHONPATH"] = os.pathsep.join(
-        [str(ROOT), *filter(None, [env.get("PYTHONPATH")])]
-    )
-    out = subprocess.run(
-        [sys.executable, str(script)],
-        cwd=tmp_path,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    out = run_as_pasted(script)
     assert out.returncode == 0, out.stdout + out.stderr
     assert out.stdout.splitlines()[-1] == "devices: 8", (
         f"{page_id(page)}'s first block, pasted into a fresh Python, gives "

@@ -3,14 +3,11 @@ its ```python blocks, in order, as one script in a fresh process, the way a read
 pastes them (the tour calls `simulate_cpu_devices` itself, so the process starts
 without XLA_FLAGS); its stated output read as the docs' is (`stated_output.py`)."""
 
-import os
 import re
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
-from stated_output import blocks_of, mismatch, stated_output
+from stated_output import blocks_of, mismatch, run_as_pasted, stated_output
 
 ROOT = Path(__file__).resolve().parent.parent
 README = ROOT / "README.md"
@@ -28,19 +25,7 @@ def test_readme_tour_runs_and_prints_what_it_states(tmp_path: Path) -> None:
     assert blocks, "README.md has no ```python block"
     script = tmp_path / "tour.py"
     script.write_text("\n".join(block.code for block in blocks))
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-    # The checkout's eqxdist, as the tests import it.
-    env["PYTHONPATH"] = os.pathsep.join(
-        [str(ROOT), *filter(None, [env.get("PYTHONPATH")])]
-    )
-    out = subprocess.run(
-        [sys.executable, str(script)],
-        cwd=tmp_path,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    out = run_as_pasted(script)
     assert out.returncode == 0, out.stdout + out.stderr
     stated = [stated_output(block) for block in blocks]
     assert not any(s.unstated or s.twice for s in stated), stated

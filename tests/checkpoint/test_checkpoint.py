@@ -2,7 +2,6 @@
 another layout or device count, resuming training, interrupted saves and bad input.
 (Saving and restoring across processes is in tests/launch/test_launch.py.)"""
 
-import json
 import os
 import shutil
 import signal
@@ -16,6 +15,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from harness import v0_1_checkpoint
 from jax.sharding import NamedSharding, PartitionSpec as P
 from mp_scripts import common
 
@@ -515,18 +515,7 @@ def test_sigterm_saves_and_the_rerun_resumes_bit_exactly(tmp_path, cached_env):
 
 def test_checkpoints_written_by_v0_1_still_restore(tmp_path):
     # v0.1's layout: the arrays directly in <step>/, a marker without checksums.
-    import orbax.checkpoint as ocp
-
-    with ocp.Checkpointer(ocp.PyTreeCheckpointHandler()) as checkpointer:
-        checkpointer.save(tmp_path / "3", {"leaf0": np.arange(4.0)})
-    marker = {
-        "format": "eqxdist-checkpoint",
-        "version": 1,
-        "step": 3,
-        "process_count": 1,
-        "leaves": [{"path": "['w']", "shape": [4], "dtype": "float64"}],
-    }
-    (tmp_path / "3" / "eqxdist_checkpoint.json").write_text(json.dumps(marker))
+    v0_1_checkpoint(tmp_path)
     assert ed.latest_step(tmp_path) == 3
     restored = ed.restore_checkpoint(tmp_path, {"w": np.zeros(4)})
     np.testing.assert_array_equal(restored["w"], np.arange(4.0))

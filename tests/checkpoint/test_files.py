@@ -7,6 +7,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from harness import v0_1_checkpoint
 
 import eqxdist as ed
 
@@ -96,21 +97,6 @@ def test_a_marker_that_lost_its_checksums_does_not_skip_verification(tmp_path, v
     victim.write_bytes(bytes(data))
     with pytest.raises(ValueError, match=r"step 7 .* corrupted.*checksums"):
         ed.restore_checkpoint(tmp_path, state())
-
-
-def v0_1_checkpoint(directory):
-    import orbax.checkpoint as ocp
-
-    with ocp.Checkpointer(ocp.PyTreeCheckpointHandler()) as checkpointer:
-        checkpointer.save(directory / "3", {"leaf0": np.arange(4.0)})
-    marker = {
-        "format": "eqxdist-checkpoint",
-        "version": 1,
-        "step": 3,
-        "process_count": 1,
-        "leaves": [{"path": "['w']", "shape": [4], "dtype": "float64"}],
-    }
-    (directory / "3" / MARKER).write_text(json.dumps(marker))
 
 
 @pytest.mark.parametrize("victim", ["_METADATA", "manifest.ocdbt"])

@@ -10,7 +10,9 @@ import jax
 import numpy as np
 import optax
 import pytest
+from harness import loss_fn
 from jax.sharding import PartitionSpec as P
+from reference import train_one_device
 
 import eqxdist as ed
 
@@ -242,13 +244,6 @@ def test_no_thread_is_left_after_close(mesh8):
     assert set(threading.enumerate()) == before
 
 
-def _loss(model, batch, key):
-    del key
-    logits = jax.vmap(model)(batch["x"])
-    losses = optax.softmax_cross_entropy_with_integer_labels(logits, batch["y"])
-    return losses.mean(), {}
-
-
 def test_resuming_from_step_5_is_bit_identical_to_10_steps(mesh8):
     rng = np.random.default_rng(0)
     data = {
@@ -257,7 +252,7 @@ def test_resuming_from_step_5_is_bit_identical_to_10_steps(mesh8):
     }
     optimizer = optax.adam(1e-2)
     model = eqx.nn.MLP(3, 7, 16, 1, key=jax.random.key(0))
-    train_step = ed.make_train_step(_loss, optimizer, mesh8)
+    train_step = ed.make_train_step(loss_fn, optimizer, mesh8)
     initial = ed.TrainState.create(model, optimizer, jax.random.key(1))
 
     def train(state, start, stop):
@@ -276,14 +271,11 @@ def test_resuming_from_step_5_is_bit_identical_to_10_steps(mesh8):
             np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
     # The same 10 steps on one device over NumPy-indexed batches.
-    opt_state = optimizer.init(eqx.filter(model, eqx.is_inexact_array))
-    reference = model
-    for step in range(10):
-        rows = expected_rows(step, 16, seed=4, size=40)
-        batch = {k: v[rows] for k, v in data.items()}
-        grads, _ = eqx.filter_grad(_loss, has_aux=True)(reference, batch, None)
-        updates, opt_state = optimizer.update(grads, opt_state)
-        reference = eqx.apply_updates(reference, updates)
+    batches = [
+        {k: v[expected_rows(step, 16, seed=4, size=40)] for k, v in data.items()}
+        for step in range(10)
+    ]
+    reference = train_one_device(model, batches, optimizer, loss_fn).model
     for a, b in zip(
         jax.tree.leaves(eqx.filter(straight.model, eqx.is_array)),
         jax.tree.leaves(eqx.filter(reference, eqx.is_array)),

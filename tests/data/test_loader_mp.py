@@ -3,48 +3,28 @@ process asks its source only for its own rows, and the global batches equal thos
 of 1 process x 8 devices and of NumPy indexing."""
 
 import json
-import subprocess
-import sys
-from pathlib import Path
 
 import jax
 import numpy as np
 import pytest
+from harness import MP_SCRIPTS, launch
+from mp_scripts.common import (  # mp_loader.py's
+    LOADER_BATCH as BATCH,
+    LOADER_DATA as DATA,
+    LOADER_MESHES as MESHES,
+    LOADER_ROWS as ROWS,
+    LOADER_SEED as SEED,
+)
 
 import eqxdist as ed
 
-SCRIPT = Path(__file__).parent.parent / "mp_scripts" / "mp_loader.py"
-ROWS, BATCH, SEED = 40, 16, 3  # mp_loader.py's
-DATA = {
-    "x": np.arange(ROWS * 3, dtype=np.float32).reshape(ROWS, 3),
-    "y": np.arange(ROWS, dtype=np.int32),
-}
-MESHES = {
-    "data": ({"data": 8}, "data"),
-    "replica_data": ({"replica": 2, "data": 4}, ("replica", "data")),
-    "model_data": ({"model": 2, "data": 4}, "data"),
-}
+SCRIPT = MP_SCRIPTS / "mp_loader.py"
 
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     out = tmp_path_factory.mktemp("mp_loader")
-    result = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "eqxdist.launch",
-            "-n",
-            "2",
-            "-d",
-            "4",
-            str(SCRIPT),
-            str(out),
-        ],
-        capture_output=True,
-        text=True,
-        timeout=240,
-    )
+    result = launch(SCRIPT, out)
     assert result.returncode == 0, f"{result.stdout}\n{result.stderr}"
     return [json.loads((out / f"loader_{p}.json").read_text()) for p in range(2)]
 

@@ -645,13 +645,7 @@ def training(tmp_path_factory, mesh8):
     ckpt1 = tmp_path_factory.mktemp("ckpt1")
     reference = {}
     for strategy in ("dp", "fsdp"):
-        step = ed.make_train_step(
-            common.loss_fn,
-            common.OPTIMIZER,
-            mesh8,
-            strategy=strategy,
-            min_weight_size=common.MIN_WEIGHT_SIZE,
-        )
+        step = common.make_step(mesh8, strategy)
         state, first, _ = common.train(step, common.make_state(), 0, 2)
         reference[f"{strategy}_step2"] = common.flat(state)
         if strategy == "dp":

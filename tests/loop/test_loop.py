@@ -19,6 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from reference import train_one_device
 
 import eqxdist as ed
 
@@ -79,15 +80,8 @@ def test_loop_equals_a_bare_loop_and_plain_optax(mesh8: Any, tmp_path: Path) -> 
     for a, b in zip(params(result.state), params(state), strict=True):
         np.testing.assert_array_equal(a, b)
     # Plain single-device Equinox + Optax on the same batches.
-    model = make_state().model
-    opt_state = OPTIMIZER.init(eqx.filter(model, eqx.is_array))
-    for i in range(STEPS):
-        b = {k: jnp.asarray(v) for k, v in batch(i).items()}
-        grads = eqx.filter_grad(lambda m, b: loss_fn(m, b, None)[0])(model, b)
-        updates, opt_state = OPTIMIZER.update(
-            grads, opt_state, eqx.filter(model, eqx.is_array)
-        )
-        model = eqx.apply_updates(model, updates)
+    batches = [batch(i) for i in range(STEPS)]
+    model = train_one_device(make_state().model, batches, OPTIMIZER, loss_fn).model
     for a, b in zip(params(result.state), params(model), strict=True):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
     # Log points at 5, 10 and the end; the logged values are the step's own.
@@ -464,18 +458,16 @@ def test_logs_step_info_grad_norm(mesh8: Any, tmp_path: Path) -> None:
         )
     (row,) = [json.loads(r) for r in (tmp_path / "m.jsonl").read_text().splitlines()]
     assert row["step"] == 1 and row["skipped"] == 0.0
-    # Plain single-device Equinox + Optax on the same global batch.
-    model, b = make_state().model, batch(0)
 
-    def mse(model: Any) -> Any:
+    # Plain single-device Equinox + Optax on the same global batch.
+    def mse(model: Any, b: Any, key: Any) -> Any:
         return jnp.mean((jax.vmap(model)(b["x"]) - b["y"]) ** 2)
 
-    grads = eqx.filter_grad(mse)(model)
+    one_step = train_one_device(make_state().model, [batch(0)], OPTIMIZER, mse)
+    grads, updates = one_step.grads, one_step.updates
     expected = float(optax.tree.norm(eqx.filter(grads, eqx.is_array)))
     np.testing.assert_allclose(row["grad_norm"], expected, rtol=1e-5)
-    opt_state = OPTIMIZER.init(eqx.filter(model, eqx.is_array))
-    updates, _ = OPTIMIZER.update(grads, opt_state, eqx.filter(model, eqx.is_array))
-    new = eqx.filter(eqx.apply_updates(model, updates), eqx.is_array)
+    new = eqx.filter(one_step.model, eqx.is_array)
     np.testing.assert_allclose(
         row["update_norm"], float(optax.tree.norm(updates)), rtol=1e-5
     )

@@ -6,7 +6,6 @@ import csv
 import glob
 import json
 import struct
-import subprocess
 import sys
 from pathlib import Path
 from typing import Any
@@ -14,11 +13,10 @@ from typing import Any
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from harness import MP_SCRIPTS, launch
 from tensorboard.backend.event_processing import event_accumulator
 
 import eqxdist as ed
-
-ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_jsonl_holds_one_object_per_write(tmp_path: Path) -> None:
@@ -297,23 +295,7 @@ def test_wandb_writer_errors(monkeypatch: Any) -> None:
 
 @pytest.mark.slow
 def test_only_process_zero_writes(tmp_path: Path) -> None:
-    script = ROOT / "tests" / "mp_scripts" / "mp_writers.py"
-    result = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "eqxdist.launch",
-            "-n",
-            "2",
-            "-d",
-            "4",
-            script,
-            tmp_path,
-        ],
-        capture_output=True,
-        text=True,
-        timeout=240,
-    )
+    result = launch(MP_SCRIPTS / "mp_writers.py", tmp_path)
     assert result.returncode == 0, result.stdout + result.stderr
     assert sorted(p.name for p in tmp_path.iterdir()) == ["m.csv", "m.jsonl", "tb"]
     rows = [json.loads(r) for r in (tmp_path / "m.jsonl").read_text().splitlines()]

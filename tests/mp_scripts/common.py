@@ -4,6 +4,10 @@ them against one process: a small MLP classifier, its data and a training loop.
 Imported as `common` by the scripts (run under `python -m eqxdist.launch`) and as
 `mp_scripts.common` by the tests (one process with 8 devices)."""
 
+import os
+import subprocess
+import sys
+from pathlib import Path
 from typing import Any
 
 import equinox as eqx
@@ -22,10 +26,43 @@ STEPS = 4
 MIN_WEIGHT_SIZE = 64  # so FSDP shards the 32x16 and 32x32 weights
 OPTIMIZER = optax.adam(1e-2)
 
+# The rows, batches and meshes of `BatchLoader` across processes (mp_loader.py).
+LOADER_ROWS, LOADER_BATCH, LOADER_SEED = 40, 16, 3
+LOADER_DATA = {
+    "x": np.arange(LOADER_ROWS * 3, dtype=np.float32).reshape(LOADER_ROWS, 3),
+    "y": np.arange(LOADER_ROWS, dtype=np.int32),
+}
+LOADER_MESHES = {
+    "data": ({"data": 8}, "data"),
+    "replica_data": ({"replica": 2, "data": 4}, ("replica", "data")),
+    # The model axis spans the processes: both hold every row.
+    "model_data": ({"model": 2, "data": 4}, "data"),
+}
+
 
 def make_state() -> ed.TrainState:
     model = eqx.nn.MLP(FEATURES, CLASSES, 32, 2, key=jax.random.key(0))
     return ed.TrainState.create(model, OPTIMIZER, jax.random.key(1))
+
+
+def make_step(mesh: Any, strategy: str = "dp") -> Any:
+    """The train step of `loss_fn` over `mesh` (FSDP shards leaves of
+    `MIN_WEIGHT_SIZE` elements and more)."""
+    return ed.make_train_step(
+        loss_fn, OPTIMIZER, mesh, strategy=strategy, min_weight_size=MIN_WEIGHT_SIZE
+    )
+
+
+def record_pids(out: Path) -> None:
+    """Append this process's id to `out/pids`, and on process 0 also that of a
+    child it starts (asleep), so that a test can check none outlives the
+    launcher."""
+    pids = [str(os.getpid())]
+    if jax.process_index() == 0:
+        child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
+        pids.append(str(child.pid))
+    with open(out / "pids", "a") as f:
+        f.write("\n".join(pids) + "\n")
 
 
 def loss_fn(model: Any, batch: dict[str, Any], key: Any) -> tuple[Any, Any]:

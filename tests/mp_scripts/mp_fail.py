@@ -6,7 +6,6 @@ Process 0 would train forever (stuck in a collective once process 1 is gone); it
 also starts a child process. Every process id is written to `OUT/pids` so the test
 can check that none survives the launcher."""
 
-import subprocess
 import sys
 from pathlib import Path
 
@@ -18,15 +17,9 @@ import common  # noqa: E402
 import jax  # noqa: E402
 
 out, how = Path(sys.argv[1]), sys.argv[2]
-pids = [str(__import__("os").getpid())]
-if jax.process_index() == 0:
-    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
-    pids.append(str(child.pid))
-with open(out / "pids", "a") as f:
-    f.write("\n".join(pids) + "\n")
+common.record_pids(out)
 
-mesh = ed.create_data_parallel_mesh()
-step = ed.make_train_step(common.loss_fn, common.OPTIMIZER, mesh)
+step = common.make_step(ed.create_data_parallel_mesh())
 state = common.make_state()
 batch = common.local_rows(common.global_batches()[0])
 for i in range(10**6):

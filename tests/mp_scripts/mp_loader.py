@@ -14,19 +14,13 @@ ed.initialize_distributed()
 
 import common  # noqa: E402
 import jax  # noqa: E402
-import numpy as np  # noqa: E402
-
-ROWS, BATCH, SEED = 40, 16, 3
-DATA = {
-    "x": np.arange(ROWS * 3, dtype=np.float32).reshape(ROWS, 3),
-    "y": np.arange(ROWS, dtype=np.int32),
-}
-MESHES = {
-    "data": ({"data": 8}, "data"),
-    "replica_data": ({"replica": 2, "data": 4}, ("replica", "data")),
-    # The model axis spans the processes: both hold every row.
-    "model_data": ({"model": 2, "data": 4}, "data"),
-}
+from common import (  # noqa: E402
+    LOADER_BATCH as BATCH,
+    LOADER_DATA as DATA,
+    LOADER_MESHES as MESHES,
+    LOADER_ROWS as ROWS,
+    LOADER_SEED as SEED,
+)
 
 
 class Recording:

@@ -40,13 +40,7 @@ def dump(name, tree):
 
 
 for strategy in ("dp", "fsdp"):
-    step = ed.make_train_step(
-        common.loss_fn,
-        common.OPTIMIZER,
-        mesh,
-        strategy=strategy,
-        min_weight_size=common.MIN_WEIGHT_SIZE,
-    )
+    step = common.make_step(mesh, strategy)
     state, first, _ = common.train(step, common.make_state(), 0, 2)
     if strategy == "fsdp":
         ed.save_checkpoint(out / "ckpt", state, step=2)

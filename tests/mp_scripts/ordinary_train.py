@@ -9,7 +9,6 @@ script would not end when the launcher passes a SIGTERM on. Every process id (an
 child process of process 0) is written to `OUT/pids`."""
 
 import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -24,15 +23,9 @@ out = Path(sys.argv[1])
 steps = int(sys.argv[2]) if len(sys.argv) > 2 else 10**6
 failures = int(sys.argv[3]) if len(sys.argv) > 3 else 0
 fail = jax.process_index() == 1 and int(os.environ["EQXDIST_RESTART_COUNT"]) < failures
-pids = [str(os.getpid())]
-if jax.process_index() == 0:
-    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
-    pids.append(str(child.pid))
-with open(out / "pids", "a") as f:
-    f.write("\n".join(pids) + "\n")
+common.record_pids(out)
 
-mesh = ed.create_data_parallel_mesh()
-step = ed.make_train_step(common.loss_fn, common.OPTIMIZER, mesh)
+step = common.make_step(ed.create_data_parallel_mesh())
 state = common.make_state()
 batch = common.local_rows(common.global_batches()[0])
 for i in range(steps):

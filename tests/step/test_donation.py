@@ -100,20 +100,25 @@ SCENARIOS = {
 }
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("strategy", ["dp", "fsdp"])
-@pytest.mark.parametrize("scenario", sorted(SCENARIOS))
-def test_consumed_state(scenario, strategy, cached_env):
+def _run_scenario(scenario, env):
+    """`SCENARIOS[scenario]` after the prelude, in a fresh process: it ends."""
     code = PRELUDE + "\n" + SCENARIOS[scenario] + "\nprint('OK')\n"
     proc = subprocess.run(
         [sys.executable, "-c", code],
         capture_output=True,
         text=True,
         timeout=300,
-        env={**cached_env, "STRATEGY": strategy},
+        env=env,
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert proc.stdout.strip().endswith("OK")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("strategy", ["dp", "fsdp"])
+@pytest.mark.parametrize("scenario", sorted(SCENARIOS))
+def test_consumed_state(scenario, strategy, cached_env):
+    _run_scenario(scenario, {**cached_env, "STRATEGY": strategy})
 
 
 HOST_COPY_ENTRY_POINTS = ["step", "place_state", "lower", "eval", "save_checkpoint"]
@@ -125,13 +130,4 @@ HOST_COPY_ENTRY_POINTS = ["step", "place_state", "lower", "eval", "save_checkpoi
 def test_consumed_state_read_to_host(scenario, strategy, cached_env):
     """A consumed state whose arrays were read to the host first
     (`jax.device_get`) is the same `ValueError`, never a SIGSEGV."""
-    code = PRELUDE + "\n" + SCENARIOS[scenario] + "\nprint('OK')\n"
-    proc = subprocess.run(
-        [sys.executable, "-c", code],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        env={**cached_env, "STRATEGY": strategy, "HOST_COPY": "1"},
-    )
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert proc.stdout.strip().endswith("OK")
+    _run_scenario(scenario, {**cached_env, "STRATEGY": strategy, "HOST_COPY": "1"})
