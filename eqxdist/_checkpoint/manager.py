@@ -121,11 +121,13 @@ class CheckpointManager(Closing):
     def _on_sigterm(self, signum: int, frame: FrameType | None) -> None:
         self._sigterm.set()
 
-    def _request_preemption(self) -> None:
-        """Act as if SIGTERM arrived (`train_loop` routes Ctrl-C here): this
-        manager's own flag in a single process; under `jax.distributed` a SIGTERM
-        to this process, which JAX's preemption notifier catches and passes on, so
-        that every process stops at the same step."""
+    def request_preemption(self) -> None:
+        """Act as if SIGTERM arrived (`train_loop` routes Ctrl-C here): the next
+        `save` saves whatever the interval, and `reached_preemption` turns true
+        at the step it saves. In a single process this manager's own flag; under
+        `jax.distributed` a SIGTERM to this process, which JAX's preemption
+        notifier catches and passes on, so that every process stops at the same
+        step."""
         if _uses_jax_preemption_service():
             os.kill(os.getpid(), signal.SIGTERM)
         else:
