@@ -281,10 +281,19 @@ def call_with_axes(
         found = re.search(r"unbound axis name: ([^.\s]+)", str(e))
         if found is None:
             raise
-        bound = f"the mesh axes {axes}" if axes else "no mesh axis"
+        axis = found.group(1)
+        if not axes:  # the global view
+            raise ValueError(
+                f"{caller} uses the axis {axis!r}, but in the global view it runs "
+                "once on the whole batch with no mesh axis bound: collectives and "
+                "`axis_name=` over mesh axes are neither needed nor allowed there. "
+                "Write it as for one device (a BatchNorm's `axis_name` names only "
+                f"{caller}'s own `jax.vmap` axis, e.g. `axis_name='batch'`), or use "
+                "view='device'."
+            ) from None
         raise ValueError(
-            f"{caller} uses the axis {found.group(1)!r}, which is not bound where "
-            f"the step runs it: it binds {bound} (and whatever `jax.vmap` axes "
+            f"{caller} uses the axis {axis!r}, which is not bound where the step "
+            f"runs it: it binds the mesh axes {axes} (and whatever `jax.vmap` axes "
             f"{caller} names itself). Name one of those, e.g. "
             "`eqx.nn.BatchNorm(..., axis_name=('batch', 'data'))` under "
             "`jax.vmap(..., axis_name='batch')`."

@@ -187,23 +187,47 @@ class Layout:
                 return P()
         return spec
 
-    def state_specs(self, state: Any, optimizer: optax.GradientTransformation) -> Any:
+    def state_specs(self, state: Any, optimizer: Any) -> Any:
         """The specs of a whole `TrainState` (model, optimizer state, replicated
-        model state, step and key), cached per structure, shapes and dtypes."""
+        model state, step and key), cached per structure, shapes and dtypes.
+        `optimizer`: the state's optimizer, or with parts the dict of one per
+        part (each part's state laid out by its parameters)."""
         key = structure_key(state)
         if key not in self._state_specs:
             self._state_specs[key] = self._compute_state_specs(state, optimizer)
         return self._state_specs[key]
 
-    def _compute_state_specs(
-        self, state: Any, optimizer: optax.GradientTransformation
-    ) -> Any:
+    def _compute_state_specs(self, state: Any, optimizer: Any) -> Any:
         model_specs = self.plan(state.model).specs
-        param_specs = jax.tree.map(
-            lambda s, t: s if t else None,
+        if state.parts is None:
+            opt_specs = self.opt_state_specs(
+                optimizer,
+                state.opt_state,
+                self._param_specs(state, model_specs, state.trainable_mask()),
+            )
+        else:
+            opt_specs = {
+                name: self.opt_state_specs(
+                    optimizer[name],
+                    state.opt_state[name],
+                    self._param_specs(state, model_specs, state.trainable_mask(name)),
+                )
+                for name, _ in state.parts
+            }
+        return state_like(
+            state,
             model_specs,
-            state.trainable_mask(),
-            is_leaf=is_spec_leaf,
+            opt_state=opt_specs,
+            step=P(),
+            key=_replicated(state.key),
+            model_state=_replicated(state.model_state),
+        )
+
+    def _param_specs(self, state: Any, model_specs: Any, trained: Any) -> Any:
+        """The specs optimizer state follows: each `trained` leaf's (under ZeRO-1,
+        sharded by the FSDP rule), `None` at the others."""
+        param_specs = jax.tree.map(
+            lambda s, t: s if t else None, model_specs, trained, is_leaf=is_spec_leaf
         )
         if self.opt_fsdp is not None:
             # ZeRO-1: the parameters stay as their rules say; their optimizer state
@@ -225,14 +249,7 @@ class Layout:
                 "optimizer state",
             )
             param_specs = jax.tree.unflatten(treedef, spec_leaves)
-        return state_like(
-            state,
-            model_specs,
-            opt_state=self.opt_state_specs(optimizer, state.opt_state, param_specs),
-            step=P(),
-            key=_replicated(state.key),
-            model_state=_replicated(state.model_state),
-        )
+        return param_specs
 
     def compiler_options(self, model: Any, compute_dtype: Any) -> dict[str, Any] | None:
         """XLA options for a step of `model` on this layout (CPU only; `None`

@@ -8,7 +8,7 @@ import signal
 import statistics
 import threading
 import time
-from collections.abc import Callable, Generator
+from collections.abc import Callable, Generator, Mapping
 from types import FrameType, TracebackType
 from typing import Any
 
@@ -31,6 +31,7 @@ from .pieces import (
     merge,
     scalars,
 )
+from .steps import StepsInTurn
 from .writers import Writer, resume_writer
 
 
@@ -82,7 +83,7 @@ def _batch_stream(batches: Any, start: int) -> Generator[Any, None, None]:
 
 
 def restore_latest(
-    checkpoints: CheckpointManager, step: TrainStep, state: TrainState
+    checkpoints: CheckpointManager, step: TrainStep | StepsInTurn, state: TrainState
 ) -> tuple[TrainState, dict[str, Any]]:
     """The latest checkpoint of `checkpoints` restored into `step`'s layout (with
     `state` giving the structure), and its metadata; `state` itself, placed, and
@@ -156,7 +157,7 @@ class _Logger:
 
 @dataclasses.dataclass
 class _Run:
-    step: TrainStep
+    step: TrainStep | StepsInTurn
     writer: Writer | None
     progress: Progress
     show: tuple[str, ...]
@@ -220,7 +221,7 @@ class _Interrupts:
             raise KeyboardInterrupt
         self.received = True
         assert self.checkpoints is not None
-        self.checkpoints._request_preemption()
+        self.checkpoints.request_preemption()
 
     def __exit__(
         self,
@@ -237,7 +238,9 @@ def _rows(batch: Any) -> int | None:
     return int(leaves[0].shape[0]) if leaves else None
 
 
-def _auto_flops(step: TrainStep, state: Any, batch: Any, devices: list[Any]) -> Any:
+def _auto_flops(
+    step: TrainStep | StepsInTurn, state: Any, batch: Any, devices: list[Any]
+) -> Any:
     """The step's model FLOPs (`TrainStep.cost`), only where `mfu` can use them (a
     known device: the cost analysis compiles the step once more)."""
     if any(peak_flops(d) is None for d in devices):
@@ -248,7 +251,7 @@ def _auto_flops(step: TrainStep, state: Any, batch: Any, devices: list[Any]) -> 
 
 @typecheck
 def train_loop(
-    step: TrainStep,
+    step: TrainStep | Mapping[str, TrainStep],
     state: TrainState,
     batches: Any,
     num_steps: int,
@@ -289,10 +292,14 @@ def train_loop(
 
     - `step`, `state`: the train step (`make_train_step`) and the state to start
       from (placed here; with `resume`, only its structure and placement matter).
+      `step` may be a dict of steps run in turn on the state each loop step (a
+      model's parts: `{"disc": step_d, "gen": step_g}`); their metrics are kept
+      apart by name (`disc/loss`, `gen/loss`), and each advances `state.step`.
     - `batches`: an `ed.BatchLoader` (anything with `iterate(start_step)` yielding
       `(step, batch)`), or a function `batch(step) -> batch`; the batch of step
       `s` must depend only on `s`, so that a resumed run sees the same stream.
-    - `num_steps`: the step to train up to (the value of `state.step` at the end).
+    - `num_steps`: the step to train up to (the value of `state.step` at the end;
+      with a dict of steps, the loop steps, each of them one call of every step).
     - `writer`: where log points and evaluations go (`JsonlWriter`, `MultiWriter`,
       ...). Evaluation values are written with an `eval_` prefix.
     - `log_every`: steps between log points: the step's scalar metrics, the
@@ -354,15 +361,18 @@ def train_loop(
     )
     if compilation_cache_dir is not None:
         enable_compilation_cache(compilation_cache_dir)
-    state, start = _starting_state(step, state, checkpoints if resume else None, writer)
+    steps = StepsInTurn(step, "train_loop") if isinstance(step, Mapping) else step
+    state, start = _starting_state(
+        steps, state, checkpoints if resume else None, writer
+    )
     end = num_steps if stop_at is None else min(num_steps, stop_at)
     run = _Run(
-        step=step,
+        step=steps,
         writer=writer,
         progress=Progress(num_steps, initial=start, name=name, bar=progress),
         show=show,
         tokens_per_step=tokens_per_step,
-        devices=list(step.mesh.devices.flat),
+        devices=list(steps.mesh.devices.flat),
         eval_step=eval_step,
         eval_batches=eval_batches,
         checkpoints=checkpoints,
@@ -392,7 +402,7 @@ def train_loop(
 
 
 def _starting_state(
-    step: TrainStep,
+    step: TrainStep | StepsInTurn,
     state: TrainState,
     checkpoints: CheckpointManager | None,
     writer: Writer | None,
@@ -402,7 +412,8 @@ def _starting_state(
     resuming from `checkpoints`, else `state`'s."""
     if checkpoints is None:
         state = step.place_state(state)
-        return state, int(state.step)
+        per_loop_step = len(step.steps) if isinstance(step, StepsInTurn) else 1
+        return state, int(state.step) // per_loop_step
     state, meta = restore_latest(checkpoints, step, state)
     start = int(meta.get("loader_step", int(state.step)))
     if writer is not None:

@@ -91,7 +91,12 @@ def check_broadcast(
     x: Array, shape: tuple[int, ...], caller: str, argument: str, target: str
 ) -> Array:
     """`x` broadcast to `shape`, which must not grow (a value may not be counted
-    several times)."""
+    several times). A value per row (`x.shape` a leading part of `shape`, e.g.
+    weights `(B,)` for targets `(B, 1, 16, 16)`) covers the rest of its row's
+    dimensions; otherwise NumPy's rule (trailing dimensions) applies."""
+    rank = len(x.shape)
+    if 0 < rank < len(shape) and tuple(x.shape) == tuple(shape[:rank]):
+        x = x.reshape(*x.shape, *(1,) * (len(shape) - rank))
     try:
         fits = jnp.broadcast_shapes(x.shape, shape) == shape
     except ValueError:

@@ -1,13 +1,15 @@
 """Regression metrics: `MeanSquaredError` (and RMSE), `MeanAbsoluteError`,
 `MeanSquaredLogError`, `R2Score` and `PearsonCorrCoef`.
 
-All take `update(preds, targets, weights=None)` on arrays of any equal shapes,
-every element one observation (scikit-learn's metrics on the flattened arrays),
-with optional `weights` that broadcast to that shape (weight 0 leaves an element
-out, even a NaN one). The mean errors hold a `Mean` of the per-element errors;
-`R2Score` and `PearsonCorrCoef` hold the weighted moments of the batch (weight,
-means, sums of squared deviations and co-deviations), merged exactly by Chan's
-parallel formula, so that no sum of squares minus a squared sum ever cancels.
+All take `update(preds, targets, weights=None, mask=None)` on arrays of any
+equal shapes, every element one observation (scikit-learn's metrics on the
+flattened arrays), with optional `weights` that broadcast to that shape (weight 0
+leaves an element out, even a NaN one; one weight per row covers the row) and an
+optional bool `mask` (rows or elements to count, broadcast alike). The mean
+errors hold a `Mean` of the per-element errors; `R2Score` and `PearsonCorrCoef`
+hold the weighted moments of the batch (weight, means, sums of squared
+deviations and co-deviations), merged exactly by Chan's parallel formula, so
+that no sum of squares minus a squared sum ever cancels.
 """
 
 import abc
@@ -22,20 +24,30 @@ from .accumulator import FoldAccumulator
 from .aggregation import Mean
 from .base import Metric
 from .checks import float_input, same_shape, weights_for
-from .inputs import float_dtype, is_concrete
+from .inputs import counted_mask, float_dtype, is_concrete
 
 _E = TypeVar("_E", bound="_MeanError")
 
 
 def _observations(
-    preds: ArrayLike, targets: ArrayLike, weights: ArrayLike | None, caller: str
+    preds: ArrayLike,
+    targets: ArrayLike,
+    weights: ArrayLike | None,
+    mask: ArrayLike | None,
+    caller: str,
 ) -> tuple[Array, Array, Array]:
-    """Flat float `preds`, `targets` and `weights` (ones when `None`); elements of
-    weight 0 are zeroed so that a NaN there cannot leak into a sum."""
+    """Flat float `preds`, `targets` and `weights` (ones when `None`, zero where
+    `mask` is `False`); elements of weight 0 are zeroed so that a NaN there
+    cannot leak into a sum."""
     p = float_input(preds, caller, "preds")
     t = float_input(targets, caller, "targets")
     same_shape(p, t, caller, ("preds", "targets"), "one prediction per target")
     w = weights_for(weights, t.shape, caller, "`targets`")
+    if mask is not None:
+        counted = counted_mask(
+            mask, t.shape, caller, has_weights=True, target="`targets`"
+        )
+        w = jnp.where(counted, w, 0)
     dtype = jnp.promote_types(jnp.promote_types(p.dtype, t.dtype), w.dtype)
     keep = w != 0
     p, t = (jnp.where(keep, x, 0).astype(dtype).ravel() for x in (p, t))
@@ -55,20 +67,24 @@ class _MeanError(Metric):
         preds: ArrayLike,
         targets: ArrayLike,
         weights: ArrayLike | None = None,
+        mask: ArrayLike | None = None,
     ) -> _E:
         """Add a batch: `preds` and `targets` of the same (any) shape, `weights`
-        `None` or broadcastable to it (weight 0: not counted).
+        `None` or broadcastable to it (weight 0: not counted; one value per row
+        covers the row's other dimensions), `mask` `None` or bool, broadcast as
+        `weights` (`False`: not counted, e.g. padding rows).
 
         **Raises:**
 
-        `TypeError` for non-numeric input; `ValueError` for shapes that differ or
-        weights that do not broadcast.
+        `TypeError` for non-numeric input or a non-bool mask; `ValueError` for
+        shapes that differ or weights or a mask that do not broadcast.
         """
         caller = f"{type(self).__name__}.update"
-        p, t, w = _observations(preds, targets, weights, caller)
+        p, t, w = _observations(preds, targets, weights, mask, caller)
         self._check(p, t, w, caller)
         errors = self._error(p, t).astype(float_dtype())
-        update = self.errors.update(errors, None if weights is None else w)
+        unweighted = weights is None and mask is None
+        update = self.errors.update(errors, None if unweighted else w)
         return self._with_children({"errors": update})
 
     @abc.abstractmethod
@@ -242,10 +258,14 @@ class R2Score(Metric):
         self.moments = _moment_state(2)
 
     def update(
-        self, preds: ArrayLike, targets: ArrayLike, weights: ArrayLike | None = None
+        self,
+        preds: ArrayLike,
+        targets: ArrayLike,
+        weights: ArrayLike | None = None,
+        mask: ArrayLike | None = None,
     ) -> "R2Score":
         """Add a batch (as `MeanSquaredError.update`)."""
-        p, t, w = _observations(preds, targets, weights, "R2Score.update")
+        p, t, w = _observations(preds, targets, weights, mask, "R2Score.update")
         residual = jnp.sum(w * (t - p) ** 2)
         batch = jnp.concatenate(
             [_moments(p, t, w), jnp.stack([residual, jnp.sum(w != 0).astype(w.dtype)])]
@@ -286,10 +306,14 @@ class PearsonCorrCoef(Metric):
         self.moments = _moment_state(0)
 
     def update(
-        self, preds: ArrayLike, targets: ArrayLike, weights: ArrayLike | None = None
+        self,
+        preds: ArrayLike,
+        targets: ArrayLike,
+        weights: ArrayLike | None = None,
+        mask: ArrayLike | None = None,
     ) -> "PearsonCorrCoef":
         """Add a batch (as `MeanSquaredError.update`)."""
-        p, t, w = _observations(preds, targets, weights, "PearsonCorrCoef.update")
+        p, t, w = _observations(preds, targets, weights, mask, "PearsonCorrCoef.update")
         batch = _moments(p, t, w).astype(self.moments.local.dtype)
         return self._with_children({"moments": self.moments.update(batch)})
 

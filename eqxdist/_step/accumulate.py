@@ -160,26 +160,36 @@ def accumulate(
     key: Any,
     n: int,
     use_scan: bool,
+    *,
     state_from_first: bool = False,
+    take: Callable[[Any, Any, int], Any] | None = None,
+    whole_key: bool = False,
 ) -> Accumulated:
     """The engine of `accumulate_gradients`: `loss(diff, model_state, minibatch,
     key)` (`checked`, or a function calling it) differentiated with respect to
     the floating-point arrays of `diff`, minibatch after minibatch (in order,
     each seeing the model state the previous one returned). `state_from_first`:
     see `_scan` (only needed under `check_vma=True`; it compiles the minibatch
-    twice)."""
+    twice). `take(leaf, i, n)`: minibatch `i` of `n` of a batch leaf of rank >= 1
+    (default: the `i`-th block of its rows). `whole_key`: one minibatch gets
+    `key` itself, not the one key `jax.random.split(key, 1)` gives."""
     grad_fn = eqx.filter_value_and_grad(loss, has_aux=True)
-    keys = None if key is None else jax.random.split(key, n)
+    if key is None:
+        keys = None
+    elif whole_key and n == 1:
+        keys = key[None]
+    else:
+        keys = jax.random.split(key, n)
+    take_rows = _block_of_rows if take is None else take
 
     def minibatch(i: Any, k: Any, state: Any) -> tuple[Any, Any, Any, Any, Any]:
-        def take(x: Any) -> Any:
+        def part(x: Any) -> Any:
             if not is_array(x) or jnp.ndim(x) == 0:
                 return x
-            rows = x.shape[0] // n
-            return jax.lax.dynamic_slice_in_dim(x, i * rows, rows, axis=0)
+            return take_rows(x, i, n)
 
         (value, (weight, metrics, state)), grads = grad_fn(
-            diff, state, jax.tree.map(take, batch), k
+            diff, state, jax.tree.map(part, batch), k
         )
         return grads, value.astype(jnp.float32), weight, metrics, state
 
@@ -201,6 +211,11 @@ def accumulate(
         return Accumulated(grads, total, None, metrics, model_state)
     mean = jax.tree.map(lambda g: g / n, grads)
     return Accumulated(mean, total / n, None, metrics, model_state)
+
+
+def _block_of_rows(x: Any, i: Any, n: int) -> Any:
+    rows = x.shape[0] // n
+    return jax.lax.dynamic_slice_in_dim(x, i * rows, rows, axis=0)
 
 
 def weight_scale(weight: Any) -> Any:
@@ -362,7 +377,15 @@ def accumulate_gradients(
     # Maybe inside a `shard_map` with `check_vma=True`, where a model state the
     # minibatches make device-varying must enter the scan so (see `_scan`).
     out = accumulate(
-        checked, checked, model, model_state, batch, key, n, use_scan, with_state
+        checked,
+        checked,
+        model,
+        model_state,
+        batch,
+        key,
+        n,
+        use_scan,
+        state_from_first=with_state,
     )
     grads = out.grads
     if out.weight is not None:

@@ -10,7 +10,7 @@ and evaluation steps are built on it."""
 import collections
 import contextlib
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Hashable
 from typing import Any, NamedTuple
 
 import jax
@@ -42,6 +42,34 @@ class Placement(NamedTuple):
     kept: Any
     context_mesh: Mesh | None = None
     compiler_options: dict[str, Any] | None = None
+
+
+# States returned by a donating step of a family (the steps of one model's parts,
+# `family` naming them), and states a donating step was given and consumed, by
+# `id` (weakly: an entry goes with its state). A state a step of its family
+# returned holds the family's own arrays, so a step may donate it as it donates
+# its own (a GAN's steps alternate on one state) instead of copying it; a step's
+# fast path, which looks at one of its own arrays, asks here whether another
+# step consumed its last state (the arrays it kept, such as another part's
+# parameters, may be the ones donated).
+_RETURNED: dict[int, tuple["weakref.ref[Any]", Hashable]] = {}
+_CONSUMED: dict[int, tuple["weakref.ref[Any]", Hashable]] = {}
+
+
+def _note(registry: dict[int, Any], state: Any, family: Hashable = None) -> None:
+    key = id(state)
+    # A state type without weak references is not recorded.
+    with contextlib.suppress(TypeError):
+        ref = weakref.ref(state, lambda _: registry.pop(key, None))
+        registry[key] = (ref, family)
+
+
+def _noted(registry: dict[int, Any], state: Any) -> Hashable | bool:
+    """The family `state` is noted with (`True` for none), or `False`."""
+    entry = registry.get(id(state))
+    if entry is None or entry[0]() is not state:
+        return False
+    return True if entry[1] is None else entry[1]
 
 
 def _context(mesh: Mesh | None) -> Any:
@@ -151,6 +179,8 @@ class CompiledStep:
     - `max_in_flight`: at most this many calls are queued before the oldest is
       waited for (XLA's CPU collectives deadlock when too many are queued;
       `None`: unbounded).
+    - `family`: steps of one family (`None`: none) donate the states each other
+      returned, as their own; any other state is copied first.
     """
 
     def __init__(
@@ -163,9 +193,11 @@ class CompiledStep:
         donate: bool,
         max_in_flight: int | None,
         check_batch: Callable[[Any], None] | None = None,
+        family: Hashable = None,
         name: str = "step",
     ) -> None:
         self.fn = fn
+        self.family = family
         self.mesh = mesh
         self.describe = describe
         self.batch_sharding = batch_sharding
@@ -208,7 +240,11 @@ class CompiledStep:
             )
             self._entries.append(entry)
         if not any(isinstance(x, jax.ShapeDtypeStruct) for x in state_leaves):
-            state = place(state, entry.specs, self.mesh, copy=self.donate)
+            # Another step's state is copied, unless a step of this one's family
+            # returned it (see `_RETURNED`).
+            ours = self.family is not None and _noted(_RETURNED, state) == self.family
+            copy = self.donate and not ours
+            state = place(state, entry.specs, self.mesh, copy=copy)
         return entry, state
 
     def _compile(
@@ -307,6 +343,7 @@ class CompiledStep:
         # The hot path: the state the last call returned needs no flattening and no
         # copy, the batch one C++ flatten and a structure check; then one call to
         # the jitted function over the array leaves.
+        given = state
         batch_leaves, batch_def = jax.tree.flatten(batch)
         entry = self._last
         if (
@@ -317,8 +354,9 @@ class CompiledStep:
         ):
             updated, kept = self._last_arrays
             # Donation deletes every donated array at once: one look is enough to
-            # catch a state that another step consumed since.
-            if updated and was_donated(updated[0]):
+            # catch a state that this step consumed since, and the registry says
+            # whether another step did.
+            if (updated and was_donated(updated[0])) or _noted(_CONSUMED, state):
                 check_not_consumed(state, self.name)
         else:
             entry, state = self.entry(state, batch)
@@ -334,9 +372,11 @@ class CompiledStep:
         batch_arrays = self._placed_batch(entry, batch_arrays, batch)
         with _context(entry.mesh):
             new_arrays, aux, token = entry.fn(updated, kept, batch_arrays)
+        new_state = entry.state(new_arrays, kept)
         if self.donate and updated:
             note_donated(updated[0])
-        new_state = entry.state(new_arrays, kept)
+            _note(_CONSUMED, given)
+            _note(_RETURNED, new_state, self.family)
         try:
             self._last_state = weakref.ref(new_state, self._forget)
             self._last_arrays = (new_arrays, kept)

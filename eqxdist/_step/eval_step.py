@@ -16,7 +16,7 @@ from .._data_parallel import local_shard_count
 from .._layout.layout import Layout
 from .._layout.options import LayoutOptions
 from .._mesh import retyped
-from .._metrics.tree import check_metrics, reduce_metrics
+from .._metrics.tree import check_metrics, is_metric, reduce_metrics
 from .._utils import (
     AxisName,
     batch_rows,
@@ -27,10 +27,12 @@ from .._utils import (
     check_compute_dtype,
     flatten_up_to,
     is_array,
+    path_str,
     typecheck,
 )
 from .compiled import CompiledStep, Placement
 from .inputs import StepInputs
+from .options import check_view
 from .state import TrainState, trainable_mask_tree
 
 
@@ -49,11 +51,16 @@ class EvalInput(eqx.Module):
 class EvalMath(eqx.Module):
     """What one evaluation computes: `eval_fn` on every device's rows inside
     `jax.shard_map` (manual over the data axes), with the FSDP-sharded
-    parameters gathered first, and its metrics reduced over the data axes."""
+    parameters gathered first, and its metrics reduced over the data axes
+    (the device view); or `eval_fn` once on the whole padded batch (the global
+    view). Returns `(metrics, rows, mask)`: `rows` what a `per_row` `eval_fn`
+    returns per row (`None` without `per_row`), `mask` the batch's."""
 
     eval_fn: Callable[..., Any] = eqx.field(static=True)
     layout: Layout = eqx.field(static=True)
     compute_dtype: Any = eqx.field(static=True)
+    view: str = eqx.field(static=True, default="device")
+    per_row: bool = eqx.field(static=True, default=False)
 
     def __call__(self, inputs: EvalInput, batch: Any) -> tuple[EvalInput, Any]:
         """Traced with `layout.compute_mesh(...)` as the context mesh."""
@@ -68,23 +75,92 @@ class EvalMath(eqx.Module):
         else:
             arguments, why = ("model", "batch", "mask"), ""
         check_callable_takes(self.eval_fn, arguments, "eval_fn", why)
+        # The global view runs on the global arrays, placed as they are (XLA
+        # gathers what it needs); the device view gathers FSDP's shards itself.
+        axes = () if self.view == "global" else layout.data_axes
+        gather = split.plan.gathered if axes else _unchanged
 
-        def per_device(
+        def evaluate(
             trained: Any, frozen: Any, state: Any, batch: Any, mask: Any
         ) -> Any:
-            trained = split.plan.gathered(cast_floating(trained, self.compute_dtype))
-            model = split.model(trained, split.plan.gathered(frozen))
+            trained = gather(cast_floating(trained, self.compute_dtype))
+            model = split.model(trained, gather(frozen))
             batch = split.batch(batch)
             if split.with_state:
                 args: tuple[Any, ...] = (model, split.model_state(state), batch, mask)
             else:
                 args = (model, batch, mask)
-            out = call_with_axes(self.eval_fn, args, "eval_fn", layout.data_axes)
-            check_metrics(out, "eval_fn")
-            return reduce_metrics(out, layout.data_axes)
+            out = call_with_axes(self.eval_fn, args, "eval_fn", axes)
+            metrics, rows = self._outputs(out, mask.shape[0])
+            return (reduce_metrics(metrics, axes) if axes else metrics), rows
 
-        metrics = split.shard_map(per_device, mask, layout.batch_spec, P())
-        return inputs, metrics
+        if self.view == "global":
+            metrics, rows = evaluate(
+                split.trained,
+                split.frozen,
+                split.state_arrays,
+                split.batch_arrays,
+                mask,
+            )
+        else:
+            metrics, rows = split.shard_map(
+                evaluate, mask, layout.batch_spec, (P(), layout.batch_spec)
+            )
+        return inputs, (metrics, rows, mask if self.per_row else None)
+
+    def _outputs(self, out: Any, rows: int) -> tuple[Any, Any]:
+        """`eval_fn`'s `(metrics, rows)` (`rows` `None` without `per_row`),
+        checked: metrics a step can add up, and no array of `rows` rows among
+        them (it would be summed over the devices)."""
+        if self.per_row:
+            if not (isinstance(out, tuple) and len(out) == 2):
+                raise TypeError(
+                    "eval_fn must return `(metrics, rows)` with per_row=True (`rows` "
+                    "a pytree of arrays with one entry per row it was given); got "
+                    f"{type(out).__name__}"
+                    + (f" of length {len(out)}." if isinstance(out, tuple) else ".")
+                )
+            metrics, per_row = out
+            _check_per_row(per_row, rows)
+        else:
+            metrics, per_row = out, None
+            _check_no_rows(metrics, rows)
+        check_metrics(metrics, "eval_fn")
+        return metrics, per_row
+
+
+def _unchanged(tree: Any) -> Any:
+    return tree
+
+
+def _check_per_row(tree: Any, rows: int) -> None:
+    """`ValueError` unless every leaf of `tree` is an array with `rows` rows."""
+    for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
+        if not (is_array(leaf) and jnp.ndim(leaf) and jnp.shape(leaf)[0] == rows):
+            raise ValueError(
+                f"eval_fn: per-row output {path_str(path)} is "
+                f"{getattr(leaf, 'shape', type(leaf).__name__)}; with per_row=True "
+                f"each leaf of `rows` is an array with one entry per row eval_fn "
+                f"was given ({rows}), e.g. the predictions `jnp.argmax(logits, -1)`."
+            )
+
+
+def _check_no_rows(metrics: Any, rows: int) -> None:
+    """`ValueError` for an array among the metrics with one entry per row: the
+    device view adds metrics up over the devices, which would sum different
+    rows, and in either view it would hold the padding rows."""
+    leaves = jax.tree_util.tree_flatten_with_path(metrics, is_leaf=is_metric)[0]
+    for path, leaf in leaves:
+        if is_array(leaf) and jnp.ndim(leaf) and jnp.shape(leaf)[0] == rows:
+            raise ValueError(
+                f"eval_fn: metrics leaf {path_str(path)} has shape "
+                f"{jnp.shape(leaf)}, one entry per row of the {rows} it was given "
+                "(padding included); metrics are added up over the devices, which "
+                "would sum different rows. For per-row outputs (predictions, "
+                "per-example losses) use "
+                "make_eval_step(..., per_row=True) and return `(metrics, rows)`; "
+                "for a metric, reduce it (a `(sum, count)` pair, `ed.metrics.Mean`)."
+            )
 
 
 def padded_rows(rows: int, shards: int) -> int:
@@ -181,8 +257,15 @@ class EvalStep:
 
     def __call__(self, state_or_model: Any, batch: Any) -> Any:
         """Evaluate; see `make_eval_step`."""
-        _, metrics = self._cache(self._inputs(state_or_model), self.padded(batch))
-        return metrics
+        _, (metrics, rows, mask) = self._cache(
+            self._inputs(state_or_model), self.padded(batch)
+        )
+        if not self.math.per_row:
+            return metrics
+        # Replicated (the step returns what it computes on every device): every
+        # process reads all rows, and keeps those the mask says are real.
+        real = np.asarray(mask)
+        return metrics, jax.tree.map(lambda x: np.asarray(x)[real], rows)
 
 
 @typecheck
@@ -197,6 +280,8 @@ def make_eval_step(
     fsdp_axis: str | None = None,
     param_rules: Sequence[tuple[str, P]] = (),
     fsdp_layout: str | None = None,
+    view: str = "device",
+    per_row: bool = False,
 ) -> EvalStep:
     """Build a compiled, sharded evaluation step `eval_step(state_or_model, batch)
     -> metrics` for batches of any number of rows.
@@ -258,7 +343,7 @@ def make_eval_step(
         fsdp_axis=fsdp_axis,
         fsdp_layout=fsdp_layout,
     )
+    check_view(view, caller)
     layout = Layout(mesh, options, caller=caller)
-    return EvalStep(
-        EvalMath(eval_fn, layout, check_compute_dtype(compute_dtype, caller))
-    )
+    dtype = check_compute_dtype(compute_dtype, caller)
+    return EvalStep(EvalMath(eval_fn, layout, dtype, view=view, per_row=per_row))

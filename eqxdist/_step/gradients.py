@@ -1,7 +1,9 @@
-"""The first phase of a training step: the gradients of the loss, in the device
-view (`loss_fn` runs once per device on that device's rows, inside `jax.shard_map`
-manual over the data axes), with the loss, the metrics and the model state, as a
-`Gradients` value for the update phase (`update`).
+"""The first phase of a training step: the gradients of the loss, with the loss,
+the metrics and the model state, as a `Gradients` value for the update phase
+(`update`), in either view: the device view (`DeviceGradients`: `loss_fn` runs
+once per device on that device's rows, inside `jax.shard_map` manual over the
+data axes) or the global view (`GlobalGradients`: once on the whole global
+batch, as on one device, XLA partitioning the computation).
 
 Per device: the FSDP-sharded parameters are gathered (or their `Linear` layers
 partitioned, `_layout.partitioned`), the loss is differentiated minibatch by
@@ -32,7 +34,7 @@ from .accumulate import (
 )
 from .inputs import StepInputs, sync_model_state
 from .options import StepOptions
-from .statistics import NONFINITE, SQUARES, local_sums
+from .statistics import NONFINITE, SQUARES, global_sums, local_sums
 from .update import gradient_finishers
 
 
@@ -257,3 +259,110 @@ def _over_devices(
     weight, loss_sum = jax.lax.psum(jnp.stack([out.weight, out.loss]), axes)
     devices = jax.lax.psum(1, axes)
     return divide_by_weight(loss_sum, weight), weight_scale(weight / devices)
+
+
+@dataclasses.dataclass(frozen=True)
+class GlobalGradients:
+    """The gradient phase of one trace of a step in the global view: `loss_fn`
+    runs once on the whole global batch (each minibatch of it), exactly as on
+    one device, on the parameters as the layout places them; XLA partitions the
+    computation. Call `compute(trained, frozen, state, batch, key)`.
+
+    Minibatch `m` holds the `m`-th block of every device's rows, in device
+    order: the rows the device view's minibatch `m` holds, so every device
+    computes on every minibatch and no row moves between devices.
+
+    - `loss`: the user's `loss_fn`, checked, with no mesh axis bound.
+    - `inputs`: the split model, model state and batch (for their static parts).
+    - `options`: the step's options.
+    """
+
+    loss: CheckedLoss
+    inputs: StepInputs
+    options: StepOptions
+
+    def compute(self, key: Any) -> Gradients:
+        inputs, options = self.inputs, self.options
+        n = options.num_minibatches
+        frozen = inputs.frozen
+
+        def loss_of(params: Any, state: Any, minibatch: Any, key: Any) -> Any:
+            params = cast_floating(params, options.compute_dtype)
+            model = inputs.model(params, frozen)
+            return self.loss(model, inputs.model_state(state), minibatch, key)
+
+        batch = inputs.batch(inputs.batch_arrays)
+        out = accumulate(
+            loss_of,
+            self.loss,
+            inputs.trained,
+            inputs.state_arrays,
+            self._minibatches(batch, n),
+            key,
+            n,
+            options.use_scan,
+            take=self._minibatch,
+            whole_key=True,  # the loss gets `fold_in(state.key, state.step)`
+        )
+        loss, scale = out.loss, None
+        if out.weight is not None:
+            loss, scale = (
+                divide_by_weight(out.loss, out.weight),
+                weight_scale(out.weight),
+            )
+        new_state = eqx.filter(out.model_state, is_array) if inputs.with_state else None
+        return Gradients(
+            out.grads,
+            loss,
+            scale,
+            out.metrics,
+            new_state,
+            self._statistics(out.grads, scale),
+        )
+
+    def _sharded(self, x: Any, spec: P) -> Any:
+        sharding = jax.sharding.NamedSharding(self.inputs.mesh, spec)
+        return jax.lax.with_sharding_constraint(x, sharding)
+
+    def _minibatches(self, batch: Any, n: int) -> Any:
+        """`batch` with every leaf of rank >= 1 as `(n, rows / n, ...)`, row `j` of
+        minibatch `m` the `j % b`-th row of device `j // b`'s `m`-th block (`b`
+        its rows per minibatch), kept on the device that holds it."""
+        if n == 1:
+            return batch
+        devices = self.inputs.layout.num_shards
+        axes = self.inputs.layout.batch_spec[0]
+
+        def stack(x: Any) -> Any:
+            if not is_array(x) or jnp.ndim(x) == 0:
+                return x
+            rows, rest = x.shape[0], x.shape[1:]
+            blocks = x.reshape(devices, n, rows // (devices * n), *rest)
+            stacked = jnp.swapaxes(blocks, 0, 1).reshape(n, rows // n, *rest)
+            return self._sharded(stacked, P(None, axes))
+
+        return jax.tree.map(stack, batch)
+
+    def _minibatch(self, x: Any, i: Any, n: int) -> Any:
+        if n == 1:
+            return x
+        row = jax.lax.dynamic_index_in_dim(x, i, 0, keepdims=False)
+        return self._sharded(row, self.inputs.layout.batch_spec)
+
+    def _statistics(self, grads: Any, scale: Array | None) -> dict[str, Array]:
+        """The global sums (`statistics_kinds`) of the step's gradients."""
+        kinds, _ = statistics_kinds(self.options)
+        if not kinds:
+            return {}
+        plan = self.inputs.plan
+        finished = jax.tree.map(
+            lambda g: g if scale is None else (g * scale).astype(g.dtype), grads
+        )
+        return global_sums(
+            finished,
+            plan.specs,
+            plan.manual,
+            self.inputs.layout.data_axes,
+            self.inputs.mesh,
+            kinds,
+        )

@@ -1,6 +1,7 @@
 """The train state: the model, the optimizer state, the step counter, the key,
 the model's own state and which leaves are trained."""
 
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import equinox as eqx
@@ -10,6 +11,7 @@ import optax
 from jaxtyping import Array, Int, PRNGKeyArray
 
 from .._utils import is_array_like, strong_types, typecheck
+from .parts import PartMasks, in_any_part, part_leaves, part_names, resolve_parts
 
 
 def _is_inexact(x: Any) -> bool:
@@ -32,6 +34,10 @@ class TrainState(eqx.Module):
       `jax.tree.leaves(model)` (resolved by `create` from a filter spec); `None`
       means every floating-point array. Frozen leaves get no optimizer state and
       never change.
+    - `parts`: the parts of a model with optimizers of their own (see
+      `create`): per part name, one bool per leaf; `None` for one optimizer.
+      With parts, `opt_state` is a dict of each part's optimizer state, and a
+      leaf in no part is not trained.
 
     !!! Example
 
@@ -48,6 +54,7 @@ class TrainState(eqx.Module):
     key: PRNGKeyArray
     model_state: Any = None
     trainable: tuple[bool, ...] | None = eqx.field(default=None, static=True)
+    parts: PartMasks | None = eqx.field(default=None, static=True)
 
     def __check_init__(self) -> None:
         step = self.step
@@ -72,6 +79,7 @@ class TrainState(eqx.Module):
         *,
         model_state: Any = None,
         trainable: Any = None,
+        parts: Mapping[str, Callable[[Any], Any]] | None = None,
     ) -> "TrainState":
         """A fresh state: `optimizer.init` on the trainable leaves of the model,
         step 0.
@@ -80,7 +88,8 @@ class TrainState(eqx.Module):
 
         - `model`: any Equinox model (or pytree of parameters).
         - `optimizer`: an Optax gradient transformation, or any object with Optax's
-          `init`/`update` (e.g. `optax.MultiSteps`).
+          `init`/`update` (e.g. `optax.MultiSteps`); with `parts`, a dict of one
+          per part, with the same keys.
         - `key`: the PRNG key every step derives its randomness from
           (`fold_in(key, step)`); it stays the same from step to step.
         - `model_state`: the model's non-trained state (e.g. from
@@ -89,11 +98,18 @@ class TrainState(eqx.Module):
           leaves, or a pytree prefix of `model` of bools/callables) selecting the
           trained leaves; only floating-point arrays among them are trained.
           `None`: every floating-point array (`eqx.is_inexact_array`).
+        - `parts`: `{name: where}`, `where(model)` returning the sub-pytree of a
+          part, as for `eqx.tree_at` (e.g. `{"gen": lambda m: m.generator, "disc":
+          lambda m: m.discriminator}`); parts are disjoint. Each part's trainable
+          leaves get the optimizer of its name, and `opt_state` is the dict of
+          their states; `make_train_step(..., part=name)` trains one part.
 
         **Raises:**
 
         `ValueError` if `trainable` does not fit the model's structure or selects
-        no floating-point array.
+        no floating-point array; for parts that overlap, hold no array or whose
+        `where` does not fit the model; `TypeError` for an optimizer that is not
+        one (or, with `parts`, not a dict of one per part).
 
         !!! Example
 
@@ -105,7 +121,7 @@ class TrainState(eqx.Module):
                                          trainable=trainable)
             ```
         """
-        optimizer = as_optimizer(optimizer, "TrainState.create")
+        caller = "TrainState.create"
         model, model_state = strong_types(model), strong_types(model_state)
         mask: tuple[bool, ...] | None = None
         if trainable is not None:
@@ -126,24 +142,49 @@ class TrainState(eqx.Module):
                     "TrainState.create: `trainable` selects no floating-point array "
                     "of the model; nothing would be trained."
                 )
-        params = eqx.filter(model, trainable_mask_tree(model, mask))
+        resolved = None if parts is None else resolve_parts(model, parts, caller)
+        optimizers = per_part(optimizer, part_names(resolved), caller)
+        if resolved is None:
+            params = eqx.filter(model, trainable_mask_tree(model, mask))
+            opt_state = optimizers[None].init(params)
+        else:
+            opt_state = {
+                name: optimizers[name].init(
+                    eqx.filter(model, part_mask_tree(model, mask, leaves))
+                )
+                for name, leaves in resolved
+            }
         return cls(
             model,
-            optimizer.init(params),
+            opt_state,
             jnp.zeros((), jnp.int32),
             key,
             model_state=model_state,
             trainable=mask,
+            parts=resolved,
         )
 
-    def trainable_mask(self) -> Any:
-        """A pytree of `model`'s structure: `True` at every trained leaf."""
-        return trainable_mask_tree(self.model, self.trainable)
+    def trainable_mask(self, part: str | None = None) -> Any:
+        """A pytree of `model`'s structure: `True` at every trained leaf (of
+        `part`; of any part where the state has parts)."""
+        if self.parts is None:
+            if part is not None:
+                raise ValueError(
+                    f"TrainState: part {part!r} is asked for, but this state has no "
+                    "parts (create it with `parts=`)."
+                )
+            return trainable_mask_tree(self.model, self.trainable)
+        leaves = (
+            in_any_part(self.parts)
+            if part is None
+            else part_leaves(self.parts, part, "TrainState")
+        )
+        return part_mask_tree(self.model, self.trainable, leaves)
 
-    def params(self) -> Any:
-        """The trained leaves of `model` (`None` elsewhere): what the optimizer
-        state belongs to."""
-        return eqx.filter(self.model, self.trainable_mask())
+    def params(self, part: str | None = None) -> Any:
+        """The trained leaves of `model` (of `part`), `None` elsewhere: what the
+        optimizer state (of `part`) belongs to."""
+        return eqx.filter(self.model, self.trainable_mask(part))
 
 
 def as_optimizer(optimizer: Any, caller: str) -> optax.GradientTransformation:
@@ -163,6 +204,40 @@ def as_optimizer(optimizer: Any, caller: str) -> optax.GradientTransformation:
             f"{type(optimizer).__name__}."
         )
     return optax.GradientTransformationExtraArgs(optimizer.init, optimizer.update)
+
+
+def per_part(
+    optimizer: Any, names: tuple[str, ...], caller: str
+) -> dict[str | None, optax.GradientTransformation]:
+    """The optimizer (under `None`), or with parts `names` the dict of one per
+    part, each checked (`as_optimizer`); a `TypeError` naming the mismatch."""
+    if not names:
+        if isinstance(optimizer, Mapping):
+            raise TypeError(
+                f"{caller}: `optimizer` is a dict ({list(optimizer)}) but no parts "
+                "are given; pass `parts={name: where, ...}` with the same names, "
+                "or one optimizer."
+            )
+        return {None: as_optimizer(optimizer, caller)}
+    if not isinstance(optimizer, Mapping) or set(optimizer) != set(names):
+        got = list(optimizer) if isinstance(optimizer, Mapping) else type(optimizer)
+        raise TypeError(
+            f"{caller}: with parts {list(names)}, `optimizer` must be a dict of one "
+            f"optimizer per part, with the same names; got {got}."
+        )
+    return {name: as_optimizer(optimizer[name], caller) for name in names}
+
+
+def part_mask_tree(
+    model: Any, trainable: tuple[bool, ...] | None, leaves: tuple[bool, ...]
+) -> Any:
+    """A pytree of `model`'s structure: `True` at the trained leaves that
+    `leaves` (one bool per leaf) holds."""
+    mask = jax.tree.leaves(trainable_mask_tree(model, trainable))
+    return jax.tree.unflatten(
+        jax.tree.structure(model),
+        [m and p for m, p in zip(mask, leaves, strict=True)],
+    )
 
 
 def trainable_mask_tree(model: Any, trainable: tuple[bool, ...] | None) -> Any:

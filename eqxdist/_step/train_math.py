@@ -18,7 +18,13 @@ from jaxtyping import Array
 from .._layout.layout import Layout
 from .._mesh import retyped
 from .accumulate import CheckedLoss
-from .gradients import DeviceGradients, Gradients, shapes, statistics_kinds
+from .gradients import (
+    DeviceGradients,
+    GlobalGradients,
+    Gradients,
+    shapes,
+    statistics_kinds,
+)
 from .inputs import StepInputs
 from .options import StepOptions
 from .state import TrainState
@@ -35,28 +41,40 @@ class TrainMath(eqx.Module):
     optimizer: optax.GradientTransformation = eqx.field(static=True)
     layout: Layout = eqx.field(static=True)
     options: StepOptions = eqx.field(static=True)
+    part: str | None = eqx.field(static=True, default=None)
 
     def __call__(self, state: TrainState, batch: Any) -> tuple[TrainState, Any]:
         layout, options = self.layout, self.options
         state, batch = retyped((state, batch), layout.mesh)
         layout.check_rows(batch, options.num_minibatches, traced=True)
-        mask = state.trainable_mask()
+        # A part's step trains its leaves with its optimizer and state; the other
+        # parts are frozen for it, their optimizer states kept as they are.
+        mask = state.trainable_mask(self.part)
+        opt_state = state.opt_state if self.part is None else state.opt_state[self.part]
         inputs = StepInputs.split(layout, state.model, mask, state.model_state, batch)
         trained = eqx.filter(state.model, mask)
-        wants_value = reads_value(self.optimizer, trained, state.opt_state)
+        wants_value = reads_value(self.optimizer, trained, opt_state)
         plan = inputs.plan
-        # The gradients leave the map as sums; the update divides them (see
-        # `ModelPlan.sum_gradients`).
-        counts = plan.mean_counts(layout.mesh, layout.data_axes)
-        grads = DeviceGradients(
-            CheckedLoss(self.loss_fn, inputs.with_state, layout.data_axes),
-            inputs,
-            options,
-            layout.options.fsdp,
-            counts,
-            wants_loss=wants_value or options.skip_nonfinite,
-            model=shapes(state.model),
-        ).compute(jax.random.fold_in(state.key, state.step))
+        key = jax.random.fold_in(state.key, state.step)
+        if options.view == "global":
+            # No mesh axis is bound where the loss runs (`CheckedLoss` says so).
+            loss = CheckedLoss(self.loss_fn, inputs.with_state)
+            counts = plan.mean_counts(layout.mesh, ())
+            grads = GlobalGradients(loss, inputs, options).compute(key)
+        else:
+            loss = CheckedLoss(self.loss_fn, inputs.with_state, layout.data_axes)
+            # The gradients leave the map as sums; the update divides them (see
+            # `ModelPlan.sum_gradients`).
+            counts = plan.mean_counts(layout.mesh, layout.data_axes)
+            grads = DeviceGradients(
+                loss,
+                inputs,
+                options,
+                layout.options.fsdp,
+                counts,
+                wants_loss=wants_value or options.skip_nonfinite,
+                model=shapes(state.model),
+            ).compute(key)
         _, update_kinds = statistics_kinds(options)
         update = Update(
             self.optimizer,
@@ -78,11 +96,13 @@ class TrainMath(eqx.Module):
         if options.skip_nonfinite:
             skipped = _nonfinite(grads)
             new_params, opt_state, update_sums = update_unless(
-                skipped, update, trained, state.opt_state, update_kinds
+                skipped, update, trained, opt_state, update_kinds
             )
             new_model_state = keep_if(skipped, state.model_state, new_model_state)
         else:
-            new_params, opt_state, update_sums = update(trained, state.opt_state)
+            new_params, opt_state, update_sums = update(trained, opt_state)
+        if self.part is not None:
+            opt_state = {**state.opt_state, self.part: opt_state}
         new_model = eqx.combine(new_params, eqx.filter(state.model, mask, inverse=True))
         new_state = TrainState(
             new_model,
@@ -91,6 +111,7 @@ class TrainMath(eqx.Module):
             state.key,
             model_state=new_model_state,
             trainable=state.trainable,
+            parts=state.parts,
         )
         if not options.step_info:
             return new_state, (grads.metrics, None)

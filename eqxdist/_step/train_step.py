@@ -2,10 +2,11 @@
 (`train_math.TrainMath`) and the compiled-step cache (`compiled`) together into a
 `TrainStep`."""
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import jax
+import optax
 from jax.sharding import Mesh, PartitionSpec as P
 from jaxtyping import Array, PyTree
 
@@ -66,11 +67,20 @@ class TrainStep:
     metrics)` (a `StepOutput`). See `make_train_step`."""
 
     def __init__(
-        self, math: TrainMath, *, donate: bool, max_steps_in_flight: int | None
+        self,
+        math: TrainMath,
+        optimizers: dict[str | None, optax.GradientTransformation],
+        *,
+        donate: bool,
+        max_steps_in_flight: int | None,
     ) -> None:
         self.math = math
         self.layout = math.layout
         self.optimizer = math.optimizer
+        # Every part's optimizer (under `None` without parts): laying out a state
+        # lays out all of its parts.
+        self.optimizers = optimizers
+        self.part = math.part
         self.mesh = math.layout.mesh
         self._cache = CompiledStep(
             math,
@@ -80,18 +90,29 @@ class TrainStep:
             donate=donate,
             max_in_flight=max_steps_in_flight,
             check_batch=self._check_batch,
+            # A model's part steps alternate on one state with donation intact.
+            family=None if self.part is None else frozenset(optimizers),
             name="train step",
         )
 
     def _placement(self, state: TrainState) -> Placement:
         """Where a state of this structure lives and how its step compiles; the
-        key (each step's randomness is `fold_in(key, step)`) and the frozen
-        parameters are only read."""
+        key (each step's randomness is `fold_in(key, step)`), the frozen
+        parameters and the other parts (their parameters and optimizer states)
+        are only read."""
         layout = self.layout
+        part = self.part
         kept = state_like(
             state,
-            jax.tree.map(lambda t: not t, state.trainable_mask()),
-            opt_state=jax.tree.map(lambda _: False, state.opt_state),
+            jax.tree.map(lambda t: not t, state.trainable_mask(part)),
+            opt_state=(
+                jax.tree.map(lambda _: False, state.opt_state)
+                if part is None
+                else {
+                    name: jax.tree.map(lambda _, keep=name != part: keep, opt)
+                    for name, opt in state.opt_state.items()
+                }
+            ),
             step=False,
             key=jax.tree.map(lambda _: True, state.key),
             model_state=jax.tree.map(lambda _: False, state.model_state),
@@ -131,16 +152,21 @@ class TrainStep:
         state was not made by this step's optimizer, or a rule does not fit.
         """
         check_train_state(state, "train step")
-        made = jax.eval_shape(self.optimizer.init, state.params())
-        expected: Any = jax.tree.structure(made)
-        if expected != jax.tree.structure(state.opt_state):
-            raise ValueError(
-                "train step: `state.opt_state` is not what this step's optimizer "
-                f"makes: `optimizer.init` gives {describe_state(made)}, the state "
-                f"holds {describe_state(state.opt_state)}. Create the state with "
-                "the same optimizer you pass to make_train_step."
-            )
-        return self.layout.state_specs(state, self.optimizer)
+        check_parts(state, self.optimizers)
+        for part, optimizer in self.optimizers.items():
+            made = jax.eval_shape(optimizer.init, state.params(part))
+            held = state.opt_state if part is None else state.opt_state[part]
+            expected: Any = jax.tree.structure(made)
+            if expected != jax.tree.structure(held):
+                which = "" if part is None else f"[{part!r}]"
+                raise ValueError(
+                    f"train step: `state.opt_state{which}` is not what this step's "
+                    f"optimizer makes: `optimizer.init` gives {describe_state(made)}, "
+                    f"the state holds {describe_state(held)}. Create the state with "
+                    "the same optimizer you pass to make_train_step."
+                )
+        optimizers = self.optimizers.get(None, self.optimizers)
+        return self.layout.state_specs(state, optimizers)
 
     def place_state(self, state: TrainState) -> TrainState:
         """A copy of `state` placed on the mesh as this step keeps it (a copy, so
@@ -225,6 +251,20 @@ class TrainStep:
 
 
 @typecheck
+def check_parts(state: TrainState, optimizers: dict[Any, Any]) -> None:
+    """A `ValueError` when a step of parts meets a state without them, or parts
+    other than its own."""
+    names = set(optimizers) - {None}
+    held = {name for name, _ in state.parts or ()}
+    if names != held:
+        raise ValueError(
+            f"train step: the step has the parts {sorted(names)} (its optimizers), "
+            f"the state {sorted(held)}; create the state with "
+            "`TrainState.create(model, optimizers, key, parts=...)` of the same "
+            "parts, and the step with `make_train_step(..., optimizers, part=...)`."
+        )
+
+
 def make_train_step(
     loss_fn: Callable[..., Any],
     optimizer: Any,
@@ -245,6 +285,8 @@ def make_train_step(
     step_info: bool = False,
     skip_nonfinite: bool = False,
     fsdp_linears: str | None = None,
+    view: str = "device",
+    part: str | None = None,
 ) -> TrainStep:
     """Build a compiled, sharded training step `step(state, batch) -> (state,
     metrics)`.
@@ -439,6 +481,7 @@ def make_train_step(
     )
     options = StepOptions.parse(
         caller,
+        view=view,
         num_minibatches=num_minibatches,
         use_scan=use_scan,
         compute_dtype=compute_dtype,
@@ -450,10 +493,41 @@ def make_train_step(
             f"{caller}: `max_steps_in_flight` must be >= 1 or None; got "
             f"{max_steps_in_flight}."
         )
+    optimizers = _optimizers(optimizer, part, caller)
     math = TrainMath(
         loss_fn,
-        as_optimizer(optimizer, caller),
+        optimizers[part],
         Layout(mesh, layout, caller=caller),
         options,
+        part=part,
     )
-    return TrainStep(math, donate=donate, max_steps_in_flight=max_steps_in_flight)
+    return TrainStep(
+        math, optimizers, donate=donate, max_steps_in_flight=max_steps_in_flight
+    )
+
+
+def _optimizers(
+    optimizer: Any, part: str | None, caller: str
+) -> dict[str | None, optax.GradientTransformation]:
+    """`make_train_step`'s optimizer (under `None`), or its dict of one per part
+    with `part` among them."""
+    if part is None:
+        if isinstance(optimizer, Mapping):
+            raise TypeError(
+                f"{caller}: `optimizer` is a dict of parts ({list(optimizer)}) but "
+                "no `part` is given; name the part this step trains, e.g. "
+                f"part={next(iter(optimizer), 'name')!r}."
+            )
+        return {None: as_optimizer(optimizer, caller)}
+    if not isinstance(optimizer, Mapping):
+        raise TypeError(
+            f"{caller}: `part`={part!r} is given with a single optimizer; pass the "
+            "dict of every part's optimizer that the state was created with "
+            "(`TrainState.create(model, optimizers, key, parts=...)`)."
+        )
+    if part not in optimizer:
+        raise ValueError(
+            f"{caller}: `part`={part!r} is not one of the optimizers' parts "
+            f"{list(optimizer)}."
+        )
+    return {name: as_optimizer(opt, caller) for name, opt in optimizer.items()}
