@@ -49,6 +49,7 @@ def train_one_device(
     minibatches: int = 1,
     devices: int = 1,
     value: bool = False,
+    key: Any = None,
 ) -> Trained:
     """`model` after one `optimizer` step per batch of `data`, on one device, in
     plain Equinox and Optax.
@@ -62,27 +63,38 @@ def train_one_device(
     gradient of the batch's minibatches in order, minibatch m being the m-th row
     block of each of `devices` devices (`global_minibatches`), as the step splits
     a batch. `value=True` passes the step's mean loss to the optimizer as Optax's
-    `value` (what `optax.contrib.reduce_on_plateau` reads)."""
+    `value` (what `optax.contrib.reduce_on_plateau` reads). With a `key`, the
+    loss gets step `s`'s key as a global-view step gives it: `fold_in(key, s)`,
+    split into one key per minibatch when there are several."""
     params, static = eqx.partition(model, trainable)
     opt_state = optimizer.init(params)
 
     @jax.jit
-    def value_and_grad(params: Any, model_state: Any, batch: Any) -> Any:
+    def value_and_grad(params: Any, model_state: Any, batch: Any, k: Any) -> Any:
         def scalar(params: Any, model_state: Any) -> Any:
             full = eqx.combine(params, static)
             if model_state is None:
-                out = loss(full, batch, None)
+                out = loss(full, batch, k)
                 return (out[0] if isinstance(out, tuple) else out), None
-            out = loss(full, model_state, batch, None)
+            out = loss(full, model_state, batch, k)
             return out[0], out[2]
 
         return jax.value_and_grad(scalar, has_aux=True)(params, model_state)
 
     losses, grads, updates = [], None, None
-    for batch in data:
+    for s, batch in enumerate(data):
         step_grads, step_losses = [], []
-        for mb in global_minibatches(batch, minibatches, devices):
-            (loss_value, model_state), g = value_and_grad(params, model_state, mb)
+        keys = [None] * minibatches
+        if key is not None:
+            step_key = jax.random.fold_in(key, s)
+            keys = (
+                [step_key]
+                if minibatches == 1
+                else list(jax.random.split(step_key, minibatches))
+            )
+        parts = global_minibatches(batch, minibatches, devices)
+        for mb, k in zip(parts, keys, strict=True):
+            (loss_value, model_state), g = value_and_grad(params, model_state, mb, k)
             step_grads.append(g)
             step_losses.append(loss_value)
         grads = jax.tree.map(lambda *g: sum(g) / minibatches, *step_grads)
