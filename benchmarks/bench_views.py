@@ -216,8 +216,9 @@ def time_rows(runs: dict[str, Callable], repeats: int, steps: int) -> dict[str, 
     """Median ms per step of each run, interleaved, the order rotating."""
     names = list(runs)
     times: dict[str, list[float]] = {n: [] for n in names}
-    for run in runs.values():  # compile and warm up
-        jax.block_until_ready(run())
+    for run in runs.values():  # compile and warm up (twice: a first call's
+        for _ in range(2):  # host inputs come back placed, which may recompile)
+            jax.block_until_ready(run())
     for r in range(repeats):
         order = names[r % len(names) :] + names[: r % len(names)]
         for name in order:

@@ -115,6 +115,13 @@ def max_diff(a: Any, b: Any) -> float:
     lb = jax.tree.leaves(eqx.filter(b, eqx.is_array))
     assert len(la) == len(lb)
     return max(
-        float(np.max(np.abs(np.asarray(x, np.float32) - np.asarray(y, np.float32))))
+        float(np.max(np.abs(_numbers(x) - _numbers(y))))
         for x, y in zip(la, lb, strict=True)
     )
+
+
+def _numbers(x: Any) -> np.ndarray:
+    """`x` in float32; a typed PRNG key as its key data."""
+    if jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):
+        x = jax.random.key_data(x)
+    return np.asarray(x, np.float32)

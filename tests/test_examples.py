@@ -130,6 +130,29 @@ def test_quickstart_runs(script_env: dict[str, str]) -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("strategy", ["dp", "fsdp"])
+def test_dcgan_parts_equal_one_device(
+    tmp_path: Path, script_env: dict[str, str], strategy: str
+) -> None:
+    """examples/dcgan.py: its two part steps, in the global view, through
+    `train_loop` with checkpoints, against the same training in plain Equinox and
+    Optax on one device (SGD: Adam's first steps amplify rounding, see the
+    example's docstring)."""
+    out = _run(
+        script_env, "examples/dcgan.py", "--steps", "3", "--optimizer", "sgd",
+        "--lr", "0.05", "--strategy", strategy, "--check", "--out", str(tmp_path),
+    )  # fmt: skip
+    assert out.returncode == 0, out.stdout + out.stderr
+    found = re.search(
+        r"largest parameter difference from one device: (\S+)", out.stdout
+    )
+    assert found is not None, out.stdout
+    assert float(found.group(1)) < 1e-5
+    assert "after 3 steps (6 part steps)" in out.stdout
+    assert (tmp_path / "checkpoints").is_dir()
+
+
+@pytest.mark.slow
 def test_main_job_ctrl_c_saves_and_resume_logs_each_step_once(
     tmp_path: Path, script_env: dict[str, str]
 ) -> None:

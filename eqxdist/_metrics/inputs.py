@@ -104,7 +104,8 @@ def check_broadcast(
     if not fits:
         raise ValueError(
             f"{caller}: `{argument}` of shape {x.shape} does not broadcast to the "
-            f"shape of {target}, {shape}."
+            f"shape of {target}, {shape}; pass one value per row, shape "
+            f"{tuple(shape[:1])}, or an array that broadcasts to {shape}."
         )
     return jnp.broadcast_to(x, shape)
 

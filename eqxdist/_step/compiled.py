@@ -122,6 +122,9 @@ class _Entry:
         self.fn: Any = None
         self.mesh: Any = None  # the context mesh `fn` is traced and run under
         self.specs: Any = None
+        # The mesh and the spec of every state leaf: a state another step placed
+        # the same way needs no placing.
+        self.layout: Hashable = None
         self.shardings: tuple[list[Any], list[Any], list[Any]] = ([], [], [])
 
     def batch_matches(self, batch_leaves: list[Any], batch_def: Any) -> bool:
@@ -232,6 +235,10 @@ class CompiledStep:
             entry = _Entry(state_leaves, state_def, kept_mask, batch_leaves, batch_def)
             entry.specs = placement.specs
             entry.mesh = placement.context_mesh
+            entry.layout = (
+                self.mesh,
+                tuple(flatten_up_to(state, placement.specs)),
+            )
             entry.fn = self._compile(
                 entry,
                 flatten_up_to(state, placement.specs),
@@ -241,10 +248,15 @@ class CompiledStep:
             self._entries.append(entry)
         if not any(isinstance(x, jax.ShapeDtypeStruct) for x in state_leaves):
             # Another step's state is copied, unless a step of this one's family
-            # returned it (see `_RETURNED`).
-            ours = self.family is not None and _noted(_RETURNED, state) == self.family
-            copy = self.donate and not ours
-            state = place(state, entry.specs, self.mesh, copy=copy)
+            # returned it (see `_RETURNED`); placed as this entry places it (the
+            # part steps of one layout), it is passed on as it is.
+            noted = _noted(_RETURNED, state)
+            family, layout = noted if isinstance(noted, tuple) else (None, None)
+            ours = self.family is not None and family == self.family
+            if not (ours and layout == entry.layout):
+                state = place(
+                    state, entry.specs, self.mesh, copy=self.donate and not ours
+                )
         return entry, state
 
     def _compile(
@@ -376,7 +388,7 @@ class CompiledStep:
         if self.donate and updated:
             note_donated(updated[0])
             _note(_CONSUMED, given)
-            _note(_RETURNED, new_state, self.family)
+            _note(_RETURNED, new_state, (self.family, entry.layout))
         try:
             self._last_state = weakref.ref(new_state, self._forget)
             self._last_arrays = (new_arrays, kept)

@@ -307,12 +307,25 @@ def make_eval_step(
       same as the training step's, so that its state needs no copy). `"zero1"`
       lays out the model as `"dp"` (an evaluation has no optimizer state).
     - `compute_dtype`: the dtype trained parameters are cast to, as in training.
+    - `view`: `"device"` (the default): `eval_fn` runs once per device on that
+      device's rows, the mesh axes bound. `"global"`: once on the whole padded
+      batch (and its mask), as on one device, no mesh axis bound; its outputs
+      are global (see `make_train_step`'s `view`).
+    - `per_row`: `eval_fn` returns `(metrics, rows)`, `rows` a pytree of arrays
+      whose leading dimension is the rows it was given (predictions, per-example
+      losses); the step returns `(metrics, rows)` with `rows` as NumPy arrays
+      holding one entry per row of the batch, in its order, the padding dropped.
+      Without it, a metrics array with one entry per row is a `ValueError` (the
+      device view adds metrics up over the devices, which would sum different
+      rows), never a silent sum.
 
     **Returns:**
 
     An `EvalStep`: call it as `eval_step(state_or_model, batch)` with a
-    `TrainState` or a bare model. In a multi-process run each process passes its
-    own rows, the same number on every process.
+    `TrainState` or a bare model; it returns the metrics, or with `per_row`
+    `(metrics, rows)`. In a multi-process run each process passes its own rows,
+    the same number on every process, and every process gets the metrics and
+    the rows of all processes' batches (process 0's rows first).
 
     **Raises:**
 

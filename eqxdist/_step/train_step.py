@@ -102,6 +102,7 @@ class TrainStep:
         are only read."""
         layout = self.layout
         part = self.part
+        check_parts(state, self.optimizers)
         kept = state_like(
             state,
             jax.tree.map(lambda t: not t, state.trainable_mask(part)),
@@ -421,6 +422,28 @@ def make_train_step(
       state exactly as they were (decided identically on every device); the
       step counter still advances. Without it, non-finite values propagate as in
       plain Optax.
+    - `view`: where `loss_fn` runs. `"device"` (the default): as described above,
+      once per device on that device's rows inside `jax.shard_map`, the mesh axes
+      bound (collectives and `axis_name`s allowed). `"global"`: once on the whole
+      global batch, exactly as on one device: a loss over the whole batch
+      (in-batch negatives, noise of the batch's shape, one key split over the
+      rows) means what it means there; no mesh axis is bound (a collective or an
+      `axis_name` naming a mesh axis is a `ValueError`; an `eqx.nn.BatchNorm`
+      whose `axis_name` names only the loss's own `vmap` axis takes the whole
+      batch's statistics), the key is `fold_in(state.key, state.step)` (split per
+      minibatch), the same on every device, and the metrics it returns are
+      already global (an `ed.Metric` needs no sync). Parameters and optimizer
+      state are laid out by the same options and XLA partitions the computation.
+      Every other option means what it means in the device view.
+    - `part`: with a state of parts (`TrainState.create(model, optimizers, key,
+      parts={name: where, ...})`), `optimizer` is that dict of one optimizer per
+      part and `part` the name of the one this step trains: the step
+      differentiates `loss_fn` with respect to that part's trainable leaves only,
+      updates them with that part's optimizer and optimizer state, and returns
+      every other part and its optimizer state as the same arrays, untouched (the
+      model state as the loss returns it). The steps of a model's parts take and
+      return the same `TrainState`, so they alternate with donation intact
+      (`state, m = step_d(state, batch); state, m = step_g(state, batch)`).
 
     **Weighted losses.** `loss_fn` may return, in place of the scalar loss, a
     pair `(loss_sum, weight)` of scalars: e.g. the summed loss of a minibatch's
@@ -443,16 +466,19 @@ def make_train_step(
 
     **Raises:**
 
-    `ValueError` for an unknown `strategy`, `fsdp_gather` or `fsdp_linears`, an
-    FSDP option given under a strategy it does not apply to,
-    `num_minibatches < 1`, a negative `min_weight_size`, a `data_axis` or
-    `fsdp_axis` not in `mesh`, a rule naming an unknown or data axis; when
+    `ValueError` for an unknown `strategy`, `view`, `fsdp_gather` or
+    `fsdp_linears`, a `part` not among the optimizers', an FSDP option given
+    under a strategy it does not apply to, `num_minibatches < 1`, a negative
+    `min_weight_size`, a `data_axis` or `fsdp_axis` not in `mesh`, a rule
+    naming an unknown or data axis; when
     called, `ValueError` for a batch leaf whose leading dimension is not
     divisible by (devices along the data axes) x `num_minibatches`, a non-scalar
     loss, a consumed state, an optimizer state made by another optimizer, a rule
     that matches nothing or does not divide its dimension, and `TypeError` if
     `state` is not a `TrainState` or `loss_fn` returns something else than
-    documented.
+    documented; `TypeError` for a dict of optimizers without `part` or `part`
+    with a single optimizer; when called, `ValueError` for a state whose parts
+    are not the step's.
 
     !!! Example
 

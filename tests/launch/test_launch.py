@@ -630,6 +630,17 @@ def test_placing_process_local_state_on_a_global_mesh(basics):
 
 
 @pytest.mark.slow
+def test_per_row_evaluation_across_processes(basics):
+    # Each process passed the first 7 of its 8 rows.
+    real = np.concatenate([DATA[:7], DATA[8:15]])
+    for view in ("device", "global"):
+        got = value(basics, "per_row_eval")[view]
+        assert got["total"] == pytest.approx(real[:, 0].sum())
+        np.testing.assert_array_equal(got["twice"], 2 * real[:, 0])
+        np.testing.assert_array_equal(got["x"], real)
+
+
+@pytest.mark.slow
 def test_print_metrics_prints_once(basics):
     _, result = basics
     assert result.stdout.count("printed once") == 1

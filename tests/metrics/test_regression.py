@@ -165,3 +165,40 @@ def test_merges_are_exact_in_any_order(seed):
     for name, (whole, *merged) in _split_and_merge(p, t, w, assign).items():
         for value in merged:
             np.testing.assert_allclose(value, whole, rtol=1e-4, atol=1e-5, err_msg=name)
+
+
+def test_a_row_mask_and_one_weight_per_row(mesh8):
+    """`mask=` (bool rows) drops rows as if they were never passed; `weights=` of
+    one value per row, shape `(rows,)`, covers the row's 3 outputs; both inside
+    `shard_map` too, synced."""
+    preds, targets, weights = _data(1)
+    mask = np.random.default_rng(2).random(len(preds)) < 0.7
+    row_weights = weights[:, 0]  # (rows,), not (rows, 1)
+    kept = _expected(preds[mask], targets[mask], weights[mask])
+
+    def update(metrics, preds, targets, row_weights, mask):
+        args = {name: {"preds": preds, "targets": targets, "mask": mask}
+                for name in KINDS}  # fmt: skip
+        args |= {
+            f"{name}_w": {"preds": preds, "targets": targets, "weights": row_weights}
+            for name in KINDS
+        }
+        return metrics.update(**args)
+
+    masked = {name: kept[name] for name in KINDS}
+    everything = _expected(preds, targets, weights)
+    weighted = {name: v for name, v in everything.items() if name.endswith("_w")}
+    data = (preds, targets, row_weights, mask)
+    one = update(_collection(), *data).compute()
+    _assert_matches({name: one[name] for name in KINDS}, masked)
+    _assert_matches({name: one[name] for name in weighted}, weighted)
+    rows = (slice(0, 2), slice(2, None))
+    got = synced(mesh8, _collection, update, data, rows).compute()
+    _assert_matches({name: got[name] for name in KINDS}, masked)
+    _assert_matches({name: got[name] for name in weighted}, weighted)
+
+    # A mask and weights of the wrong number of rows are clear errors.
+    with pytest.raises(ValueError, match=r"mask"):
+        ed.metrics.MeanSquaredError().update(preds, targets, mask=mask[:5])
+    with pytest.raises(ValueError, match=r"weights"):
+        ed.metrics.MeanSquaredError().update(preds, targets, weights=row_weights[:5])

@@ -150,6 +150,27 @@ def _():
     return float(jax.jit(lambda w, x: (x @ w).sum())(w, x))
 
 
+@check("per_row_eval")
+def _():
+    """Each process passes 7 of its 8 rows (padded inside to a multiple of its
+    4 devices); every process gets the rows of both, process 0's first."""
+
+    def eval_fn(model, batch, mask):
+        total = jnp.where(mask, batch["x"][:, 0], 0.0).sum()
+        return {"total": total}, {"twice": 2 * batch["x"][:, 0], "x": batch["x"]}
+
+    got = {}
+    for view in ("device", "global"):
+        step = ed.make_eval_step(eval_fn, mesh, view=view, per_row=True)
+        metrics, per_row = step(None, {"x": data[rows][:7]})
+        got[view] = {
+            "total": float(metrics["total"]),
+            "twice": per_row["twice"].tolist(),
+            "x": per_row["x"].tolist(),
+        }
+    return got
+
+
 ed.print_metrics({"value": jnp.float32(0.5)}, "printed once")
 if jax.process_index() == 0:
     (out / "basics.json").write_text(json.dumps(results))

@@ -3,6 +3,7 @@ unpadded single-device metrics; dp and fsdp; a TrainState with model state."""
 
 import equinox as eqx
 import jax
+import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
@@ -108,3 +109,83 @@ def test_eval_function_of_the_wrong_arity(mesh8, rng):
         ed.make_eval_step(eval_fn, mesh8)(
             eqx.nn.MLP(8, 4, 16, 2, key=jax.random.key(0)), _batch(rng, 16)
         )
+
+
+def rows_eval_fn(model, batch, mask):
+    logits = jax.vmap(model)(batch["x"])
+    losses = optax.softmax_cross_entropy_with_integer_labels(logits, batch["y"])
+    metrics = {"loss": ed.metrics.Mean().update(losses, mask)}
+    return metrics, {"prediction": jnp.argmax(logits, -1), "loss": losses}
+
+
+@pytest.mark.parametrize("view", ["device", "global"])
+@pytest.mark.parametrize(
+    ("strategy", "axis_types"), [("dp", "auto"), ("fsdp", "explicit")]
+)
+def test_per_row_outputs_in_the_batch_order(rng, view, strategy, axis_types):
+    mesh = ed.create_data_parallel_mesh(axis_types=axis_types)
+    model = eqx.nn.MLP(8, 4, 64, 1, key=jax.random.key(0))
+    step = ed.make_eval_step(
+        rows_eval_fn, mesh, strategy=strategy, min_weight_size=16, view=view,
+        per_row=True,
+    )  # fmt: skip
+    for n in (45, 8, 1):
+        batch = _batch(rng, n)
+        metrics, rows = step(model, batch)
+        # One device, no padding, no eqxdist step.
+        logits = jax.vmap(model)(batch["x"])
+        losses = optax.softmax_cross_entropy_with_integer_labels(logits, batch["y"])
+        assert isinstance(rows["prediction"], np.ndarray)
+        assert rows["prediction"].shape == (n,) and rows["loss"].shape == (n,)
+        np.testing.assert_array_equal(rows["prediction"], np.argmax(logits, -1))
+        np.testing.assert_allclose(rows["loss"], losses, rtol=1e-6, atol=1e-7)
+        assert float(metrics["loss"].compute()) == pytest.approx(
+            float(losses.mean()), rel=1e-6
+        )
+
+
+def test_a_whole_batch_metric_in_the_global_view(mesh8, rng):
+    """The global view sees every real row at once: a rank metric over the whole
+    batch (the rank of each row's loss among all rows), as on one device."""
+
+    def rank_fn(model, batch, mask):
+        losses = optax.softmax_cross_entropy_with_integer_labels(
+            jax.vmap(model)(batch["x"]), batch["y"]
+        )
+        masked = jnp.where(mask, losses, jnp.inf)
+        return {"median_rank": jnp.sum(mask) // 2}, {
+            "rank": jnp.argsort(jnp.argsort(masked))
+        }
+
+    model = eqx.nn.MLP(8, 4, 16, 1, key=jax.random.key(0))
+    batch = _batch(rng, 21)
+    _, rows = ed.make_eval_step(rank_fn, mesh8, view="global", per_row=True)(
+        model, batch
+    )
+    losses = optax.softmax_cross_entropy_with_integer_labels(
+        jax.vmap(model)(batch["x"]), batch["y"]
+    )
+    np.testing.assert_array_equal(rows["rank"], np.argsort(np.argsort(losses)))
+
+
+def test_row_outputs_without_per_row_are_errors(mesh8, rng):
+    model = eqx.nn.MLP(8, 4, 16, 1, key=jax.random.key(0))
+
+    def predictions(model, batch, mask):
+        return {"prediction": jnp.argmax(jax.vmap(model)(batch["x"]), -1)}
+
+    for view in ("device", "global"):
+        step = ed.make_eval_step(predictions, mesh8, view=view)
+        with pytest.raises(ValueError, match=r"metrics leaf \['prediction'\] has shape"
+                           r" \(\d+,\), one entry per row.*per_row=True"):  # fmt: skip
+            step(model, _batch(rng, 13))
+    step = ed.make_eval_step(predictions, mesh8, per_row=True)
+    with pytest.raises(TypeError, match=r"must return `\(metrics, rows\)`"):
+        step(model, _batch(rng, 13))
+
+    def scalar_rows(model, batch, mask):
+        return {}, {"total": jnp.sum(batch["x"])}
+
+    step = ed.make_eval_step(scalar_rows, mesh8, per_row=True)
+    with pytest.raises(ValueError, match=r"per-row output \['total'\] is \(\)"):
+        step(model, _batch(rng, 13))
