@@ -29,7 +29,9 @@ from .._utils import (
 )
 from .fsdp import CPU_FSDP_OPTIONS
 from .options import LayoutOptions
+from .pipeline import Seen, StagePlan, pipelined as pipelined_model, stage_plan
 from .plan import ModelPlan, plan_model, structure_key, warn_if_unsharded
+from .remat import UNSET
 from .rules import (
     FsdpRule,
     ParamRules,
@@ -37,6 +39,7 @@ from .rules import (
     has_fsdp_modules,
     is_spec_leaf,
 )
+from .stacked import Stacked
 
 # Strategies that shard something over `fsdp_axis`: the parameters (and their
 # optimizer state) under FSDP, only the optimizer state under ZeRO-1.
@@ -45,6 +48,10 @@ _SHARDED = ("fsdp", "zero1")
 
 def _replicated(tree: Any) -> Any:
     return jax.tree.map(lambda x: P() if is_array_like(x) else None, tree)
+
+
+def _is_stacked(x: Any) -> bool:
+    return isinstance(x, Stacked)
 
 
 def _is_masked(x: Any) -> bool:
@@ -97,6 +104,12 @@ class Layout:
         self.batch_spec = P(data_axes[0] if len(data_axes) == 1 else data_axes)
         self.batch_sharding = NamedSharding(mesh, self.batch_spec)
         self.num_shards = math.prod(mesh.shape[a] for a in data_axes)
+        self.pipeline = options.pipeline
+        # The axes a device-view step's `shard_map` is manual over: the data
+        # axes, and a pipeline's stage axis (each stage holding its layers).
+        self.manual_axes = data_axes + (
+            () if self.pipeline is None else (self.pipeline.axis,)
+        )
         self._plans: dict[Any, ModelPlan] = {}
         self._state_specs: dict[Any, Any] = {}
 
@@ -106,6 +119,9 @@ class Layout:
         `state_specs` all ask)."""
         key = structure_key(model)
         if key not in self._plans:
+            stages = None
+            if self.pipeline is not None:
+                stages = stage_plan(self.pipeline, self.mesh, model, self.caller)
             self._plans[key] = plan_model(
                 model,
                 data_axes=self.data_axes,
@@ -113,8 +129,47 @@ class Layout:
                 rules=self.rules,
                 caller=self.caller,
                 zero1=self.opt_fsdp,
+                stages=stages,
             )
         return self._plans[key]
+
+    def for_loss(
+        self,
+        model: Any,
+        stages: StagePlan | None,
+        *,
+        view: str,
+        marker: Seen | None = None,
+        pipelined: bool = True,
+    ) -> Any:
+        """The model as a step's loss sees it: every `Stacked` with the step's
+        `remat` (where one is given), the pipelined one running the pipeline's
+        schedule (`stages`, the model's plan's; not with `pipelined=False`), or
+        with a `marker` recording what it is called with (the 1F1B schedule's
+        trace). In the global view the schedule makes the data axes manual
+        too."""
+        remat = self.options.remat
+        if remat is not UNSET:
+            stacks = [
+                x for x in jax.tree.leaves(model, is_leaf=_is_stacked)
+                if isinstance(x, Stacked)
+            ]  # fmt: skip
+            if not stacks:
+                raise ValueError(
+                    f"{self.caller}: `remat`={remat!r} is given, but the model holds "
+                    "no ed.Stacked; remat says what the backward pass keeps of a "
+                    "Stacked's blocks. Hold the blocks in an ed.Stacked, or use "
+                    "jax.checkpoint in the model."
+                )
+            model = jax.tree.map(
+                lambda x: x._with_remat(remat) if isinstance(x, Stacked) else x,
+                model,
+                is_leaf=_is_stacked,
+            )
+        if stages is None or not pipelined:
+            return model
+        manual = self.data_axes if view == "global" else ()
+        return pipelined_model(model, stages, manual, remat, marker)
 
     def compute_mesh(self, with_state: bool) -> Mesh:
         """The mesh a step computes on (`_mesh.compute_mesh`, `_mesh.retyped`):

@@ -14,7 +14,9 @@ from jax.sharding import Mesh, PartitionSpec as P
 
 from .._utils import AxisName, axis_names, check_axis_in_mesh, check_min_weight_size
 from .partitioned import LINEAR_MODES
-from .rules import DEFAULT_LAYOUT, check_layout
+from .pipeline import Pipeline
+from .remat import UNSET, check_remat
+from .rules import DEFAULT_LAYOUT, check_layout, spec_axes
 
 STRATEGIES = ("dp", "fsdp", "zero1")
 """`"dp"`: everything replicated over the data axes; `"fsdp"`: parameters and
@@ -62,6 +64,8 @@ class LayoutOptions:
     data_axes: tuple[str, ...]
     param_rules: tuple[tuple[str, P], ...]
     fsdp: FsdpOptions
+    pipeline: Pipeline | None = None
+    remat: Any = UNSET
 
     @classmethod
     def parse(
@@ -77,6 +81,8 @@ class LayoutOptions:
         fsdp_layout: str | None = None,
         fsdp_gather: str | None = None,
         fsdp_linears: str | None = None,
+        pipeline: Pipeline | None = None,
+        remat: Any = UNSET,
     ) -> "LayoutOptions":
         """The options of `caller`'s keyword arguments (`None`: not given, the
         default), or a `ValueError` naming the argument, the value and what to
@@ -119,6 +125,23 @@ class LayoutOptions:
                 f"{data_axes}; parameters are sharded over one of the axes the "
                 "batch is split over."
             )
+        if pipeline is not None:
+            if not isinstance(pipeline, Pipeline):
+                raise TypeError(
+                    f"{caller}: `pipeline` must be an ed.Pipeline (e.g. "
+                    f"ed.Pipeline('stage', microbatches=8)); got {pipeline!r}."
+                )
+            pipeline.check_mesh(mesh, data_axes, caller)
+            for pattern, spec in param_rules:
+                if pipeline.axis in spec_axes(spec):
+                    raise ValueError(
+                        f"{caller}: param_rules ({pattern!r}: {spec}) name the "
+                        f"pipeline's stage axis {pipeline.axis!r}; the stages split "
+                        "the Stacked's layers, rules shard within them over other "
+                        "axes."
+                    )
+        if remat is not UNSET:
+            remat = check_remat(remat, caller)
         defaults = FsdpOptions()
         fsdp = FsdpOptions(
             axis=fsdp_axis,
@@ -127,7 +150,7 @@ class LayoutOptions:
             gather=fsdp_gather or defaults.gather,
             linears=fsdp_linears or defaults.linears,
         )
-        return cls(strategy, data_axes, tuple(param_rules), fsdp)
+        return cls(strategy, data_axes, tuple(param_rules), fsdp, pipeline, remat)
 
 
 _CHOICES = {

@@ -18,6 +18,7 @@ from jax.sharding import Mesh, PartitionSpec as P
 from .._utils import is_array, is_array_like, path_str
 from .fsdp import gather_tree, scatter_mean, unsynced_axes
 from .partitioned import KeyPath, linear_paths
+from .pipeline import StagePlan, stage_spec, to_chunk_order
 from .rules import (
     FsdpRule,
     ParamRules,
@@ -58,6 +59,25 @@ class ModelPlan:
     fsdp_axis: str | None
     scatter: Any = None
     linears: tuple[KeyPath, ...] = ()
+    stages: StagePlan | None = None
+
+    def in_stage_order(self, tree: Any, *, inverse: bool = False) -> Any:
+        """`tree` (laid out like the model, `None` allowed at leaves) with the
+        circular pipeline's `Stacked` leaves in chunk order along the layer axis
+        (`pipeline.stage_order`), so that each stage's block holds its chunks
+        (`inverse`: back to the natural order); `tree` itself otherwise. On
+        global arrays, outside the step's `shard_map`: one collective per leaf."""
+        stages = self.stages
+        if stages is None or stages.pipeline.repeats == 1:
+            return tree
+
+        def permute(spec: P | None, x: Any) -> Any:
+            staged = isinstance(spec, P) and len(spec) and spec[0] == stages.axis
+            if not (staged and is_array(x)):
+                return x
+            return to_chunk_order(x, stages, inverse=inverse)
+
+        return jax.tree.map(permute, self.specs, tree, is_leaf=is_spec_leaf)
 
     @property
     def grad_specs(self) -> Any:
@@ -151,6 +171,7 @@ def plan_model(
     rules: ParamRules,
     caller: str,
     zero1: FsdpRule | None = None,
+    stages: StagePlan | None = None,
 ) -> ModelPlan:
     """The plan of `model` when its leaves are sharded by `fsdp` (`None`: not at all
     over the data axes) and `rules` over the other axes; under ZeRO-1 (`zero1`:
@@ -169,6 +190,55 @@ def plan_model(
     leaves = [x for _, x in with_path]
     paths = [path_str(p) for p, _ in with_path]
     rule_specs = rules.match(paths, leaves)
+    plan = _plan_model(
+        model, with_path, rule_specs, data_axes, fsdp, caller, zero1, treedef
+    )
+    return plan if stages is None else _staged(plan, stages, paths, caller)
+
+
+def _staged(
+    plan: ModelPlan, stages: StagePlan, paths: list[str], caller: str
+) -> ModelPlan:
+    """`plan` with the pipelined `Stacked`'s leaves split over the stage axis on
+    their layer axis: the step's `shard_map`, manual over the stage axis too,
+    gives each stage its layers, whole over the data axes (XLA gathers an FSDP
+    shard at the boundary, once per step); their gradients leave it as sums
+    over the data axes (`sum_gradients`' all-reduce)."""
+    treedef = jax.tree.structure(plan.specs, is_leaf=is_spec_leaf)
+
+    def update(tree: Any, value: Any) -> Any:
+        if tree is None:
+            return None
+        leaves = jax.tree.leaves(tree, is_leaf=is_spec_leaf)
+        new = [
+            value(s, path) if staged and s is not None else s
+            for s, staged, path in zip(leaves, stages.leaves, paths, strict=True)
+        ]
+        return jax.tree.unflatten(treedef, new)
+
+    axis = stages.axis
+    return dataclasses.replace(
+        plan,
+        specs=update(plan.specs, lambda s, path: stage_spec(s, axis, path, caller)),
+        manual=update(plan.manual, lambda s, path: P(axis)),
+        gather=update(plan.gather, lambda s, path: P()),
+        scatter=update(plan.scatter, lambda s, path: P(axis)),
+        stages=stages,
+    )
+
+
+def _plan_model(
+    model: Any,
+    with_path: list[Any],
+    rule_specs: Any,
+    data_axes: tuple[str, ...],
+    fsdp: FsdpRule | None,
+    caller: str,
+    zero1: FsdpRule | None,
+    treedef: Any,
+) -> ModelPlan:
+    leaves = [x for _, x in with_path]
+    paths = [path_str(p) for p, _ in with_path]
     if fsdp is None:
         specs = [
             (r or P()) if is_array_like(x) else None

@@ -1,6 +1,7 @@
 """`Stacked`: identical blocks with their parameters stacked on a leading layer
 axis, run with `jax.lax.scan`, whose FSDP all-gathers run one layer ahead."""
 
+import copy
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -12,11 +13,8 @@ from jax.sharding import PartitionSpec as P
 from jaxtyping import PyTree
 
 from .._utils import is_array, is_array_like
-from .fsdp import (
-    REMAT_POLICY,
-    axis_is_bound,
-    gather_leaf,
-)
+from .fsdp import axis_is_bound, gather_leaf
+from .remat import LEGACY, check_remat, rematerialised
 from .rules import FsdpRule, SelfGathering, has_fsdp_modules
 
 
@@ -42,10 +40,17 @@ class Stacked(SelfGathering):
     input; at most two layers' full parameters alive in the forward pass). Under
     a data-parallel step, plain `jit` or eagerly, it simply scans.
 
-    `remat=True` rematerialises each layer in the backward pass: without prefetch,
-    as `FSDP(..., remat=True)` (matrix products kept, the rest recomputed); with
-    prefetch, the whole layer is recomputed from its input and re-gathered shards
-    (only the layer inputs and the parameter shards are kept).
+    `remat` says what the backward pass keeps of each layer: `None` (everything),
+    `"full"` (only the layer's input: the layer is recomputed), `"dots"` (the
+    matrix products), `"offload"` (the layer's input, in host memory where the
+    backend has it) or any `jax.checkpoint` policy. Under FSDP with prefetch,
+    `"full"` recomputes the layer from its input and re-gathered shards (only
+    the layer inputs and the parameter shards are kept); the other policies
+    gather each layer inside its rematerialised body, without prefetch (a
+    prefetched copy would be kept whole for every layer). `remat=True`, the
+    earlier boolean, keeps its meaning: `"dots"` without prefetch, `"full"`
+    with it. `make_train_step(..., remat=...)` sets it for every `Stacked` of
+    the model.
 
     Each block maps an array (or pytree of arrays) to one of the same shape and
     dtype: `x -> block(x)`, or `block(x, key=...)` when the stack is called with a
@@ -63,7 +68,7 @@ class Stacked(SelfGathering):
     layers: Any
     num_layers: int = eqx.field(static=True)
     axis_name: str = eqx.field(static=True)
-    remat: bool = eqx.field(static=True)
+    remat: Any = eqx.field(static=True)
     prefetch: bool = eqx.field(static=True)
     shapes: tuple[tuple[int, ...], ...] = eqx.field(static=True)
 
@@ -72,8 +77,8 @@ class Stacked(SelfGathering):
         blocks: Sequence[Any] | Any,
         *,
         axis_name: str = "data",
-        remat: bool = False,
-        prefetch: bool = True,
+        remat: Any = None,
+        prefetch: bool | None = None,
     ) -> None:
         """**Arguments:**
 
@@ -82,15 +87,29 @@ class Stacked(SelfGathering):
           whose array leaves already carry the leading layer axis, e.g.
           `eqx.filter_vmap(make_block)(jax.random.split(key, n))`.
         - `axis_name`: the data axis the layers' parameters are sharded over.
-        - `remat`: rematerialise each layer in the backward pass (less memory).
-        - `prefetch`: under FSDP, gather the next layer during this one.
+        - `remat`: what the backward pass keeps of each layer (see above):
+          `None`/`"none"`, `"full"`, `"dots"`, `"offload"` or a `jax.checkpoint`
+          policy.
+        - `prefetch`: under FSDP, gather the next layer during this one (`None`:
+          wherever `remat` allows it, i.e. with `None` or `"full"`).
 
         **Raises:**
 
         `ValueError` for no blocks, blocks of different structures or shapes,
-        stacked leaves of different leading sizes, or `FSDP`/`Stacked` modules
-        inside a block (wrap the `Stacked` instead).
+        stacked leaves of different leading sizes, `FSDP`/`Stacked` modules
+        inside a block (wrap the `Stacked` instead), an unknown `remat`, or
+        `prefetch=True` with a `remat` that gathers inside its body.
         """
+        remat = check_remat(remat, "Stacked")
+        prefetches = remat in (None, LEGACY, "full")
+        if prefetch and not prefetches:
+            raise ValueError(
+                f"Stacked: `prefetch=True` with `remat`={remat!r}: a prefetched "
+                "layer's gathered parameters would be kept for the backward pass "
+                "of every layer; with this policy each layer is gathered inside "
+                "its rematerialised body. Leave `prefetch` out, or use remat="
+                "'full'."
+            )
         layers = _stack(blocks) if isinstance(blocks, (list, tuple)) else blocks
         if has_fsdp_modules(layers):
             raise ValueError(
@@ -113,7 +132,7 @@ class Stacked(SelfGathering):
         (self.num_layers,) = sizes
         self.axis_name = axis_name
         self.remat = remat
-        self.prefetch = prefetch
+        self.prefetch = prefetches if prefetch is None else prefetch
         # Global shapes, as built: inside shard_map the leaves may be shards.
         self.shapes = tuple(
             tuple(x.shape) for x in jax.tree.leaves(layers) if is_array_like(x)
@@ -184,9 +203,10 @@ class Stacked(SelfGathering):
             plan.append(differ[0])
         return plan
 
-    def __call__(self, x: PyTree[Any], *, key: Any = None) -> PyTree[Any]:
-        """Run the layers in order on `x`; with a `key`, layer `i` is called as
-        `block(x, key=jax.random.split(key, n)[i])` (e.g. for dropout)."""
+    def _layer_fn(self, *, with_key: bool) -> tuple[list[Any], Callable[..., Any]]:
+        """The layers' array leaves (each with the layer axis first) and
+        `layer(layer_leaves, x)`, one block on one layer's leaves; with a key, the
+        layer's key is the last of `layer_leaves`."""
         arrays, static = eqx.partition(self.layers, is_array)
         leaves, treedef = jax.tree.flatten(arrays)
         num_params = len(leaves)
@@ -194,9 +214,26 @@ class Stacked(SelfGathering):
         def layer(layer_leaves: list[Any], x: Any) -> Any:
             params = jax.tree.unflatten(treedef, layer_leaves[:num_params])
             block = eqx.combine(params, static)
-            if key is None:
+            if not with_key:
                 return block(x)
             return block(x, key=layer_leaves[num_params])
+
+        return leaves, layer
+
+    def _with_remat(self, remat: Any) -> "Stacked":
+        """This stack with another `remat` (normal form, `check_remat`): what
+        `make_train_step(..., remat=...)` gives the loss. Only the static field
+        changes, so the layers are the same arrays."""
+        new = copy.copy(self)
+        object.__setattr__(new, "remat", remat)
+        if remat not in (None, LEGACY, "full"):
+            object.__setattr__(new, "prefetch", False)
+        return new
+
+    def __call__(self, x: PyTree[Any], *, key: Any = None) -> PyTree[Any]:
+        """Run the layers in order on `x`; with a `key`, layer `i` is called as
+        `block(x, key=jax.random.split(key, n)[i])` (e.g. for dropout)."""
+        leaves, layer = self._layer_fn(with_key=key is not None)
 
         # Shapes as built (static); the traced leaves may be local shards.
         shapes = [shape[1:] for shape in self.shapes]
@@ -231,14 +268,12 @@ class Stacked(SelfGathering):
 
 
 def _scan_plain(
-    layer: Callable[..., Any], leaves: list[Any], x: Any, *, remat: bool
+    layer: Callable[..., Any], leaves: list[Any], x: Any, *, remat: Any
 ) -> Any:
     def body(x: Any, layer_leaves: list[Any]) -> tuple[Any, None]:
         return layer(layer_leaves, x), None
 
-    if remat:
-        body = jax.checkpoint(body, policy=REMAT_POLICY)
-    x, _ = jax.lax.scan(body, x, leaves)
+    x, _ = jax.lax.scan(rematerialised(body, remat), x, leaves)
     return x
 
 
@@ -261,7 +296,7 @@ def _scan_gather(
     x: Any,
     *,
     axis_name: str,
-    remat: bool,
+    remat: Any,
 ) -> Any:
     """Each layer gathers its own slice once its input exists (no prefetch)."""
     dims = [d for d in plan if d is not None]
@@ -276,9 +311,7 @@ def _scan_gather(
         ]
         return layer(merged, x), None
 
-    if remat:
-        body = jax.checkpoint(body, policy=REMAT_POLICY)
-    x, _ = jax.lax.scan(body, x, leaves)
+    x, _ = jax.lax.scan(rematerialised(body, remat), x, leaves)
     return x
 
 
@@ -289,7 +322,7 @@ def _scan_prefetch(
     x: Any,
     *,
     axis_name: str,
-    remat: bool,
+    remat: Any,
     num_layers: int,
 ) -> Any:
     """Layer i runs on parameters gathered during layer i - 1 (the scan's

@@ -15,6 +15,7 @@ from jax.sharding import Mesh, PartitionSpec as P
 from .._data_parallel import local_shard_count
 from .._layout.layout import Layout
 from .._layout.options import LayoutOptions
+from .._layout.pipeline import Pipeline, with_data_axis
 from .._mesh import retyped
 from .._metrics.tree import check_metrics, is_metric, reduce_metrics
 from .._utils import (
@@ -84,7 +85,7 @@ class EvalMath(eqx.Module):
             trained: Any, frozen: Any, state: Any, batch: Any, mask: Any
         ) -> Any:
             trained = gather(cast_floating(trained, self.compute_dtype))
-            model = split.model(trained, gather(frozen))
+            model = split.model(trained, gather(frozen), view=self.view)
             batch = split.batch(batch)
             if split.with_state:
                 args: tuple[Any, ...] = (model, split.model_state(state), batch, mask)
@@ -246,6 +247,10 @@ class EvalStep:
         if not sharding.is_fully_addressable:
             shards = local_shard_count(sharding, shards)
         target = padded_rows(rows, shards)
+        if self.layout.pipeline is not None:
+            # Each device's rows split into the pipeline's microbatches.
+            multiple = shards * self.layout.pipeline.microbatches
+            target = math.ceil(target / multiple) * multiple
         padded = jax.tree.map(
             lambda x: _pad(x, target) if is_array(x) and np.ndim(x) else x, batch
         )
@@ -282,6 +287,7 @@ def make_eval_step(
     fsdp_layout: str | None = None,
     view: str = "device",
     per_row: bool = False,
+    pipeline: Pipeline | None = None,
 ) -> EvalStep:
     """Build a compiled, sharded evaluation step `eval_step(state_or_model, batch)
     -> metrics` for batches of any number of rows.
@@ -346,6 +352,7 @@ def make_eval_step(
         ```
     """
     caller = "make_eval_step"
+    mesh = with_data_axis(mesh, data_axis, pipeline)
     options = LayoutOptions.parse(
         caller,
         mesh,
@@ -355,6 +362,7 @@ def make_eval_step(
         min_weight_size=min_weight_size,
         fsdp_axis=fsdp_axis,
         fsdp_layout=fsdp_layout,
+        pipeline=pipeline,
     )
     check_view(view, caller)
     layout = Layout(mesh, options, caller=caller)

@@ -12,6 +12,7 @@ devices where they are not averaged yet (`ModelPlan.sum_gradients`): the update
 divides them, fused into the optimizer's pass."""
 
 import dataclasses
+from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import equinox as eqx
@@ -22,7 +23,9 @@ from jaxtyping import Array, PRNGKeyArray
 
 from .._layout.options import FsdpOptions
 from .._layout.partitioned import KeyPath, choose
+from .._layout.pipeline import run_layers
 from .._layout.plan import WEIGHT
+from .._layout.remat import UNSET
 from .._metrics.tree import reduce_metrics
 from .._utils import AxisName, cast_floating, check_axis_bound, is_array, typecheck
 from .accumulate import (
@@ -33,6 +36,7 @@ from .accumulate import (
     weight_scale,
 )
 from .inputs import StepInputs, sync_model_state
+from .one_f_one_b import OneFOneB
 from .options import StepOptions
 from .statistics import NONFINITE, SQUARES, global_sums, local_sums
 from .update import gradient_finishers
@@ -136,7 +140,8 @@ class DeviceGradients:
         # The `out_specs`: a `Gradients` of specs, replicated but for the sums.
         specs = Gradients._make([plan.grad_specs, P(), P(), P(), P(), P()])
         out: Gradients = self.inputs.shard_map(self._per_device, key, P(), specs)
-        return out
+        # A circular pipeline's layers went in in chunk order (`shard_map`).
+        return out._replace(sums=plan.in_stage_order(out.sums, inverse=True))
 
     def _per_device(
         self, trained: Any, frozen: Any, state: Any, batch: Any, key: Any
@@ -146,11 +151,13 @@ class DeviceGradients:
         partitioned = self._partitioned(trained, state, batch, key)
         compute_dtype = self.options.compute_dtype
 
-        def loss_of(params: Any, state: Any, minibatch: Any, key: Any) -> Any:
+        def loss_of(
+            params: Any, state: Any, minibatch: Any, key: Any, seen: Any = None
+        ) -> Any:
             if key is not None:
                 key = fold_rng_over_axis(key, axes)
             params = cast_floating(params, compute_dtype)
-            model = inputs.model(params, full_frozen, partitioned)
+            model = inputs.model(params, full_frozen, partitioned, marker=seen)
             return self.loss(model, inputs.model_state(state), minibatch, key)
 
         def materialise(params: Any, combined: bool = False) -> Any:
@@ -167,6 +174,12 @@ class DeviceGradients:
         def run(loss: Any, params: Any) -> Accumulated:
             n, scan = self.options.num_minibatches, self.options.use_scan
             local = inputs.batch(batch)
+            stages = inputs.plan.stages
+            if stages is not None and stages.pipeline.schedule == "1f1b":
+                one_f_one_b = OneFOneB(
+                    loss, self._stage(full_frozen), stages, inputs.plan.specs, self.loss
+                )
+                return one_f_one_b(params, inputs.model_state(state), local, key, n)
             return accumulate(loss, self.loss, params, state, local, key, n, scan)
 
         if self.fsdp.gather == "step":
@@ -186,6 +199,34 @@ class DeviceGradients:
         return Gradients(
             sums, loss, scale, metrics, new_state, self._statistics(sums, scale)
         )
+
+    def _stage(self, frozen: Any) -> Callable[..., Any]:
+        """Inside the step's `shard_map`: `stage(params, h, key, key_rows)`, this
+        stage's layers of the pipelined `Stacked` on the rows `h` (the 1F1B
+        schedule's stage; `params`: the trained leaves)."""
+        inputs = self.inputs
+        stages = inputs.plan.stages
+        assert stages is not None
+        remat = inputs.layout.options.remat
+
+        def stage(params: Any, h: Any, key: Any, key_rows: bool) -> Any:
+            params = cast_floating(params, self.options.compute_dtype)
+            model = inputs.model(params, frozen, pipelined=False)
+            stacked = stages.where(model)
+            leaves, layer = stacked._layer_fn(with_key=key is not None)
+            count = stacked.num_layers // stages.stages
+            return run_layers(
+                layer,
+                leaves,
+                h,
+                key,
+                key_rows=key_rows,
+                first=jax.lax.axis_index(stages.axis) * count,
+                num_layers=stacked.num_layers,
+                remat=stacked.remat if remat is UNSET else remat,
+            )
+
+        return stage
 
     def _partitioned(
         self, trained: Any, state: Any, batch: Any, key: Any
@@ -230,7 +271,7 @@ class DeviceGradients:
         if not kinds:
             return {}
         inputs, plan = self.inputs, self.inputs.plan
-        axes = inputs.layout.data_axes
+        axes = inputs.layout.manual_axes
         local = local_sums(
             sums,
             plan.specs,
@@ -288,7 +329,7 @@ class GlobalGradients:
 
         def loss_of(params: Any, state: Any, minibatch: Any, key: Any) -> Any:
             params = cast_floating(params, options.compute_dtype)
-            model = inputs.model(params, frozen)
+            model = inputs.model(params, frozen, view="global")
             return self.loss(model, inputs.model_state(state), minibatch, key)
 
         batch = inputs.batch(inputs.batch_arrays)
@@ -362,7 +403,7 @@ class GlobalGradients:
             finished,
             plan.specs,
             plan.manual,
-            self.inputs.layout.data_axes,
+            self.inputs.layout.manual_axes,
             self.inputs.mesh,
             kinds,
         )

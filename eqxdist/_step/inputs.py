@@ -14,6 +14,7 @@ from jax.sharding import Mesh, PartitionSpec as P
 
 from .._layout.layout import Layout
 from .._layout.partitioned import KeyPath, partitioned as partitioned_layers
+from .._layout.pipeline import Seen
 from .._layout.plan import ModelPlan
 from .._utils import is_array
 
@@ -64,14 +65,26 @@ class StepInputs:
         return self.layout.compute_mesh(self.with_state)
 
     def model(
-        self, trained: Any, frozen: Any, partitioned: frozenset[KeyPath] = frozenset()
+        self,
+        trained: Any,
+        frozen: Any,
+        partitioned: frozenset[KeyPath] = frozenset(),
+        *,
+        view: str = "device",
+        marker: Seen | None = None,
+        pipelined: bool = True,
     ) -> Any:
-        """Inside `shard_map`: the model from its (gathered) array parts, the
+        """The model as the loss sees it, from its (gathered) array parts: the
         `partitioned` layers (`_layout.partitioned`) computing on their weights'
-        shards."""
+        shards, its `Stacked` blocks as the layout runs them (`remat`, a
+        pipeline: `Layout.for_loss`)."""
         model = eqx.combine(trained, frozen, self.static)
         axis = self.plan.fsdp_axis
-        return model if axis is None else partitioned_layers(model, partitioned, axis)
+        if axis is not None:
+            model = partitioned_layers(model, partitioned, axis)
+        return self.layout.for_loss(
+            model, self.plan.stages, view=view, marker=marker, pipelined=pipelined
+        )
 
     def model_state(self, state_arrays: Any) -> Any:
         return eqx.combine(state_arrays, self.state_static)
@@ -100,9 +113,15 @@ class StepInputs:
             mesh=self.mesh,
             in_specs=(manual, manual, P(), batch_specs, extra_specs),
             out_specs=out_specs,
-            axis_names=frozenset(self.layout.data_axes),
+            axis_names=frozenset(self.layout.manual_axes),
             check_vma=False,
-        )(self.trained, self.frozen, self.state_arrays, self.batch_arrays, extra)
+        )(
+            self.plan.in_stage_order(self.trained),
+            self.plan.in_stage_order(self.frozen),
+            self.state_arrays,
+            self.batch_arrays,
+            extra,
+        )
 
 
 def _first_device(x: Any, axes: tuple[str, ...]) -> Any:

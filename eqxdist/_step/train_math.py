@@ -84,7 +84,11 @@ class TrainMath(eqx.Module):
             {"value": grads.loss} if wants_value else {},
             # Built here, so that a skipped step reads no update.
             TreeSums(
-                plan.specs, plan.grad_specs, layout.data_axes, inputs.mesh, update_kinds
+                plan.specs,
+                plan.grad_specs,
+                layout.manual_axes,
+                inputs.mesh,
+                update_kinds,
             )
             if update_kinds
             else None,
@@ -119,7 +123,7 @@ class TrainMath(eqx.Module):
             new_params,
             plan.specs,
             plan.manual,
-            layout.data_axes,
+            layout.manual_axes,
             inputs.mesh,
             (SQUARES,),
         )

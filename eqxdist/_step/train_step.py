@@ -15,6 +15,8 @@ from .._hlo import compiled_cost
 from .._jaxpr import matmul_flops
 from .._layout.layout import Layout, describe_state
 from .._layout.options import LayoutOptions
+from .._layout.pipeline import Pipeline, with_data_axis
+from .._layout.remat import UNSET
 from .._utils import (
     AxisName,
     batch_rows,
@@ -288,6 +290,8 @@ def make_train_step(
     fsdp_linears: str | None = None,
     view: str = "device",
     part: str | None = None,
+    pipeline: Pipeline | None = None,
+    remat: Any = None,
 ) -> TrainStep:
     """Build a compiled, sharded training step `step(state, batch) -> (state,
     metrics)`.
@@ -493,6 +497,7 @@ def make_train_step(
         ```
     """
     caller = "make_train_step"
+    mesh = with_data_axis(mesh, data_axis, pipeline)
     layout = LayoutOptions.parse(
         caller,
         mesh,
@@ -504,7 +509,15 @@ def make_train_step(
         fsdp_layout=fsdp_layout,
         fsdp_gather=fsdp_gather,
         fsdp_linears=fsdp_linears,
+        pipeline=pipeline,
+        remat=UNSET if remat is None else remat,
     )
+    if pipeline is not None and pipeline.schedule == "1f1b" and view == "global":
+        raise ValueError(
+            f"{caller}: schedule='1f1b' runs in the device view: it runs the loss "
+            "once per microbatch, out of order, on each device's rows. Use "
+            "view='device', or schedule='gpipe' (or 'circular') in the global view."
+        )
     options = StepOptions.parse(
         caller,
         view=view,

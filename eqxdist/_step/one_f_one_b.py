@@ -1,0 +1,478 @@
+"""The one-forward-one-backward pipeline schedule (`Pipeline(...,
+schedule="1f1b")`): the gradients of a loss whose model holds a pipelined
+`Stacked`, each stage alternating the forward pass of one microbatch and the
+backward pass of another, so that at most P microbatches' activations are alive
+on a stage (GPipe keeps all M).
+
+The backward pass of a microbatch starts as soon as its forward pass has left
+the last stage, long before the other microbatches' forward passes end, so the
+schedule is written out rather than left to JAX's autodiff of a forward loop:
+
+- **The loss, cut at the stack.** The loss is traced once on one microbatch
+  with the stack replaced by a marker (`_layout.pipeline.MarkedStack`); the
+  program is cut there into `pre` (the loss's inputs to the stack's input: the
+  embedding) and `post` (the stack's output, with the inputs, to the loss and
+  its metrics: the head). Both are ordinary functions JAX differentiates.
+- **The slots.** `schedule` simulates PipeDream-flush's order per stage (P - 1
+  - s warm-up forwards, then one forward and one backward in turn, then the
+  remaining backwards) on a clock of slots, each stage taking its next action
+  as soon as its input has arrived; the table says, per slot and stage, what to
+  run and where the messages of the slot land. Every slot, every stage runs its
+  action (`lax.switch`), then sends its activation to the next stage and its
+  cotangent to the previous one (`ppermute`).
+- **A forward step** stores the stage's input (a stash of P entries) and
+  passes the stage's output on; on the last stage it also runs `post` and its
+  VJP, which gives the loss, the metrics, `post`'s parameter gradients and the
+  cotangent of the stage's output. **A backward step** recomputes the stage
+  from its stored input under `jax.vjp` (the stack's `remat` policy says what
+  that recomputation keeps) and passes the input's cotangent back; on stage 0
+  it is stored, and `pre`'s VJP runs on all of them after the loop.
+
+The stages' layer gradients stay on their stage; the other gradients (`pre`'s
+on stage 0, `post`'s on the last stage) are summed over the stage axis.
+"""
+
+import dataclasses
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.extend import core as jex
+from jax.sharding import PartitionSpec as P
+
+from .._layout.pipeline import MARKER, Seen, StagePlan
+from .._layout.rules import is_spec_leaf
+from .._metrics.tree import merge_metrics
+from .._utils import is_array
+from .accumulate import Accumulated, CheckedLoss
+
+IDLE, FORWARD, BACKWARD = 0, 1, 2
+
+
+@dataclasses.dataclass(frozen=True)
+class Schedule:
+    """The slots of a 1F1B schedule for `stages` stages and `micro`
+    microbatches, as `(slots, stages)` int32 tables: `action` (`IDLE`,
+    `FORWARD`, `BACKWARD`), `micro` (the microbatch of the action), and for the
+    messages that arrive at the end of a slot: `from_prev` (the previous stage
+    sent an activation: 1, else 0), `from_next` (the next stage sent a
+    cotangent). Buffers are indexed by microbatch modulo `stages`."""
+
+    action: np.ndarray
+    micro: np.ndarray
+    from_prev: np.ndarray
+    prev_micro: np.ndarray
+    from_next: np.ndarray
+    next_micro: np.ndarray
+
+    @property
+    def slots(self) -> int:
+        return int(self.action.shape[0])
+
+
+def schedule(stages: int, micro: int) -> Schedule:
+    """PipeDream-flush's 1F1B order on a clock of slots (see the module
+    docstring); checked to keep at most `stages` microbatches in flight per
+    stage and never to overwrite a message before it is read."""
+    orders = []
+    for s in range(stages):
+        warm = min(stages - 1 - s, micro)
+        order = [(FORWARD, m) for m in range(warm)]
+        f, b = warm, 0
+        while f < micro:
+            order += [(FORWARD, f), (BACKWARD, b)]
+            f, b = f + 1, b + 1
+        order += [(BACKWARD, m) for m in range(b, micro)]
+        orders.append(order)
+    done: dict[tuple[int, int, int], int] = {}  # (action, m, s) -> slot done
+    position = [0] * stages
+    rows: list[list[tuple[int, int]]] = []
+    t = 0
+    while any(position[s] < len(orders[s]) for s in range(stages)):
+        row = []
+        for s in range(stages):
+            if position[s] == len(orders[s]):
+                row.append((IDLE, 0))
+                continue
+            act, m = orders[s][position[s]]
+            if act == FORWARD:
+                ready = s == 0 or done.get((FORWARD, m, s - 1), t) < t
+            else:
+                ready = done.get((FORWARD, m, s), t) < t and (
+                    s == stages - 1 or done.get((BACKWARD, m, s + 1), t) < t
+                )
+            row.append((act, m) if ready else (IDLE, 0))
+        for s, (act, m) in enumerate(row):
+            if act != IDLE:
+                done[(act, m, s)] = t
+                position[s] += 1
+        rows.append(row)
+        t += 1
+    action = np.array([[a for a, _ in row] for row in rows], np.int32)
+    mb = np.array([[m for _, m in row] for row in rows], np.int32)
+    from_prev = np.zeros_like(action)
+    from_next = np.zeros_like(action)
+    prev_micro = np.zeros_like(action)
+    next_micro = np.zeros_like(action)
+    for t in range(len(rows)):
+        for s in range(stages):
+            if s > 0 and action[t, s - 1] == FORWARD:
+                from_prev[t, s], prev_micro[t, s] = 1, mb[t, s - 1]
+            if s < stages - 1 and action[t, s + 1] == BACKWARD:
+                from_next[t, s], next_micro[t, s] = 1, mb[t, s + 1]
+    _check(action, mb, stages)
+    return Schedule(action, mb, from_prev, prev_micro, from_next, next_micro)
+
+
+def _check(action: np.ndarray, mb: np.ndarray, stages: int) -> None:
+    """At most `stages` microbatches between a stage's forward and backward
+    steps, so buffers of `stages` entries indexed by microbatch modulo
+    `stages` never lose an entry still needed."""
+    for s in range(stages):
+        alive = 0
+        for t in range(action.shape[0]):
+            alive += {FORWARD: 1, BACKWARD: -1}.get(int(action[t, s]), 0)
+            assert 0 <= alive <= stages - s, (s, t, alive)
+
+
+# -- the loss, cut at the stack ---------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class CutLoss:
+    """`loss(args)` cut at the stack: `pre(args) -> stack input leaves` and
+    `post(args, stack output leaves) -> loss output leaves` (`out_tree`), both
+    on the flattened `args`; `x_tree` the stack input's structure, `key` its
+    key's (`None` without one), `key_rows` whether that key is per row."""
+
+    pre: Callable[..., Any]
+    post: Callable[..., Any]
+    out_tree: Any
+    x_tree: Any
+    key_tree: Any
+    key_rows: bool
+
+
+def cut(loss: Callable[..., Any], args: Any, seen: dict[str, Any]) -> CutLoss:
+    """Trace `loss(*args)` (whose model holds a `MarkedStack`, which records
+    what it sees in `seen`) and cut it at the marker."""
+    closed, out_shape = jax.make_jaxpr(loss, return_shape=True)(*args)
+    jaxpr = closed.jaxpr
+    marks = [
+        i
+        for i, e in enumerate(jaxpr.eqns)
+        if e.primitive.name in ("jit", "pjit") and e.params.get("name") == MARKER
+    ]
+    if len(marks) != 1:
+        raise ValueError(
+            "pipeline (schedule='1f1b'): the loss must call the pipelined Stacked "
+            f"exactly once, on its rows under jax.vmap (as `jax.vmap(model)(x)` "
+            f"does), outside any jax.jit, jax.checkpoint or loop of its own; it is "
+            f"called {len(marks)} times so. Use schedule='gpipe', which has no such "
+            "limit, or call the model so."
+        )
+    mark = jaxpr.eqns[marks[0]]
+    others = [e for i, e in enumerate(jaxpr.eqns) if i != marks[0]]
+    pre = _closed(closed, jaxpr.invars, list(mark.invars), _needed(others, mark.invars))
+    post_eqns = _needed(others, jaxpr.outvars)
+    post = _closed(closed, [*jaxpr.invars, *mark.outvars], jaxpr.outvars, post_eqns)
+    return CutLoss(
+        jex.jaxpr_as_fun(pre),
+        jex.jaxpr_as_fun(post),
+        jax.tree.structure(out_shape),
+        seen["x"],
+        seen["key"],
+        seen["key_rows"],
+    )
+
+
+def _needed(eqns: list[Any], outvars: list[Any]) -> list[Any]:
+    """The equations `outvars` depend on, in order."""
+    need = {v for v in outvars if isinstance(v, jex.Var)}
+    kept = []
+    for eqn in reversed(eqns):
+        if eqn.effects or any(v in need for v in eqn.outvars):
+            kept.append(eqn)
+            need.update(v for v in eqn.invars if isinstance(v, jex.Var))
+    return kept[::-1]
+
+
+def _closed(closed: Any, invars: list[Any], outvars: list[Any], eqns: list[Any]) -> Any:
+    jaxpr = closed.jaxpr
+    new = jex.Jaxpr(
+        jaxpr.constvars,
+        invars,
+        outvars,
+        eqns,
+        jaxpr.effects,
+        jaxpr.debug_info.with_unknown_names()
+        if hasattr(jaxpr.debug_info, "with_unknown_names")
+        else jaxpr.debug_info,
+    )
+    return jex.ClosedJaxpr(new, closed.consts)
+
+
+# -- the schedule's program ---------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class OneFOneB:
+    """The 1F1B gradients of one step's rows on one device (inside the step's
+    `shard_map`, the stage axis bound).
+
+    - `marked`: `marked(params, model_state, minibatch, key, seen)`, the checked
+      loss (`CheckedLoss`'s output) on a model whose pipelined stack is a
+      `MarkedStack` recording into `seen`.
+    - `stage`: `stage(params, h, key, key_rows) -> h`, this stage's layers on
+      the rows `h` (`key`: the rows' keys (`key_rows`) or the stack's key, or
+      `None`).
+    - `plan`: the pipeline; `specs`: the model's specs (`ModelPlan.specs`),
+      which say which leaves are a stage's own layers.
+    - `checked`: the user's loss, checked (`weighted` is read after tracing).
+    """
+
+    marked: Callable[..., Any]
+    stage: Callable[..., Any]
+    plan: StagePlan
+    specs: Any
+    checked: CheckedLoss
+
+    def __call__(
+        self, params: Any, model_state: Any, batch: Any, key: Any, n: int
+    ) -> Accumulated:
+        if model_state is not None:
+            raise ValueError(
+                "pipeline (schedule='1f1b'): the state carries a model_state; the "
+                "1F1B schedule runs the loss once per microbatch out of order, "
+                "which a model state carried from call to call cannot follow. Use "
+                "schedule='gpipe'."
+            )
+        keys = None if key is None else jax.random.split(key, n)
+        micro = self.plan.pipeline.microbatches
+        grads = jax.tree.map(jnp.zeros_like, params)
+        total = weight = metrics = None
+        for i in range(n):
+            part = jax.tree.map(lambda x, i=i: _block(x, i, n), batch)
+            g, value, w, more = self._minibatch(
+                params, part, None if keys is None else keys[i], micro
+            )
+            grads = jax.tree.map(jnp.add, grads, g)
+            if total is None:
+                total, weight, metrics = value, w, more
+            else:
+                total, weight = total + value, weight + w
+                metrics = merge_metrics(metrics, more)
+        if self.checked.weighted:
+            return Accumulated(grads, total, weight, metrics, None)
+        calls = n * micro
+        mean = jax.tree.map(lambda g: g / calls, grads)
+        return Accumulated(mean, total / calls, None, metrics, None)
+
+    def _minibatch(self, params: Any, batch: Any, key: Any, micro: int) -> Any:
+        """The sums over the microbatches of `batch` (microbatch m with the key
+        `fold_in(key, m)`): gradient, loss, weight and the merged metrics."""
+        axis, stages = self.plan.axis, self.plan.stages
+        s = jax.lax.axis_index(axis)
+        p_leaves, p_tree = jax.tree.flatten(params)
+        parts = [
+            jax.tree.map(lambda x, m=m: _block(x, m, micro), batch)
+            for m in range(micro)
+        ]
+        mkeys = [
+            None if key is None else jax.random.fold_in(key, m) for m in range(micro)
+        ]
+        seen = Seen()
+        loss = cut(
+            lambda p, b, k: self.marked(p, None, b, k, seen),
+            (params, parts[0], mkeys[0]),
+            seen.values,
+        )
+        # The microbatches' own arguments, stacked; the parameters are shared.
+        rest = [
+            jnp.stack(xs)
+            for xs in zip(
+                *[jax.tree.leaves((parts[m], mkeys[m])) for m in range(micro)],
+                strict=True,
+            )
+        ]
+
+        def pre(p: list[Any], r: list[Any]) -> list[Any]:
+            out: list[Any] = loss.pre(*p, *r)
+            return out
+
+        def post(p: list[Any], r: list[Any], y: list[Any]) -> list[Any]:
+            out: list[Any] = loss.post(*p, *r, *y)
+            return out
+
+        inputs = jax.lax.map(lambda r: pre(p_leaves, r), rest)
+        n_x = loss.x_tree.num_leaves
+        xs, stack_keys = inputs[:n_x], inputs[n_x:]
+        table = schedule(stages, micro)
+        tables = [
+            jnp.asarray(getattr(table, f))
+            for f in (
+                "action",
+                "micro",
+                "from_prev",
+                "prev_micro",
+                "from_next",
+                "next_micro",
+            )
+        ]
+        zeros_x = [jnp.zeros_like(x[0]) for x in xs]
+        buf = [jnp.zeros((stages, *x.shape[1:]), x.dtype) for x in xs]
+        out_shapes = jax.eval_shape(
+            post, p_leaves, [r[0] for r in rest], [x[0] for x in xs]
+        )
+        outs0 = [jnp.zeros((micro, *o.shape), o.dtype) for o in out_shapes]
+
+        def key_of(m: Any) -> Any:
+            if loss.key_tree is None:
+                return None
+            return jax.tree.unflatten(loss.key_tree, [_index(k, m) for k in stack_keys])
+
+        def stage_fn(p: list[Any], h: list[Any], m: Any) -> list[Any]:
+            x = jax.tree.unflatten(loss.x_tree, h)
+            out = self.stage(jax.tree.unflatten(p_tree, p), x, key_of(m), loss.key_rows)
+            return list(jax.tree.leaves(out))
+
+        def forward(c: Any, m: Any) -> Any:
+            stash, inbox_f, inbox_b, grads, dx, outs = c
+            h = [
+                jnp.where(s == 0, _index(x, m), _index(f, m % stages))
+                for x, f in zip(xs, inbox_f, strict=True)
+            ]
+            stash = [_set(b, m % stages, v) for b, v in zip(stash, h, strict=True)]
+            y = stage_fn(p_leaves, h, m)
+
+            def last(args: Any) -> Any:
+                inbox_b, grads, outs = args
+                r = [_index(x, m) for x in rest]
+                out, vjp = jax.vjp(lambda p, y: post(p, r, y), p_leaves, y)
+                dp, dy = vjp([_seed(o, i == 0) for i, o in enumerate(out)])
+                grads = [a + b for a, b in zip(grads, dp, strict=True)]
+                inbox_b = [
+                    _set(b, m % stages, v) for b, v in zip(inbox_b, dy, strict=True)
+                ]
+                outs = [_set(b, m, v) for b, v in zip(outs, out, strict=True)]
+                return inbox_b, grads, outs
+
+            inbox_b, grads, outs = jax.lax.cond(
+                s == stages - 1, last, lambda a: a, (inbox_b, grads, outs)
+            )
+            return (stash, inbox_f, inbox_b, grads, dx, outs), y, zeros_x
+
+        def backward(c: Any, m: Any) -> Any:
+            stash, inbox_f, inbox_b, grads, dx, outs = c
+            h = [_index(b, m % stages) for b in stash]
+            dy = [_index(b, m % stages) for b in inbox_b]
+            _, vjp = jax.vjp(lambda p, h: stage_fn(p, h, m), p_leaves, h)
+            dp, dh = vjp(dy)
+            grads = [a + b for a, b in zip(grads, dp, strict=True)]
+            dx = [_set_if(b, m, v, s == 0) for b, v in zip(dx, dh, strict=True)]
+            return (stash, inbox_f, inbox_b, grads, dx, outs), zeros_x, dh
+
+        def idle(c: Any, m: Any) -> Any:
+            return c, zeros_x, zeros_x
+
+        def slot(c: Any, t: Any) -> Any:
+            action, mb, from_prev, prev_micro, from_next, next_micro = (
+                _index(_index(x, t), s) for x in tables
+            )
+            c, send_f, send_b = jax.lax.switch(action, [idle, forward, backward], c, mb)
+            if stages == 1:
+                return c, None
+            stash, inbox_f, inbox_b, grads, dx, outs = c
+            ahead = [(i, i + 1) for i in range(stages - 1)]
+            back = [(i + 1, i) for i in range(stages - 1)]
+            got_f = [jax.lax.ppermute(v, axis, ahead) for v in send_f]
+            got_b = [jax.lax.ppermute(v, axis, back) for v in send_b]
+            inbox_f = [
+                _set_if(b, prev_micro % stages, v, from_prev == 1)
+                for b, v in zip(inbox_f, got_f, strict=True)
+            ]
+            inbox_b = [
+                _set_if(b, next_micro % stages, v, from_next == 1)
+                for b, v in zip(inbox_b, got_b, strict=True)
+            ]
+            return (stash, inbox_f, inbox_b, grads, dx, outs), None
+
+        init = (
+            buf,
+            buf,
+            buf,
+            [jnp.zeros_like(x) for x in p_leaves],
+            [jnp.zeros_like(x) for x in xs],
+            outs0,
+        )
+        (_, _, _, g_leaves, dx, outs), _ = jax.lax.scan(
+            slot, init, jnp.arange(table.slots)
+        )
+
+        # `pre`'s VJP on stage 0's input cotangents (zeros on the others).
+        def pre_grads(total: list[Any], a: Any) -> tuple[list[Any], None]:
+            r, d = a
+            _, vjp = jax.vjp(lambda p: pre(p, r)[:n_x], p_leaves)
+            (dp,) = vjp(list(d))
+            return [x + y for x, y in zip(total, dp, strict=True)], None
+
+        zero = [jnp.zeros_like(x) for x in p_leaves]
+        pre_leaves, _ = jax.lax.scan(pre_grads, zero, (rest, dx))
+        grads = jax.tree.unflatten(
+            p_tree, [a + b for a, b in zip(g_leaves, pre_leaves, strict=True)]
+        )
+        grads = self._over_stages(grads)
+        last = s == stages - 1
+        outs = [jax.lax.psum(jnp.where(last, o, jnp.zeros_like(o)), axis) for o in outs]
+        results = [
+            jax.tree.unflatten(loss.out_tree, [o[m] for o in outs])
+            for m in range(micro)
+        ]
+        total, (weight, metrics, _) = results[0]
+        for value, (w, more, _) in results[1:]:
+            total, weight = total + value, weight + w
+            metrics = merge_metrics(metrics, more)
+        return grads, total.astype(jnp.float32), weight, metrics
+
+    def _over_stages(self, grads: Any) -> Any:
+        """The gradients of the leaves that are not a stage's own layers (those
+        of `pre`, on stage 0, and of `post`, on the last stage) summed over the
+        stage axis, so that every stage holds them."""
+        axis = self.plan.axis
+
+        def total(spec: Any, g: Any) -> Any:
+            if g is None:
+                return None
+            own = isinstance(spec, P) and len(spec) > 0 and spec[0] == axis
+            return g if own else jax.lax.psum(g, axis)
+
+        return jax.tree.map(total, self.specs, grads, is_leaf=is_spec_leaf)
+
+
+def _seed(out: Any, loss: bool) -> Any:
+    """The cotangent of one of `post`'s outputs: 1 for the loss, zero for the
+    rest (`float0` for integers)."""
+    if not jnp.issubdtype(out.dtype, jnp.inexact):
+        return np.zeros(out.shape, jax.dtypes.float0)
+    return jnp.ones_like(out) if loss else jnp.zeros_like(out)
+
+
+def _block(x: Any, i: int, n: int) -> Any:
+    if not is_array(x) or jnp.ndim(x) == 0:
+        return x
+    rows = x.shape[0] // n
+    return x[i * rows : (i + 1) * rows]
+
+
+def _index(x: Any, i: Any) -> Any:
+    return jax.lax.dynamic_index_in_dim(x, i, 0, keepdims=False)
+
+
+def _set(x: Any, i: Any, v: Any) -> Any:
+    return jax.lax.dynamic_update_index_in_dim(x, v, i, 0)
+
+
+def _set_if(x: Any, i: Any, v: Any, when: Any) -> Any:
+    return _set(x, i, jnp.where(when, v, _index(x, i)))
