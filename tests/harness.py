@@ -361,3 +361,72 @@ def launch(
         text=True,
         timeout=timeout,
     )
+
+
+# -- pipeline parallelism (tests/layout/test_pipeline.py, mp_scripts/mp_pipeline.py)
+
+PIPE_WIDTH = 16
+
+
+class PipeBlock(eqx.Module):
+    linear: eqx.nn.Linear
+    norm: eqx.nn.LayerNorm
+
+    def __init__(self, key: Any) -> None:
+        self.linear = eqx.nn.Linear(PIPE_WIDTH, PIPE_WIDTH, key=key)
+        self.norm = eqx.nn.LayerNorm(PIPE_WIDTH)
+
+    def __call__(self, x: Any) -> Any:
+        return x + jnp.tanh(self.linear(self.norm(x)))
+
+
+class PipeNet(eqx.Module):
+    """An embedding, a `Stacked` of residual blocks and a head: what runs before
+    and after a pipeline's stages, and the stages."""
+
+    embed: eqx.nn.Linear
+    blocks: ed.Stacked
+    head: eqx.nn.Linear
+
+    def __init__(self, layers: int = 16, key: Any = None, remat: Any = None) -> None:
+        k1, k2, k3 = jax.random.split(jax.random.key(0) if key is None else key, 3)
+        self.embed = eqx.nn.Linear(8, PIPE_WIDTH, key=k1)
+        blocks = [PipeBlock(k) for k in jax.random.split(k2, layers)]
+        self.blocks = ed.Stacked(blocks, remat=remat)
+        self.head = eqx.nn.Linear(PIPE_WIDTH, 4, key=k3)
+
+    def __call__(self, x: Any) -> Any:
+        return self.head(self.blocks(jax.nn.relu(self.embed(x))))
+
+
+def pipe_loss(model: Any, batch: dict, key: Any) -> tuple:
+    logits = jax.vmap(model)(batch["x"])
+    losses = optax.softmax_cross_entropy_with_integer_labels(logits, batch["y"])
+    return losses.mean(), {"loss": ed.metrics.Mean().update(losses)}
+
+
+def pipe_batches(steps: int = 3, rows: int = 32, seed: int = 0) -> list:
+    rng = np.random.default_rng(seed)
+    return [
+        {
+            "x": rng.normal(size=(rows, 8)).astype(np.float32),
+            "y": rng.integers(0, 4, rows).astype(np.int32),
+            "mask": (rng.random(rows) < 0.7).astype(np.float32),
+        }
+        for _ in range(steps)
+    ]
+
+
+def train_pipeline(schedule: str) -> Any:
+    """`PipeNet` trained 3 steps by a pipeline of `schedule` over `{"stage": 2,
+    "data": 4}` (4 microbatches; AdamW): in one process, and across two
+    (mp_pipeline.py), where the stage axis spans the processes and both pass
+    every row (the data axis is within each)."""
+    mesh = ed.create_device_mesh({"stage": 2, "data": 4})
+    repeats = 2 if schedule == "circular" else 1
+    pipeline = ed.Pipeline("stage", 4, schedule=schedule, repeats=repeats)
+    step = ed.make_train_step(pipe_loss, ADAMW, mesh, pipeline=pipeline)
+    state = ed.TrainState.create(PipeNet(), ADAMW, jax.random.key(1))
+    for batch in pipe_batches():
+        state, _ = step(state, batch)
+    return state

@@ -29,7 +29,7 @@ from .._utils import (
 )
 from .fsdp import CPU_FSDP_OPTIONS
 from .options import LayoutOptions
-from .pipeline import Seen, StagePlan, pipelined as pipelined_model, stage_plan
+from .pipeline import StagePlan, stage_plan
 from .plan import ModelPlan, plan_model, structure_key, warn_if_unsharded
 from .remat import UNSET
 from .rules import (
@@ -40,6 +40,7 @@ from .rules import (
     is_spec_leaf,
 )
 from .stacked import Stacked
+from .stages import Seen, pipelined as pipelined_model
 
 # Strategies that shard something over `fsdp_axis`: the parameters (and their
 # optimizer state) under FSDP, only the optimizer state under ZeRO-1.

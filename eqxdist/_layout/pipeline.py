@@ -1,7 +1,7 @@
 """Pipeline parallelism over the layers of a `Stacked`: `Pipeline` (the public
-configuration), the plan of which leaves are split over the stage axis
-(`StagePlan`), and the stack a loss sees in a pipelined step (`PipelinedStack`),
-which runs the GPipe and circular schedules.
+configuration) and the layout of which leaves are split over the stage axis
+(`StagePlan`, `stage_spec`); `stages` runs them, `_step.one_f_one_b` the 1F1B
+schedule.
 
 **Layout.** The `Stacked`'s leaves keep their natural shape `(L, ...)`; their
 layer axis is sharded over the stage axis (P stages of L/P consecutive layers),
@@ -10,38 +10,17 @@ dimensions follow the FSDP rule and `param_rules` as in the other strategies;
 a stage's layers enter the step gathered over the data axes (XLA gathers them
 at the `shard_map` boundary, once per step). The rest of the model is laid out
 as without a pipeline and replicated over the stage axis.
-
-**Where the stages run.** The loss is written as for one device (or one data
-shard). When it calls the pipelined `Stacked` on its rows (under `jax.vmap`, as
-`jax.vmap(model)(x)` does, or on an array whose leading dimension is the rows),
-a `jax.custom_batching.custom_vmap` rule receives the rows together, cuts them
-into microbatches and runs the schedule inside a `jax.shard_map` manual over the
-stage axis (and, in the global view, the data axes); activations move to the
-next stage with `ppermute`. The stage's output is broadcast to every stage with
-one all-reduce, so what comes after the `Stacked` (head, loss) runs as in the
-other strategies, and JAX differentiates the whole: the backward pass of the
-schedule's loop is the GPipe backward pass (all forwards, then all backwards).
-
-**Circular** (`repeats = R > 1`): stage p holds the chunks of c = L/(P R)
-layers p, p + P, ...; a microbatch goes round the ring R times. The natural
-layout holds L/P consecutive layers per stage, so the step permutes the
-layers' leaves into chunk order over the stage axis once per step (one
-collective of a stage's layers; its transpose returns the gradients). The loop
-runs R M + P - 1 iterations for M microbatches: bubble (P - 1)/(R M + P - 1).
 """
 
 import dataclasses
-import functools
 from collections.abc import Callable
 from typing import Any
 
 import equinox as eqx
 import jax
-import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, PartitionSpec as P
 
-from .remat import UNSET, rematerialised
 from .stacked import Stacked
 
 SCHEDULES = ("gpipe", "circular", "1f1b")
@@ -201,7 +180,8 @@ class StagePlan:
         return self.pipeline.axis
 
     def where(self, model: Any) -> Stacked:
-        return _find_stacked(model, self.pipeline.where, "train step")
+        found: Stacked = _find_stacked(model, self.pipeline.where, "train step")
+        return found
 
 
 def _is_stacked(x: Any) -> bool:
@@ -239,7 +219,7 @@ def _find_stacked(model: Any, where: Callable[[Any], Any] | None, caller: str) -
     return found_all[0]
 
 
-def _where_fn(pipeline: Pipeline) -> Callable[[Any], Any]:
+def where_fn(pipeline: Pipeline) -> Callable[[Any], Any]:
     """`where` as `eqx.tree_at` takes it (the default: the only `Stacked`)."""
     if pipeline.where is not None:
         return pipeline.where
@@ -250,7 +230,7 @@ def stage_plan(pipeline: Pipeline, mesh: Mesh, model: Any, caller: str) -> Stage
     """`pipeline` against `model`: which leaves are the pipelined `Stacked`'s,
     checked to split evenly over the stages (and repeats)."""
     stacked = _find_stacked(model, pipeline.where, caller)
-    where = _where_fn(pipeline)
+    where = where_fn(pipeline)
     falses = jax.tree.map(lambda _: False, model)
     marked = eqx.tree_at(
         where, falses, replace=jax.tree.map(lambda _: True, where(falses))
@@ -279,461 +259,3 @@ def stage_spec(spec: P | None, axis: str, path: str, caller: str) -> P:
             "the spec with None."
         )
     return P(axis, *entries[1:])
-
-
-# -- the stack a loss sees -------------------------------------------------------------
-
-
-class PipelinedStack(eqx.Module):
-    """The pipelined `Stacked` as a step's loss sees it: called like the
-    `Stacked` (`stack(x)`, `stack(x, key=key)`) on a device's rows under
-    `jax.vmap`, it runs the schedule over the stage axis (see the module
-    docstring). Called without `vmap`, its input is one row: the stages run it
-    as one microbatch.
-
-    - `stacked`: the `Stacked`, its leaves as the step has them: in the device
-      view this stage's layers (in chunk order for the circular schedule, the
-      step's `ModelPlan.to_stage_order`), in the global view all of them.
-    - `plan`: the resolved pipeline.
-    - `manual`: the data axes, which the schedule's own `shard_map` makes
-      manual with the stage axis in the global view; `()` in the device view,
-      where the step's `shard_map` binds both.
-    - `remat`: what the backward pass keeps of each layer (normal form).
-    """
-
-    stacked: Stacked
-    plan: StagePlan = eqx.field(static=True)
-    manual: tuple[str, ...] = eqx.field(static=True)
-    remat: Any = eqx.field(static=True)
-
-    def __call__(self, x: Any, *, key: Any = None) -> Any:
-        leaves, layer = self.stacked._layer_fn(with_key=key is not None)
-        stages = self.plan.stages
-
-        def one_row(leaves: Any, x: Any, key: Any) -> Any:
-            # Traced on one row's shapes whether or not the call is batched
-            # (run only when it is not): the row copied once per stage, so that
-            # every schedule has its microbatches.
-            rows = jax.tree.map(lambda a: jnp.broadcast_to(a, (stages, *a.shape)), x)
-            out = self._run(
-                layer, leaves, rows, key, key_rows=False, micro=stages, split=False
-            )
-            return jax.tree.map(lambda a: a[0], out)
-
-        stack = jax.custom_batching.custom_vmap(one_row)
-
-        @stack.def_vmap
-        def rows(
-            axis_size: int, in_batched: Any, leaves: Any, x: Any, key: Any
-        ) -> tuple[Any, Any]:
-            leaves_batched, x_batched, key_batched = in_batched
-            if any(jax.tree.leaves(leaves_batched)):
-                raise ValueError(
-                    "pipeline: the pipelined Stacked's parameters are batched by "
-                    "`jax.vmap`; vmap over the rows of its input only."
-                )
-            x = jax.tree.map(
-                lambda a, b: a if b else jnp.broadcast_to(a, (axis_size, *a.shape)),
-                x,
-                x_batched,
-            )
-            key_rows = any(jax.tree.leaves(key_batched))
-            micro = self.plan.pipeline.microbatches
-            out = self._run(layer, leaves, x, key, key_rows=key_rows, micro=micro)
-            return out, jax.tree.map(lambda _: True, out)
-
-        return stack(leaves, x, key)
-
-    def _run(
-        self,
-        layer: Callable[..., Any],
-        leaves: list[Any],
-        x: Any,
-        key: Any,
-        *,
-        key_rows: bool,
-        micro: int,
-        split: bool = True,
-    ) -> Any:
-        """The schedule on `x`'s rows (its leading dimension) in `micro`
-        microbatches (in the global view, each data shard's rows, unless not
-        `split`)."""
-        plan, pipeline = self.plan, self.plan.pipeline
-        stages, repeats = plan.stages, pipeline.repeats
-        (n,) = {int(a.shape[0]) for a in jax.tree.leaves(x)}
-        data = self.manual if split else ()
-        if data:
-            mesh = jax.sharding.get_abstract_mesh()
-            n //= int(np.prod([mesh.shape[a] for a in data]))
-        if n % micro:
-            raise ValueError(
-                f"pipeline: each device's {n} rows (of a minibatch) do not split "
-                f"into microbatches={micro}; use a number of microbatches that "
-                "divides them, or more rows per step."
-            )
-        if pipeline.schedule == "circular" and micro < stages:
-            raise ValueError(
-                f"pipeline: the circular schedule needs at least as many "
-                f"microbatches as stages ({micro} < {stages}): a microbatch coming "
-                "round the ring must find its stage free."
-            )
-        engine = _Engine(
-            layer=layer,
-            axis=plan.axis,
-            stages=stages,
-            microbatches=micro,
-            repeats=repeats,
-            num_layers=plan.num_layers,
-            key_rows=key_rows,
-            remat=self.remat,
-            # In the global view the transpose of the schedule's own `shard_map`
-            # sums the stages' input cotangents and splits the output's among
-            # them (both replicated over the stage axis); in the step's, whose
-            # transpose is never taken, the engine does both.
-            sum_input=not self.manual,
-        )
-        if not self.manual:  # the device view: the step's shard_map binds the stages
-            return engine(leaves, x, key)
-        if repeats > 1:
-            leaves = [to_chunk_order(a, plan) for a in leaves]
-        row_spec = P(data[0] if len(data) == 1 else data) if data else P()
-        return jax.shard_map(
-            engine,
-            mesh=jax.sharding.get_abstract_mesh(),
-            in_specs=(
-                [P(plan.axis)] * len(leaves),
-                jax.tree.map(lambda _: row_spec, x),
-                None if key is None else (row_spec if key_rows else P()),
-            ),
-            out_specs=jax.tree.map(lambda _: row_spec, x),
-            axis_names=frozenset({plan.axis, *data}),
-            check_vma=False,
-        )(leaves, x, key)
-
-
-MARKER = "eqxdist_pipeline_stack"
-"""The name of the `jax.jit` a `MarkedStack` leaves where the stack is called,
-so the 1F1B schedule can cut the loss's program there."""
-
-
-class MarkedStack(eqx.Module):
-    """The pipelined `Stacked` as the 1F1B schedule's trace of the loss sees it:
-    called on the loss's rows under `jax.vmap`, it returns its input through a
-    `jax.jit` named `MARKER` (with its key as a second input) and records in
-    `seen` the input's structure and whether the key is per row. Called without
-    `vmap` it leaves no marker (the schedule then says so)."""
-
-    stacked: Stacked
-    seen: "Seen" = eqx.field(static=True)
-
-    def __call__(self, x: Any, *, key: Any = None) -> Any:
-        seen = self.seen.values
-
-        def one_row(x: Any, key: Any) -> Any:
-            return x
-
-        stack = jax.custom_batching.custom_vmap(one_row)
-
-        @stack.def_vmap
-        def rows(axis_size: int, in_batched: Any, x: Any, key: Any) -> tuple[Any, Any]:
-            x_batched, key_batched = in_batched
-            x = jax.tree.map(
-                lambda a, b: a if b else jnp.broadcast_to(a, (axis_size, *a.shape)),
-                x,
-                x_batched,
-            )
-            seen["x"] = jax.tree.structure(x)
-            seen["key"] = None if key is None else jax.tree.structure(key)
-            seen["key_rows"] = any(jax.tree.leaves(key_batched))
-
-            def eqxdist_pipeline_stack(x: Any, key: Any) -> Any:
-                return x
-
-            out = jax.jit(eqxdist_pipeline_stack)(x, key)
-            return out, jax.tree.map(lambda _: True, out)
-
-        return stack(x, key)
-
-
-class Seen:
-    """What a `MarkedStack` saw (`values`: the input's and the key's
-    structures, whether the key is per row); hashed by identity, as a static
-    field."""
-
-    def __init__(self) -> None:
-        self.values: dict[str, Any] = {}
-
-
-def to_chunk_order(x: Any, plan: StagePlan, *, inverse: bool = False) -> Any:
-    """A circular pipeline's `Stacked` leaf `x` (global, its layer axis sharded
-    over the stage axis in contiguous blocks) with each stage's block holding its
-    chunks p, p + P, ... in repeat order (`inverse`: back). Only the chunks that
-    change stage move: in P - 1 rounds of `ppermute` (round k sends to the stage
-    k further on), each as large as the most chunks one stage sends in it; a
-    gather (`jnp.take`) along a sharded axis would all-gather the whole stack."""
-    stages, repeats = plan.stages, plan.pipeline.repeats
-    slots = stages * repeats
-    # Slot g (stage g // R, position g % R) holds chunk `held[g]` in chunk order.
-    held = [(g % repeats) * stages + g // repeats for g in range(slots)]
-    source = held if not inverse else [held.index(g) for g in range(slots)]
-    # source[g]: the slot (in the other order) whose chunk slot g receives.
-    rounds: list[tuple[int, np.ndarray, np.ndarray]] = []
-    for k in range(stages):
-        sends: list[list[tuple[int, int]]] = [[] for _ in range(stages)]
-        for g in range(slots):
-            dest, src = g // repeats, source[g] // repeats
-            if (dest - src) % stages == k:
-                sends[src].append((source[g] % repeats, g % repeats))
-        width = max(len(x) for x in sends)
-        if width == 0:
-            continue
-        send = np.zeros((stages, width), np.int32)
-        place = np.full((stages, width), repeats, np.int32)  # `repeats`: discard
-        for src, items in enumerate(sends):
-            for n, (from_pos, to_pos) in enumerate(items):
-                send[src, n] = from_pos
-                place[(src + k) % stages, n] = to_pos
-        rounds.append((k, send, place))
-    axis = plan.axis
-
-    def move(local: Any) -> Any:
-        s = jax.lax.axis_index(axis)
-        chunks = local.reshape(repeats, local.shape[0] // repeats, *local.shape[1:])
-        out = jnp.zeros((repeats + 1, *chunks.shape[1:]), chunks.dtype)
-        for k, send, place in rounds:
-            message = chunks[jnp.asarray(send)[s]]
-            if k:
-                shift = [(d, (d + k) % stages) for d in range(stages)]
-                message = jax.lax.ppermute(message, axis, shift)
-            out = out.at[jnp.asarray(place)[s]].set(message)
-        return out[:repeats].reshape(local.shape)
-
-    return jax.shard_map(
-        move,
-        mesh=jax.sharding.get_abstract_mesh(),
-        in_specs=P(axis),
-        out_specs=P(axis),
-        axis_names=frozenset({axis}),
-        check_vma=False,
-    )(x)
-
-
-# The two places the stages exchange more than activations, with the gradients
-# a pipeline needs whatever `shard_map`'s `check_vma`: every stage holds the
-# step's input rows and runs what follows the stack on its output, identically.
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(1,))
-def _from_first(x: Any, axis: str) -> Any:
-    """`x`, which only the first stage reads: its gradient is the sum of the
-    stages' (the first stage's; zero elsewhere), the same on every stage."""
-    return x
-
-
-def _from_first_fwd(x: Any, axis: str) -> tuple[Any, None]:
-    return x, None
-
-
-def _from_first_bwd(axis: str, _: None, g: Any) -> tuple[Any]:
-    return (jax.tree.map(lambda a: jax.lax.psum(a, axis), g),)
-
-
-_from_first.defvjp(_from_first_fwd, _from_first_bwd)
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2))
-def _from_last(x: Any, axis: str, parts: bool) -> Any:
-    """The last stage's `x` on every stage (one all-reduce). Every stage runs
-    what follows on it identically, so the gradient is the last stage's own;
-    where each stage's cotangent is a part of it (`parts`: the transpose of a
-    `shard_map` output replicated over the stage axis), their sum."""
-    last = jax.lax.axis_index(axis) == jax.lax.axis_size(axis) - 1
-    return jax.tree.map(
-        lambda a: jax.lax.psum(jnp.where(last, a, jnp.zeros_like(a)), axis), x
-    )
-
-
-def _from_last_fwd(x: Any, axis: str, parts: bool) -> tuple[Any, None]:
-    return _from_last(x, axis, parts), None
-
-
-def _from_last_bwd(axis: str, parts: bool, _: None, g: Any) -> tuple[Any]:
-    last = jax.lax.axis_index(axis) == jax.lax.axis_size(axis) - 1
-    if parts:
-        g = jax.tree.map(lambda a: jax.lax.psum(a, axis), g)
-    return (jax.tree.map(lambda a: jnp.where(last, a, jnp.zeros_like(a)), g),)
-
-
-_from_last.defvjp(_from_last_fwd, _from_last_bwd)
-
-
-@dataclasses.dataclass(frozen=True)
-class _Engine:
-    """One stage's program (the stage axis bound): the forward schedule of GPipe
-    (`repeats == 1`) and the circular schedule; JAX differentiates it.
-
-    Iteration t, stage s: k = t - s; if 0 <= k < R M, the stage runs chunk
-    r = k // M of its layers on microbatch m = k % M; stage 0 takes microbatch m
-    from the input (r = 0) or from the loop-back buffer (r > 0), the others the
-    activation the previous stage passed on. The last stage's outputs of the
-    last repeat are collected, then given to every stage."""
-
-    layer: Callable[..., Any]
-    axis: str
-    stages: int
-    microbatches: int
-    repeats: int
-    num_layers: int
-    key_rows: bool
-    remat: Any
-    sum_input: bool
-
-    def __call__(self, leaves: list[Any], x: Any, key: Any) -> Any:
-        stages, m_total, repeats = self.stages, self.microbatches, self.repeats
-        s = jax.lax.axis_index(self.axis)
-        xm = jax.tree.map(
-            lambda a: a.reshape(m_total, a.shape[0] // m_total, *a.shape[1:]), x
-        )
-        if self.sum_input:
-            xm = _from_first(xm, self.axis)
-        keys = None
-        if key is not None and self.key_rows:
-            keys = key.reshape(m_total, key.shape[0] // m_total)
-        if stages == 1:
-            perm: list[tuple[int, int]] = []
-        elif repeats > 1:
-            perm = [(i, (i + 1) % stages) for i in range(stages)]
-        else:
-            perm = [(i, i + 1) for i in range(stages - 1)]
-        work = repeats * m_total
-
-        def iteration(carry: Any, t: Any) -> tuple[Any, None]:
-            buf, loop, out = carry
-            k = t - s
-            kk = jnp.clip(k, 0, work - 1)
-            r, m = kk // m_total, kk % m_total
-            first = _take(xm, m)
-            if repeats > 1:
-                first = _where(r == 0, first, _take(loop, m))
-            h = _where(s == 0, first, buf)
-            y = self._chunk(leaves, h, r, None if key is None else (key, keys, m))
-            done = (k >= 0) & (k < work) & (s == stages - 1) & (r == repeats - 1)
-            out = _put(out, m, y, done)
-            nxt = y
-            if perm:
-                nxt = jax.tree.map(lambda a: jax.lax.ppermute(a, self.axis, perm), y)
-            if repeats > 1:
-                k2 = t - (stages - 1)
-                back = (s == 0) & (k2 >= 0) & (k2 < work - m_total)
-                loop = _put(loop, jnp.clip(k2, 0, work - 1) % m_total, nxt, back)
-            return (nxt, loop, out), None
-
-        init = (
-            _take(xm, 0),
-            xm if repeats > 1 else None,
-            jax.tree.map(jnp.zeros_like, xm),
-        )
-        (_, _, out), _ = jax.lax.scan(iteration, init, jnp.arange(work + stages - 1))
-        out = _from_last(out, self.axis, not self.sum_input)
-        return jax.tree.map(lambda a: a.reshape(-1, *a.shape[2:]), out)
-
-    def _chunk(self, leaves: list[Any], h: Any, r: Any, keys: Any) -> Any:
-        """Chunk `r` of this stage's layers on the microbatch `h`."""
-        c = self.num_layers // (self.stages * self.repeats)
-        chunk = [jax.lax.dynamic_slice_in_dim(a, r * c, c, axis=0) for a in leaves]
-        first = (r * self.stages + jax.lax.axis_index(self.axis)) * c
-        if keys is not None:
-            key, rows_keys, m = keys
-            if self.key_rows:
-                key = jax.lax.dynamic_index_in_dim(rows_keys, m, 0, keepdims=False)
-            keys = key
-        return run_layers(
-            self.layer,
-            chunk,
-            h,
-            keys,
-            key_rows=self.key_rows,
-            first=first,
-            num_layers=self.num_layers,
-            remat=self.remat,
-        )
-
-
-def run_layers(
-    layer: Callable[..., Any],
-    leaves: list[Any],
-    h: Any,
-    key: Any,
-    *,
-    key_rows: bool,
-    first: Any,
-    num_layers: int,
-    remat: Any,
-) -> Any:
-    """`leaves`' layers (global layers `first`, `first + 1`, ... of a stack of
-    `num_layers`) in turn on the rows `h` (each row its own call of the block,
-    as under the loss's `vmap`). With a `key` (one per row if `key_rows`), each
-    layer gets its key as the `Stacked` would give it: `jax.random.split(key,
-    num_layers)[layer]`."""
-    count = int(jax.tree.leaves(leaves)[0].shape[0])
-    chunk = list(leaves)
-    in_axes: list[int | None] = [None] * len(leaves)
-    if key is not None:
-
-        def per_layer(k: Any) -> Any:
-            return jax.lax.dynamic_slice_in_dim(
-                jax.random.split(k, num_layers), first, count, axis=0
-            )
-
-        if key_rows:
-            chunk.append(jnp.swapaxes(jax.vmap(per_layer)(key), 0, 1))
-            in_axes.append(0)
-        else:
-            chunk.append(per_layer(key))
-            in_axes.append(None)
-
-    def body(h: Any, layer_leaves: list[Any]) -> tuple[Any, None]:
-        return jax.vmap(layer, in_axes=(in_axes, 0))(layer_leaves, h), None
-
-    h, _ = jax.lax.scan(rematerialised(body, remat), h, chunk)
-    return h
-
-
-def _take(tree: Any, i: Any) -> Any:
-    return jax.tree.map(
-        lambda a: jax.lax.dynamic_index_in_dim(a, i, 0, keepdims=False), tree
-    )
-
-
-def _put(tree: Any, i: Any, value: Any, when: Any) -> Any:
-    """`tree[i] = value` where `when`, else unchanged."""
-    return jax.tree.map(
-        lambda a, v: jax.lax.dynamic_update_index_in_dim(
-            a, jnp.where(when, v, jax.lax.dynamic_index_in_dim(a, i, 0, False)), i, 0
-        ),
-        tree,
-        value,
-    )
-
-
-def _where(c: Any, a: Any, b: Any) -> Any:
-    return jax.tree.map(lambda u, v: jnp.where(c, u, v), a, b)
-
-
-def pipelined(
-    model: Any,
-    plan: StagePlan,
-    manual: tuple[str, ...],
-    remat: Any,
-    marker: "Seen | None" = None,
-) -> Any:
-    """`model` with its pipelined `Stacked` replaced by the `PipelinedStack` a
-    loss calls (`manual`: the data axes the schedule makes manual too, in the
-    global view), or with `marker` by a `MarkedStack` recording into it."""
-    where = _where_fn(plan.pipeline)
-    stacked = where(model)
-    if marker is not None:
-        return eqx.tree_at(where, model, MarkedStack(stacked, marker))
-    own = stacked.remat if remat is UNSET else remat
-    wrapped = PipelinedStack(stacked, plan, manual, own)
-    return eqx.tree_at(where, model, wrapped)

@@ -18,7 +18,7 @@ from jax.sharding import Mesh, PartitionSpec as P
 from .._utils import is_array, is_array_like, path_str
 from .fsdp import gather_tree, scatter_mean, unsynced_axes
 from .partitioned import KeyPath, linear_paths
-from .pipeline import StagePlan, stage_spec, to_chunk_order
+from .pipeline import StagePlan, stage_spec
 from .rules import (
     FsdpRule,
     ParamRules,
@@ -28,6 +28,7 @@ from .rules import (
     sharded_dim,
     spec_axes,
 )
+from .stages import to_chunk_order
 
 WEIGHT = jax.tree_util.GetAttrKey("weight")
 

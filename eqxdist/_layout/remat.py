@@ -78,9 +78,11 @@ def policy_of(remat: Any) -> Callable[..., Any] | None:
     if remat is None:
         return None
     if remat == LEGACY:
-        return jax.checkpoint_policies.dots_saveable
+        dots: Callable[..., Any] = jax.checkpoint_policies.dots_saveable
+        return dots
     if isinstance(remat, str):
-        return _POLICIES[remat]
+        named: Callable[..., Any] = _POLICIES[remat]
+        return named
     policy: Callable[..., Any] = remat
     return policy
 

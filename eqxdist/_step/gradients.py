@@ -23,9 +23,9 @@ from jaxtyping import Array, PRNGKeyArray
 
 from .._layout.options import FsdpOptions
 from .._layout.partitioned import KeyPath, choose
-from .._layout.pipeline import run_layers
 from .._layout.plan import WEIGHT
 from .._layout.remat import UNSET
+from .._layout.stages import run_layers
 from .._metrics.tree import reduce_metrics
 from .._utils import AxisName, cast_floating, check_axis_bound, is_array, typecheck
 from .accumulate import (

@@ -42,8 +42,9 @@ import numpy as np
 from jax.extend import core as jex
 from jax.sharding import PartitionSpec as P
 
-from .._layout.pipeline import MARKER, Seen, StagePlan
+from .._layout.pipeline import StagePlan
 from .._layout.rules import is_spec_leaf
+from .._layout.stages import MARKER, Seen
 from .._metrics.tree import merge_metrics
 from .._utils import is_array
 from .accumulate import Accumulated, CheckedLoss
@@ -251,19 +252,21 @@ class OneFOneB:
             )
         keys = None if key is None else jax.random.split(key, n)
         micro = self.plan.pipeline.microbatches
-        grads = jax.tree.map(jnp.zeros_like, params)
-        total = weight = metrics = None
-        for i in range(n):
-            part = jax.tree.map(lambda x, i=i: _block(x, i, n), batch)
-            g, value, w, more = self._minibatch(
-                params, part, None if keys is None else keys[i], micro
+        # The minibatches in turn (unrolled: each is a loop of its own).
+        outs = [
+            self._minibatch(
+                params,
+                jax.tree.map(lambda x, i=i: _block(x, i, n), batch),
+                None if keys is None else keys[i],
+                micro,
             )
+            for i in range(n)
+        ]
+        grads, total, weight, metrics = outs[0]
+        for g, value, w, more in outs[1:]:
             grads = jax.tree.map(jnp.add, grads, g)
-            if total is None:
-                total, weight, metrics = value, w, more
-            else:
-                total, weight = total + value, weight + w
-                metrics = merge_metrics(metrics, more)
+            total, weight = total + value, weight + w
+            metrics = merge_metrics(metrics, more)
         if self.checked.weighted:
             return Accumulated(grads, total, weight, metrics, None)
         calls = n * micro
@@ -274,7 +277,6 @@ class OneFOneB:
         """The sums over the microbatches of `batch` (microbatch m with the key
         `fold_in(key, m)`): gradient, loss, weight and the merged metrics."""
         axis, stages = self.plan.axis, self.plan.stages
-        s = jax.lax.axis_index(axis)
         p_leaves, p_tree = jax.tree.flatten(params)
         parts = [
             jax.tree.map(lambda x, m=m: _block(x, m, micro), batch)
@@ -297,124 +299,23 @@ class OneFOneB:
                 strict=True,
             )
         ]
-
-        def pre(p: list[Any], r: list[Any]) -> list[Any]:
-            out: list[Any] = loss.pre(*p, *r)
-            return out
-
-        def post(p: list[Any], r: list[Any], y: list[Any]) -> list[Any]:
-            out: list[Any] = loss.post(*p, *r, *y)
-            return out
-
-        inputs = jax.lax.map(lambda r: pre(p_leaves, r), rest)
+        inputs = jax.lax.map(lambda r: loss.pre(*p_leaves, *r), rest)
         n_x = loss.x_tree.num_leaves
-        xs, stack_keys = inputs[:n_x], inputs[n_x:]
-        table = schedule(stages, micro)
-        tables = [
-            jnp.asarray(getattr(table, f))
-            for f in (
-                "action",
-                "micro",
-                "from_prev",
-                "prev_micro",
-                "from_next",
-                "next_micro",
-            )
-        ]
-        zeros_x = [jnp.zeros_like(x[0]) for x in xs]
-        buf = [jnp.zeros((stages, *x.shape[1:]), x.dtype) for x in xs]
-        out_shapes = jax.eval_shape(
-            post, p_leaves, [r[0] for r in rest], [x[0] for x in xs]
-        )
-        outs0 = [jnp.zeros((micro, *o.shape), o.dtype) for o in out_shapes]
 
-        def key_of(m: Any) -> Any:
-            if loss.key_tree is None:
-                return None
-            return jax.tree.unflatten(loss.key_tree, [_index(k, m) for k in stack_keys])
-
-        def stage_fn(p: list[Any], h: list[Any], m: Any) -> list[Any]:
+        def stage(p: list[Any], h: list[Any], key: Any) -> list[Any]:
             x = jax.tree.unflatten(loss.x_tree, h)
-            out = self.stage(jax.tree.unflatten(p_tree, p), x, key_of(m), loss.key_rows)
+            out = self.stage(jax.tree.unflatten(p_tree, p), x, key, loss.key_rows)
             return list(jax.tree.leaves(out))
 
-        def forward(c: Any, m: Any) -> Any:
-            stash, inbox_f, inbox_b, grads, dx, outs = c
-            h = [
-                jnp.where(s == 0, _index(x, m), _index(f, m % stages))
-                for x, f in zip(xs, inbox_f, strict=True)
-            ]
-            stash = [_set(b, m % stages, v) for b, v in zip(stash, h, strict=True)]
-            y = stage_fn(p_leaves, h, m)
-
-            def last(args: Any) -> Any:
-                inbox_b, grads, outs = args
-                r = [_index(x, m) for x in rest]
-                out, vjp = jax.vjp(lambda p, y: post(p, r, y), p_leaves, y)
-                dp, dy = vjp([_seed(o, i == 0) for i, o in enumerate(out)])
-                grads = [a + b for a, b in zip(grads, dp, strict=True)]
-                inbox_b = [
-                    _set(b, m % stages, v) for b, v in zip(inbox_b, dy, strict=True)
-                ]
-                outs = [_set(b, m, v) for b, v in zip(outs, out, strict=True)]
-                return inbox_b, grads, outs
-
-            inbox_b, grads, outs = jax.lax.cond(
-                s == stages - 1, last, lambda a: a, (inbox_b, grads, outs)
-            )
-            return (stash, inbox_f, inbox_b, grads, dx, outs), y, zeros_x
-
-        def backward(c: Any, m: Any) -> Any:
-            stash, inbox_f, inbox_b, grads, dx, outs = c
-            h = [_index(b, m % stages) for b in stash]
-            dy = [_index(b, m % stages) for b in inbox_b]
-            _, vjp = jax.vjp(lambda p, h: stage_fn(p, h, m), p_leaves, h)
-            dp, dh = vjp(dy)
-            grads = [a + b for a, b in zip(grads, dp, strict=True)]
-            dx = [_set_if(b, m, v, s == 0) for b, v in zip(dx, dh, strict=True)]
-            return (stash, inbox_f, inbox_b, grads, dx, outs), zeros_x, dh
-
-        def idle(c: Any, m: Any) -> Any:
-            return c, zeros_x, zeros_x
-
-        def slot(c: Any, t: Any) -> Any:
-            action, mb, from_prev, prev_micro, from_next, next_micro = (
-                _index(_index(x, t), s) for x in tables
-            )
-            c, send_f, send_b = jax.lax.switch(action, [idle, forward, backward], c, mb)
-            if stages == 1:
-                return c, None
-            stash, inbox_f, inbox_b, grads, dx, outs = c
-            ahead = [(i, i + 1) for i in range(stages - 1)]
-            back = [(i + 1, i) for i in range(stages - 1)]
-            got_f = [jax.lax.ppermute(v, axis, ahead) for v in send_f]
-            got_b = [jax.lax.ppermute(v, axis, back) for v in send_b]
-            inbox_f = [
-                _set_if(b, prev_micro % stages, v, from_prev == 1)
-                for b, v in zip(inbox_f, got_f, strict=True)
-            ]
-            inbox_b = [
-                _set_if(b, next_micro % stages, v, from_next == 1)
-                for b, v in zip(inbox_b, got_b, strict=True)
-            ]
-            return (stash, inbox_f, inbox_b, grads, dx, outs), None
-
-        init = (
-            buf,
-            buf,
-            buf,
-            [jnp.zeros_like(x) for x in p_leaves],
-            [jnp.zeros_like(x) for x in xs],
-            outs0,
+        slots = _Slots(
+            loss, stage, p_leaves, rest, inputs[:n_x], inputs[n_x:], axis, stages
         )
-        (_, _, _, g_leaves, dx, outs), _ = jax.lax.scan(
-            slot, init, jnp.arange(table.slots)
-        )
+        g_leaves, dx, outs = slots.run(schedule(stages, micro))
 
         # `pre`'s VJP on stage 0's input cotangents (zeros on the others).
         def pre_grads(total: list[Any], a: Any) -> tuple[list[Any], None]:
             r, d = a
-            _, vjp = jax.vjp(lambda p: pre(p, r)[:n_x], p_leaves)
+            _, vjp = jax.vjp(lambda p: loss.pre(*p, *r)[:n_x], p_leaves)
             (dp,) = vjp(list(d))
             return [x + y for x, y in zip(total, dp, strict=True)], None
 
@@ -424,7 +325,7 @@ class OneFOneB:
             p_tree, [a + b for a, b in zip(g_leaves, pre_leaves, strict=True)]
         )
         grads = self._over_stages(grads)
-        last = s == stages - 1
+        last = jax.lax.axis_index(axis) == stages - 1
         outs = [jax.lax.psum(jnp.where(last, o, jnp.zeros_like(o)), axis) for o in outs]
         results = [
             jax.tree.unflatten(loss.out_tree, [o[m] for o in outs])
@@ -476,3 +377,127 @@ def _set(x: Any, i: Any, v: Any) -> Any:
 
 def _set_if(x: Any, i: Any, v: Any, when: Any) -> Any:
     return _set(x, i, jnp.where(when, v, _index(x, i)))
+
+
+_TABLES = ("action", "micro", "from_prev", "prev_micro", "from_next", "next_micro")
+
+
+@dataclasses.dataclass(frozen=True)
+class _Slots:
+    """One minibatch's schedule on this stage: `run(table)` runs its slots and
+    gives the stage's parameter gradients (leaves), stage 0's input cotangents
+    per microbatch, and the last stage's outputs of `post` per microbatch.
+
+    The loop's carry: `stash` (this stage's inputs of the microbatches in
+    flight), `inbox_f` (activations received, not yet run), `inbox_b`
+    (cotangents received, or made by `post` on the last stage), the gradient
+    leaves, `dx` (stage 0's input cotangents) and `outs` (`post`'s outputs);
+    buffers of P entries are indexed by microbatch modulo P."""
+
+    loss: CutLoss
+    stage: Callable[..., Any]
+    params: list[Any]
+    rest: list[Any]
+    xs: list[Any]
+    keys: list[Any]
+    axis: str
+    stages: int
+
+    def run(self, table: Schedule) -> tuple[list[Any], list[Any], list[Any]]:
+        micro = int(self.xs[0].shape[0])
+        buf = [jnp.zeros((self.stages, *x.shape[1:]), x.dtype) for x in self.xs]
+        out_shapes = jax.eval_shape(
+            self._post, self.params, [r[0] for r in self.rest], [x[0] for x in self.xs]
+        )
+        tables = [jnp.asarray(getattr(table, f)) for f in _TABLES]
+        init = (
+            buf,
+            buf,
+            buf,
+            [jnp.zeros_like(x) for x in self.params],
+            [jnp.zeros_like(x) for x in self.xs],
+            [jnp.zeros((micro, *o.shape), o.dtype) for o in out_shapes],
+        )
+        (_, _, _, grads, dx, outs), _ = jax.lax.scan(
+            lambda c, t: self._slot(c, [_index(x, t) for x in tables]),
+            init,
+            jnp.arange(table.slots),
+        )
+        return grads, dx, outs
+
+    def _post(self, p: list[Any], r: list[Any], y: list[Any]) -> list[Any]:
+        out: list[Any] = self.loss.post(*p, *r, *y)
+        return out
+
+    def _key(self, m: Any) -> Any:
+        if self.loss.key_tree is None:
+            return None
+        return jax.tree.unflatten(self.loss.key_tree, [_index(k, m) for k in self.keys])
+
+    def _zeros(self) -> list[Any]:
+        return [jnp.zeros_like(x[0]) for x in self.xs]
+
+    def _forward(self, c: Any, m: Any) -> Any:
+        stash, inbox_f, inbox_b, grads, dx, outs = c
+        s, stages = jax.lax.axis_index(self.axis), self.stages
+        h = [
+            jnp.where(s == 0, _index(x, m), _index(f, m % stages))
+            for x, f in zip(self.xs, inbox_f, strict=True)
+        ]
+        stash = [_set(b, m % stages, v) for b, v in zip(stash, h, strict=True)]
+        y = self.stage(self.params, h, self._key(m))
+
+        def last(args: Any) -> Any:
+            inbox_b, grads, outs = args
+            r = [_index(x, m) for x in self.rest]
+            out, vjp = jax.vjp(lambda p, y: self._post(p, r, y), self.params, y)
+            dp, dy = vjp([_seed(o, i == 0) for i, o in enumerate(out)])
+            grads = [a + b for a, b in zip(grads, dp, strict=True)]
+            inbox_b = [_set(b, m % stages, v) for b, v in zip(inbox_b, dy, strict=True)]
+            outs = [_set(b, m, v) for b, v in zip(outs, out, strict=True)]
+            return inbox_b, grads, outs
+
+        inbox_b, grads, outs = jax.lax.cond(
+            s == stages - 1, last, lambda a: a, (inbox_b, grads, outs)
+        )
+        return (stash, inbox_f, inbox_b, grads, dx, outs), y, self._zeros()
+
+    def _backward(self, c: Any, m: Any) -> Any:
+        stash, inbox_f, inbox_b, grads, dx, outs = c
+        s, stages = jax.lax.axis_index(self.axis), self.stages
+        h = [_index(b, m % stages) for b in stash]
+        dy = [_index(b, m % stages) for b in inbox_b]
+        key = self._key(m)
+        _, vjp = jax.vjp(lambda p, h: self.stage(p, h, key), self.params, h)
+        dp, dh = vjp(dy)
+        grads = [a + b for a, b in zip(grads, dp, strict=True)]
+        dx = [_set_if(b, m, v, s == 0) for b, v in zip(dx, dh, strict=True)]
+        return (stash, inbox_f, inbox_b, grads, dx, outs), self._zeros(), dh
+
+    def _idle(self, c: Any, m: Any) -> Any:
+        return c, self._zeros(), self._zeros()
+
+    def _slot(self, c: Any, row: list[Any]) -> tuple[Any, None]:
+        """One slot: this stage's action, then the messages."""
+        s, stages, axis = jax.lax.axis_index(self.axis), self.stages, self.axis
+        action, mb, from_prev, prev_micro, from_next, next_micro = (
+            _index(x, s) for x in row
+        )
+        actions = [self._idle, self._forward, self._backward]
+        c, send_f, send_b = jax.lax.switch(action, actions, c, mb)
+        if stages == 1:
+            return c, None
+        stash, inbox_f, inbox_b, grads, dx, outs = c
+        ahead = [(i, i + 1) for i in range(stages - 1)]
+        back = [(i + 1, i) for i in range(stages - 1)]
+        got_f = [jax.lax.ppermute(v, axis, ahead) for v in send_f]
+        got_b = [jax.lax.ppermute(v, axis, back) for v in send_b]
+        inbox_f = [
+            _set_if(b, prev_micro % stages, v, from_prev == 1)
+            for b, v in zip(inbox_f, got_f, strict=True)
+        ]
+        inbox_b = [
+            _set_if(b, next_micro % stages, v, from_next == 1)
+            for b, v in zip(inbox_b, got_b, strict=True)
+        ]
+        return (stash, inbox_f, inbox_b, grads, dx, outs), None

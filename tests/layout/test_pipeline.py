@@ -14,50 +14,21 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from harness import (
+    MP_SCRIPTS,
+    PipeNet,
+    launch,
+    pipe_batches,
+    pipe_loss,
+    train_pipeline,
+)
 from jax.sharding import PartitionSpec as P
 from reference import max_diff, train_one_device
 
 import eqxdist as ed
 
-WIDTH = 16
 SGD = optax.sgd(0.1)
-
-
-class Block(eqx.Module):
-    linear: eqx.nn.Linear
-    norm: eqx.nn.LayerNorm
-
-    def __init__(self, key):
-        self.linear = eqx.nn.Linear(WIDTH, WIDTH, key=key)
-        self.norm = eqx.nn.LayerNorm(WIDTH)
-
-    def __call__(self, x):
-        return x + jnp.tanh(self.linear(self.norm(x)))
-
-
-class Net(eqx.Module):
-    """Embedding, a `Stacked` of residual blocks, a head: what runs before and
-    after the stages, and the stages."""
-
-    embed: eqx.nn.Linear
-    blocks: ed.Stacked
-    head: eqx.nn.Linear
-
-    def __init__(self, layers=16, key=jax.random.key(0), remat=None):
-        k1, k2, k3 = jax.random.split(key, 3)
-        self.embed = eqx.nn.Linear(8, WIDTH, key=k1)
-        blocks = [Block(k) for k in jax.random.split(k2, layers)]
-        self.blocks = ed.Stacked(blocks, remat=remat)
-        self.head = eqx.nn.Linear(WIDTH, 4, key=k3)
-
-    def __call__(self, x):
-        return self.head(self.blocks(jax.nn.relu(self.embed(x))))
-
-
-def loss_fn(model, batch, key):
-    logits = jax.vmap(model)(batch["x"])
-    losses = optax.softmax_cross_entropy_with_integer_labels(logits, batch["y"])
-    return losses.mean(), {"loss": ed.metrics.Mean().update(losses)}
+Net, loss_fn, _data = PipeNet, pipe_loss, pipe_batches
 
 
 def weighted_loss(model, batch, key):
@@ -71,18 +42,6 @@ def weighted_mean(model, batch, key):
     """`weighted_loss` on one device: the mean over the batch's real rows."""
     (total, weight), _ = weighted_loss(model, batch, key)
     return total / weight
-
-
-def _data(steps=3, rows=32, seed=0):
-    rng = np.random.default_rng(seed)
-    return [
-        {
-            "x": rng.normal(size=(rows, 8)).astype(np.float32),
-            "y": rng.integers(0, 4, rows).astype(np.int32),
-            "mask": (rng.random(rows) < 0.7).astype(np.float32),
-        }
-        for _ in range(steps)
-    ]
 
 
 def _pipeline(stages, micro, schedule):
@@ -380,3 +339,22 @@ def test_pipeline_mistakes_are_clear_errors():
             loss_fn, SGD, mesh, view="global",
             pipeline=ed.Pipeline("stage", 2, schedule="1f1b"),
         )  # fmt: skip
+
+
+@pytest.mark.slow
+def test_stages_across_two_processes(tmp_path):
+    """2 processes x 4 devices, the stage axis across the processes: the same
+    parameters as 1 process x 8 devices, for GPipe and 1F1B."""
+    result = launch(MP_SCRIPTS / "mp_pipeline.py", tmp_path, timeout=300)
+    assert result.returncode == 0, result.stdout + result.stderr
+    for schedule in ("gpipe", "1f1b"):
+        state = train_pipeline(schedule)
+        saved = np.load(tmp_path / f"{schedule}.npz")
+        leaves = jax.tree_util.tree_flatten_with_path(
+            eqx.filter(state.model, eqx.is_array)
+        )[0]
+        assert len(saved.files) == len(leaves)
+        for path, leaf in leaves:
+            np.testing.assert_allclose(
+                saved[jax.tree_util.keystr(path)], np.asarray(leaf), atol=1e-6
+            )
