@@ -74,8 +74,13 @@ def backward(
     kv_heads = k.shape[1]
     probs = jnp.exp(_logits(q, k, mask, scale) - _grouped(lse, kv_heads)[..., None])
     d_grouped = d_out.reshape(d_out.shape[0], kv_heads, -1, d_out.shape[2])
+    # The probabilities meet the values' gradient in the inputs' dtype (as in
+    # the forward pass); the logits' gradient stays float32, which keeps
+    # bfloat16 gradients as close as `jax.nn.dot_product_attention`'s.
     f32 = jnp.float32
-    d_v = jnp.einsum("kgts,tkgd->skd", probs, d_grouped, preferred_element_type=f32)
+    d_v = jnp.einsum(
+        "kgts,tkgd->skd", probs.astype(q.dtype), d_grouped, preferred_element_type=f32
+    )
     d_probs = jnp.einsum("tkgd,skd->kgts", d_grouped, v, preferred_element_type=f32)
     d_logits = probs * (d_probs - _grouped(delta, kv_heads)[..., None]) * f32(scale)
     grouped_q = q.reshape(q.shape[0], kv_heads, -1, q.shape[2])
