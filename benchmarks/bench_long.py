@@ -108,9 +108,7 @@ def _gathered_bwd(causal: bool, axis: str, saved: Any, d_out: Any) -> Any:
     q, k, v, out, lse = saved
     keys, values, mask = _gathered_parts(q, k, v, causal, axis)
     delta = jnp.sum(d_out * out, axis=-1)
-    d_q, d_k, d_v = blocks.backward(
-        q, keys, values, mask, DIM**-0.5, d_out, lse, delta
-    )
+    d_q, d_k, d_v = blocks.backward(q, keys, values, mask, DIM**-0.5, d_out, lse, delta)
     d_k = jax.lax.psum_scatter(d_k, axis, tiled=True)
     d_v = jax.lax.psum_scatter(d_v, axis, tiled=True)
     return d_q, d_k, d_v
