@@ -17,7 +17,7 @@ On 8 simulated CPU devices, one process, interleaved repeats, median times:
 2. `losses`: the cross-entropy of a linear head (`hidden @ weight.T`, 4096
    tokens, d_model 256, a vocabulary of 16384), forward and backward:
    Optax on the whole logits on one device; `ed.linear_cross_entropy` (chunks
-   of 1024 rows) on one device; over a vocabulary sharded on 8 devices,
+   of 512 rows) on one device; over a vocabulary sharded on 8 devices,
    `ed.cross_entropy(..., vocab_axis=...)` of the column-parallel head's logits,
    `ed.linear_cross_entropy(..., vocab_axis=...)`, and Optax's loss on the same
    sharded head left to XLA's partitioner. Time, per-device temporaries and the
@@ -193,7 +193,7 @@ def attention_rows(lengths: list[int], causal: bool, repeats: int) -> list[str]:
 
 def loss_rows(quick: bool, repeats: int) -> list[str]:
     tokens, d_model, vocab = (1024, 128, 4096) if quick else (4096, 256, 16384)
-    chunk = 256 if quick else 1024
+    chunk = 128 if quick else 512
     rng = np.random.default_rng(0)
     hidden = jnp.asarray(rng.normal(size=(tokens, d_model)), jnp.float32)
     weight = jnp.asarray(rng.normal(size=(vocab, d_model)) * 0.05, jnp.float32)
