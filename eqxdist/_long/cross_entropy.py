@@ -14,7 +14,14 @@ from jaxtyping import Array, Bool, Float, Int
 from .._utils import typecheck
 from .views import run_global, shard_over, size_in_context, view_of
 
-Weights = Float[Array, "*rows"] | Bool[Array, "*rows"]
+# Labels and weights may be NumPy arrays: a host batch's, passed as they are.
+Labels = Int[Array, "*rows"] | Int[np.ndarray, "*rows"]
+Weights = (
+    Float[Array, "*rows"]
+    | Bool[Array, "*rows"]
+    | Float[np.ndarray, "*rows"]
+    | Bool[np.ndarray, "*rows"]
+)
 LossSum = tuple[Float[Array, ""], Float[Array, ""]]
 
 
@@ -60,6 +67,16 @@ def total_weight(weights: Array | None, rows: int) -> Array:
     return jnp.sum(weights.astype(jnp.float32))
 
 
+def flat_rows(labels: Any, weights: Any) -> tuple[Array, Array | None]:
+    """The labels and the float32 weights (`None` stays `None`) as JAX arrays of
+    one row each."""
+    rows = int(np.size(labels))
+    flat = jnp.asarray(labels).reshape(rows)
+    return flat, None if weights is None else jnp.asarray(weights, jnp.float32).reshape(
+        rows
+    )
+
+
 def check_labels(labels: Any, weights: Any, vocab: int, caller: str) -> None:
     """A `ValueError` for a concrete label outside `[0, vocab)` in a row of
     nonzero weight (traced labels cannot be read: their rows' losses are NaN)."""
@@ -99,7 +116,7 @@ def vocab_size(block: int, axis: str | None, caller: str) -> tuple[int, str]:
 @typecheck
 def cross_entropy(
     logits: Float[Array, "*rows V"],
-    labels: Int[Array, "*rows"],
+    labels: Labels,
     *,
     weights: Weights | None = None,
     vocab_axis: str | None = None,
@@ -163,8 +180,8 @@ def cross_entropy(
     vocab, view = vocab_size(logits.shape[-1], vocab_axis, caller)
     check_labels(labels, weights, vocab, caller)
     rows = labels.size
-    flat = (logits.reshape(rows, -1), labels.reshape(rows))
-    scales = None if weights is None else weights.astype(jnp.float32).reshape(rows)
+    flat_labels, scales = flat_rows(labels, weights)
+    flat = (logits.reshape(rows, -1), flat_labels)
 
     def device(logits: Array, labels: Array, scales: Array | None) -> Array:
         return weighted_sum(token_losses(logits, labels, vocab_axis), scales)

@@ -5,13 +5,15 @@ whole, in the forward pass or the backward."""
 import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
-from jaxtyping import Array, Float, Int
+from jaxtyping import Array, Float
 
 from .._utils import typecheck
 from .cross_entropy import (
+    Labels,
     LossSum,
     Weights,
     check_labels,
+    flat_rows,
     token_losses,
     total_weight,
     vocab_size,
@@ -63,7 +65,7 @@ def _chunked(
 def linear_cross_entropy(
     hidden: Float[Array, "*rows d"],
     weight: Float[Array, "V d"],
-    labels: Int[Array, "*rows"],
+    labels: Labels,
     *,
     bias: Float[Array, " V"] | None = None,
     weights: Weights | None = None,
@@ -131,8 +133,8 @@ def linear_cross_entropy(
     check_labels(labels, weights, vocab, caller)
     rows = labels.size
     chunk = min(chunk_size, max(rows, 1))
-    flat = hidden.reshape(rows, hidden.shape[-1]), labels.reshape(rows)
-    scales = None if weights is None else weights.astype(jnp.float32).reshape(rows)
+    flat_labels, scales = flat_rows(labels, weights)
+    flat = hidden.reshape(rows, hidden.shape[-1]), flat_labels
 
     def device(
         hidden: Array, labels: Array, weight: Array, bias: Array | None, w: Array | None
