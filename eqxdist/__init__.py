@@ -40,6 +40,14 @@ from ._layout.pipeline import Pipeline as Pipeline
 from ._layout.rules import fsdp_specs as fsdp_specs
 from ._layout.sequential import FSDPSequential as FSDPSequential
 from ._layout.stacked import Stacked as Stacked
+from ._long import (
+    attention as attention,
+    context_positions as context_positions,
+    cross_entropy as cross_entropy,
+    from_context_order as from_context_order,
+    linear_cross_entropy as linear_cross_entropy,
+    to_context_order as to_context_order,
+)
 from ._loop import (
     CsvWriter as CsvWriter,
     JsonlWriter as JsonlWriter,
