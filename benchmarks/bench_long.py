@@ -14,7 +14,11 @@ On 8 simulated CPU devices, one process, interleaved repeats, median times:
    backward reduce-scatters the keys' and values' gradients): the alternative
    `ed.attention` does not take. Per-device peak bytes from
    `compiled.memory_analysis()` (arguments + outputs + temporaries).
-2. `losses`: the cross-entropy of a linear head (`hidden @ weight.T`, 4096
+2. `step`: a training step (`make_train_step(..., context_axis="context")`,
+   device view, Adam) of a 2-layer transformer of plain `x @ W` arrays on one
+   sequence of growing length, on cp = 1, 2, 4, 8 devices: step time and peak
+   bytes per device.
+3. `losses`: the cross-entropy of a linear head (`hidden @ weight.T`, 4096
    tokens, d_model 256, a vocabulary of 16384), forward and backward:
    Optax on the whole logits on one device; `ed.linear_cross_entropy` (chunks
    of 512 rows) on one device; over a vocabulary sharded on 8 devices,
@@ -38,6 +42,7 @@ from typing import Any
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
+import equinox as eqx
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -188,6 +193,98 @@ def attention_rows(lengths: list[int], causal: bool, repeats: int) -> list[str]:
     return rows
 
 
+# --- a training step -------------------------------------------------------
+
+
+class StepLM(eqx.Module):
+    """Two pre-norm-free blocks of causal attention and an MLP, plain `x @ W`
+    arrays, a linear head through `ed.linear_cross_entropy`."""
+
+    embed: jax.Array
+    pos: jax.Array
+    qkv: jax.Array
+    out: jax.Array
+    up: jax.Array
+    down: jax.Array
+    head: jax.Array
+
+    def __init__(self, length: int, vocab: int, width: int, layers: int) -> None:
+        rng = np.random.default_rng(0)
+
+        def normal(*shape: int) -> jax.Array:
+            return jnp.asarray(rng.normal(size=shape) / np.sqrt(shape[-2]), jnp.float32)
+
+        self.embed = normal(vocab, width)
+        self.pos = normal(length, width)
+        self.qkv = normal(layers, width, 3 * width)
+        self.out = normal(layers, width, width)
+        self.up = normal(layers, width, 4 * width)
+        self.down = normal(layers, 4 * width, width)
+        self.head = normal(vocab, width)
+
+    def hidden(self, tokens: Any, positions: Any, axis: str) -> Any:
+        x = self.embed[tokens] + self.pos[positions]
+        width = x.shape[-1]
+        heads = (*tokens.shape, width // DIM, DIM)
+
+        @jax.vmap
+        def attend(q: Any, k: Any, v: Any) -> Any:
+            return ed.attention(q, k, v, causal=True, context_axis=axis)
+
+        for qkv, out, up, down in zip(
+            self.qkv, self.out, self.up, self.down, strict=True
+        ):
+            q, k, v = (a.reshape(heads) for a in jnp.split(x @ qkv, 3, axis=-1))
+            x = x + attend(q, k, v).reshape(x.shape) @ out
+            x = x + jax.nn.gelu(x @ up) @ down
+        return x
+
+
+def step_rows(lengths: list[int], repeats: int) -> list[str]:
+    """A train step (`make_train_step(..., context_axis="context")`, device view,
+    Adam) of `StepLM` on one sequence of each length, on cp = 1, 2, 4, 8 devices
+    (the first cp of the 8): step time and peak bytes per device."""
+    vocab, width, layers = 1024, 2 * DIM, 2
+
+    def loss(model: Any, batch: Any, key: Any) -> Any:
+        tokens = batch["tokens"]
+        positions = ed.context_positions(tokens.shape[1], "context")
+        h = model.hidden(tokens, positions, "context")
+        return ed.linear_cross_entropy(h, model.head, batch["targets"]), {}
+
+    rows = []
+    for length in lengths:
+        text = np.random.default_rng(1).integers(0, vocab, (1, length + 1))
+        batch = {"tokens": text[:, :-1], "targets": text[:, 1:]}
+        runs, memory = {}, {}
+        for cp in (1, 2, 4, 8):
+            mesh = ed.create_device_mesh({"context": cp}, devices=jax.devices()[:cp])
+            optimizer = optax.adam(1e-3)
+            step = ed.make_train_step(loss, optimizer, mesh, context_axis="context")
+            model = StepLM(length, vocab, width, layers)
+            state = step.place_state(
+                ed.TrainState.create(model, optimizer, jax.random.key(0))
+            )
+            memory[cp] = peak_bytes(step.lower(state, batch).compile())
+            holder = {"state": state}
+
+            def run(step: Any = step, holder: Any = holder, batch: Any = batch) -> Any:
+                holder["state"], metrics = step(holder["state"], batch)
+                return metrics
+
+            runs[cp] = run
+        times = time_runs(runs, repeats)
+        for cp in runs:
+            row = (
+                f"step   T={length:5d} cp={cp}  {times[cp] * 1e3:9.1f} ms "
+                f"({times[cp] / times[1]:5.2f}x cp=1)  peak "
+                f"{memory[cp] / MiB:8.1f} MiB/device ({memory[cp] / memory[1]:4.2f}x)"
+            )
+            print(row, flush=True)
+            rows.append(row)
+    return rows
+
+
 # --- the losses -------------------------------------------------------------
 
 
@@ -265,12 +362,14 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="small sizes, a minute")
     parser.add_argument("--full", action="store_true", help="non-causal too")
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--only", choices=("attention", "losses"), default=None)
+    parser.add_argument("--only", choices=("attention", "step", "losses"), default=None)
     args = parser.parse_args()
     lengths = [512, 1024] if args.quick else [1024, 2048, 4096]
     if args.only in (None, "attention"):
         for causal in (True, False) if args.full else (True,):
             attention_rows(lengths, causal, args.repeats)
+    if args.only in (None, "step"):
+        step_rows([1024, 2048] if args.quick else [2048, 4096, 8192], args.repeats)
     if args.only in (None, "losses"):
         loss_rows(args.quick, args.repeats)
 

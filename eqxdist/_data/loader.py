@@ -9,11 +9,18 @@ from typing import Any
 
 import jax
 import numpy as np
-from jax.sharding import Mesh, NamedSharding
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from jaxtyping import PyTree
 
 from .._data_parallel import create_data_parallel_sharding
-from .._utils import AxisName, Closing, axis_names, plural, typecheck
+from .._utils import (
+    AxisName,
+    Closing,
+    axis_names,
+    check_axis_in_mesh,
+    plural,
+    typecheck,
+)
 from .reader import Reader
 from .sources import as_source, check_read
 
@@ -94,6 +101,11 @@ class BatchLoader(Closing):
     - `shuffle`: `False` reads the rows in order, epoch after epoch.
     - `prefetch`: how many batches `iterate` reads and places ahead of the
       consumer in a background thread; `0` reads each batch when it is asked for.
+    - `context_axis`: a mesh axis (not a data axis) that sequences are split
+      over, as `make_train_step(..., context_axis=...)` splits them: leaves of
+      rank >= 2 are placed sharded over it along dimension 1 (in their natural
+      order; a device-view step puts its block in the balanced order itself),
+      leaves of rank 1 over the data axes only. `None`: rows only.
     - `drop_remainder`: `True` drops the last `len(source) % global_batch_size`
       rows of each epoch's order (a different set every epoch when shuffled).
       `False` keeps them: the epoch's last batch is filled up to
@@ -134,12 +146,24 @@ class BatchLoader(Closing):
         shuffle: bool = True,
         prefetch: int = 2,
         drop_remainder: bool = True,
+        context_axis: str | None = None,
     ) -> None:
         caller = "BatchLoader"
         self.source = as_source(source, caller)
         size = len(self.source)
         self.global_batch_size = global_batch_size
         self.sharding = create_data_parallel_sharding(mesh, data_axis)
+        self.sequence_sharding = self.sharding
+        if context_axis is not None:
+            check_axis_in_mesh(mesh, context_axis, caller, "context_axis")
+            if context_axis in axis_names(data_axis):
+                raise ValueError(
+                    f"{caller}: `context_axis`={context_axis!r} is also a data axis "
+                    f"({data_axis!r}); rows are split over the data axes, sequences "
+                    "over the context axis: name different axes."
+                )
+            rows = self.sharding.spec[0]
+            self.sequence_sharding = NamedSharding(mesh, P(rows, context_axis))
         devices = math.prod(mesh.shape[a] for a in axis_names(data_axis))
         if size < 1:
             raise ValueError(f"{caller}: `source` is empty; it needs at least 1 row.")
@@ -200,12 +224,17 @@ class BatchLoader(Closing):
             error.add_note(f"BatchLoader: raised reading the rows of step {step}.")
             raise
         local = check_read(local, len(rows), step, "BatchLoader")
-        if self.sharding.is_fully_addressable:
+        if (
+            self.sharding.is_fully_addressable
+            and self.sequence_sharding is self.sharding
+        ):
             # Every row is local: one call places the whole tree at once.
             return jax.make_array_from_process_local_data(self.sharding, local)
         return jax.tree.map(
             lambda x: jax.make_array_from_process_local_data(
-                self.sharding, x, (self.global_batch_size, *x.shape[1:])
+                self.sequence_sharding if np.ndim(x) >= 2 else self.sharding,
+                x,
+                (self.global_batch_size, *np.shape(x)[1:]),
             ),
             local,
         )

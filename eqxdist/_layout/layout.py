@@ -13,11 +13,13 @@ import math
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from .._data_parallel import local_shard_count
+from .._long.order import balance
 from .._mesh import compute_mesh
 from .._utils import (
     check_rows,
@@ -102,14 +104,26 @@ class Layout:
         self.opt_fsdp = rule if self.strategy == "zero1" else None
         self.fsdp_axis = sharded_over if self.strategy in _SHARDED else None
         self.rules = ParamRules(options.param_rules, mesh, data_axes, caller)
-        self.batch_spec = P(data_axes[0] if len(data_axes) == 1 else data_axes)
+        rows = data_axes[0] if len(data_axes) == 1 else data_axes
+        self.batch_spec = P(rows)
         self.batch_sharding = NamedSharding(mesh, self.batch_spec)
         self.num_shards = math.prod(mesh.shape[a] for a in data_axes)
         self.pipeline = options.pipeline
-        # The axes a device-view step's `shard_map` is manual over: the data
-        # axes, and a pipeline's stage axis (each stage holding its layers).
-        self.manual_axes = data_axes + (
-            () if self.pipeline is None else (self.pipeline.axis,)
+        self.context_axis = context = options.context_axis
+        # Leaves of rank >= 2 (the sequence in dimension 1) are split over the
+        # context axis too; rows and their per-row values only over the data axes.
+        self.sequence_spec = self.batch_spec if context is None else P(rows, context)
+        self.sequence_sharding = NamedSharding(mesh, self.sequence_spec)
+        contexts = () if context is None else (context,)
+        # The axes the loss and the gradients add up over: a device's tokens are
+        # its rows' share of the sequence.
+        self.reduce_axes = data_axes + contexts
+        # The axes a device-view step's `shard_map` is manual over: those, and a
+        # pipeline's stage axis (each stage holding its layers).
+        self.manual_axes = (
+            data_axes
+            + (() if self.pipeline is None else (self.pipeline.axis,))
+            + contexts
         )
         self._plans: dict[Any, ModelPlan] = {}
         self._state_specs: dict[Any, Any] = {}
@@ -151,22 +165,7 @@ class Layout:
         too."""
         remat = self.options.remat
         if remat is not UNSET:
-            stacks = [
-                x for x in jax.tree.leaves(model, is_leaf=_is_stacked)
-                if isinstance(x, Stacked)
-            ]  # fmt: skip
-            if not stacks:
-                raise ValueError(
-                    f"{self.caller}: `remat`={remat!r} is given, but the model holds "
-                    "no ed.Stacked; remat says what the backward pass keeps of a "
-                    "Stacked's blocks. Hold the blocks in an ed.Stacked, or use "
-                    "jax.checkpoint in the model."
-                )
-            model = jax.tree.map(
-                lambda x: x._with_remat(remat) if isinstance(x, Stacked) else x,
-                model,
-                is_leaf=_is_stacked,
-            )
+            model = _with_remat(model, remat, self.caller)
         if stages is None or not pipelined:
             return model
         manual = self.data_axes if view == "global" else ()
@@ -185,12 +184,17 @@ class Layout:
         fully_manual = set(self.mesh.axis_names) <= set(self.data_axes)
         return compute_mesh(self.mesh, with_state and fully_manual)
 
+    def leaf_spec(self, ndim: int) -> P:
+        """Where a batch leaf of rank `ndim` lives: rows split over the data axes,
+        with a context axis the sequence (dimension 1) over it too, 0-d leaves
+        replicated."""
+        if ndim == 0:
+            return P()
+        return self.sequence_spec if ndim >= 2 else self.batch_spec
+
     def batch_specs(self, batch_arrays: Any) -> Any:
-        """The `shard_map` specs of a batch's arrays: rows split over the data axes,
-        0-d leaves replicated."""
-        return jax.tree.map(
-            lambda x: self.batch_spec if np.ndim(x) else P(), batch_arrays
-        )
+        """The `shard_map` specs of a batch's arrays (`leaf_spec`)."""
+        return jax.tree.map(lambda x: self.leaf_spec(np.ndim(x)), batch_arrays)
 
     def opt_state_specs(
         self, optimizer: optax.GradientTransformation, opt_state: Any, param_specs: Any
@@ -345,3 +349,58 @@ class Layout:
             f"{plural(shards, 'device')} along {self.data_axes} x num_minibatches="
             f"{num_minibatches} = {divisor}",
         )
+        if self.context_axis is not None:
+            check_lengths(batch, self.mesh, self.context_axis, self.caller)
+
+
+def balanced(batch: Any, axis: str | None) -> Any:
+    """Inside a device view's `shard_map`: each leaf of rank >= 2 of this
+    device's block of a batch sharded over the context `axis` in the natural
+    order, in the balanced order `ed.attention` computes on (`_long.order`; two
+    `ppermute`s of half a block each). `None`: `batch` as it is."""
+    if axis is None:
+        return batch
+
+    def balance_leaf(x: Any) -> Any:
+        if not is_array(x) or np.ndim(x) < 2:
+            return x
+        return jnp.moveaxis(balance(jnp.moveaxis(x, 1, 0), axis), 0, 1)
+
+    return jax.tree.map(balance_leaf, batch)
+
+
+def check_lengths(batch: Any, mesh: Mesh, axis: str, caller: str) -> None:
+    """Sequences (dimension 1 of leaves of rank >= 2) must cut into 2 chunks per
+    device of the context `axis` (the balanced order)."""
+    size = mesh.shape[axis]
+    for path, x in jax.tree_util.tree_flatten_with_path(batch)[0]:
+        if is_array(x) and np.ndim(x) >= 2 and np.shape(x)[1] % (2 * size):
+            raise ValueError(
+                f"{caller}: batch leaf {jax.tree_util.keystr(path)} has shape "
+                f"{np.shape(x)}; with context_axis={axis!r} its dimension 1 (the "
+                f"sequence) is split into 2 chunks per device of that axis, so it "
+                f"must be a multiple of 2 x {size} = {2 * size}. Pad or crop the "
+                "sequences; a leaf of rank >= 2 that is not a sequence (e.g. an "
+                "image) cannot be in a context-parallel batch: flatten it or pass "
+                "it per row."
+            )
+
+
+def _with_remat(model: Any, remat: Any, caller: str) -> Any:
+    """`model` with every `Stacked` keeping what `remat` says (`ValueError`
+    without one: the option would do nothing)."""
+    stacks = [
+        x for x in jax.tree.leaves(model, is_leaf=_is_stacked) if isinstance(x, Stacked)
+    ]
+    if not stacks:
+        raise ValueError(
+            f"{caller}: `remat`={remat!r} is given, but the model holds no "
+            "ed.Stacked; remat says what the backward pass keeps of a Stacked's "
+            "blocks. Hold the blocks in an ed.Stacked, or use jax.checkpoint in the "
+            "model."
+        )
+    return jax.tree.map(
+        lambda x: x._with_remat(remat) if isinstance(x, Stacked) else x,
+        model,
+        is_leaf=_is_stacked,
+    )

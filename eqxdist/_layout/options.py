@@ -66,6 +66,7 @@ class LayoutOptions:
     fsdp: FsdpOptions
     pipeline: Pipeline | None = None
     remat: Any = UNSET
+    context_axis: str | None = None
 
     @classmethod
     def parse(
@@ -83,6 +84,7 @@ class LayoutOptions:
         fsdp_linears: str | None = None,
         pipeline: Pipeline | None = None,
         remat: Any = UNSET,
+        context_axis: str | None = None,
     ) -> "LayoutOptions":
         """The options of `caller`'s keyword arguments (`None`: not given, the
         default), or a `ValueError` naming the argument, the value and what to
@@ -126,20 +128,10 @@ class LayoutOptions:
                 "batch is split over."
             )
         if pipeline is not None:
-            if not isinstance(pipeline, Pipeline):
-                raise TypeError(
-                    f"{caller}: `pipeline` must be an ed.Pipeline (e.g. "
-                    f"ed.Pipeline('stage', microbatches=8)); got {pipeline!r}."
-                )
-            pipeline.check_mesh(mesh, data_axes, caller)
-            for pattern, spec in param_rules:
-                if pipeline.axis in spec_axes(spec):
-                    raise ValueError(
-                        f"{caller}: param_rules ({pattern!r}: {spec}) name the "
-                        f"pipeline's stage axis {pipeline.axis!r}; the stages split "
-                        "the Stacked's layers, rules shard within them over other "
-                        "axes."
-                    )
+            _check_pipeline(caller, mesh, pipeline, data_axes, param_rules)
+        if context_axis is not None:
+            _check_context_axis(caller, mesh, context_axis, data_axes, pipeline)
+            _check_rules_spare(caller, param_rules, context_axis, "context axis")
         if remat is not UNSET:
             remat = check_remat(remat, caller)
         defaults = FsdpOptions()
@@ -150,7 +142,42 @@ class LayoutOptions:
             gather=fsdp_gather or defaults.gather,
             linears=fsdp_linears or defaults.linears,
         )
-        return cls(strategy, data_axes, tuple(param_rules), fsdp, pipeline, remat)
+        return cls(
+            strategy,
+            data_axes,
+            tuple(param_rules),
+            fsdp,
+            pipeline,
+            remat,
+            context_axis,
+        )
+
+
+def _check_context_axis(
+    caller: str,
+    mesh: Mesh,
+    context_axis: Any,
+    data_axes: tuple[str, ...],
+    pipeline: Pipeline | None,
+) -> None:
+    """A `ValueError` for a context axis that is not one axis of `mesh` apart
+    from the data axes and the pipeline's stage axis."""
+    if not isinstance(context_axis, str):
+        raise TypeError(
+            f"{caller}: `context_axis` must be the name of one mesh axis (a str); "
+            f"got {context_axis!r}."
+        )
+    check_axis_in_mesh(mesh, context_axis, caller, "context_axis")
+    taken = {a: "a data axis" for a in data_axes}
+    if pipeline is not None:
+        taken[pipeline.axis] = "the pipeline's stage axis"
+    if context_axis in taken:
+        raise ValueError(
+            f"{caller}: `context_axis`={context_axis!r} is also {taken[context_axis]}"
+            f"; rows are split over the data axes, sequences over the context "
+            "axis: name different axes (e.g. jax.make_mesh((2, 4), ('data', "
+            "'context')))."
+        )
 
 
 _CHOICES = {
@@ -165,3 +192,39 @@ _CHOICES = {
 def _check_choice(caller: str, name: str, value: Any, valid: Sequence[str]) -> None:
     if value is not None and value not in valid:
         raise ValueError(f"{caller}: unknown {name} {value!r}; use {_CHOICES[name]}.")
+
+
+def _check_pipeline(
+    caller: str,
+    mesh: Mesh,
+    pipeline: Any,
+    data_axes: tuple[str, ...],
+    param_rules: Sequence[tuple[str, P]],
+) -> None:
+    if not isinstance(pipeline, Pipeline):
+        raise TypeError(
+            f"{caller}: `pipeline` must be an ed.Pipeline (e.g. "
+            f"ed.Pipeline('stage', microbatches=8)); got {pipeline!r}."
+        )
+    pipeline.check_mesh(mesh, data_axes, caller)
+    _check_rules_spare(caller, param_rules, pipeline.axis, "pipeline's stage axis")
+
+
+_WHY_SPARE = {
+    "pipeline's stage axis": "the stages split the Stacked's layers, rules shard "
+    "within them over other axes.",
+    "context axis": "the sequence is split over it and the parameters are "
+    "replicated over it. Shard them over other axes.",
+}
+
+
+def _check_rules_spare(
+    caller: str, param_rules: Sequence[tuple[str, P]], axis: str, what: str
+) -> None:
+    """A `ValueError` for a tensor-parallel rule that names `axis` (`what`)."""
+    for pattern, spec in param_rules:
+        if axis in spec_axes(spec):
+            raise ValueError(
+                f"{caller}: param_rules ({pattern!r}: {spec}) name the {what} "
+                f"{axis!r}; {_WHY_SPARE[what]}"
+            )

@@ -143,15 +143,12 @@ class Pipeline(eqx.Module):
             )
 
 
-def with_data_axis(mesh: Mesh, data_axis: Any, pipeline: Pipeline | None) -> Mesh:
-    """`mesh`, or for a pipeline on a mesh without the data axis (`{"stage": 8}`)
-    the same devices with a trailing data axis of size 1: the batch is not
-    split, every stage holds all of it."""
-    if (
-        pipeline is None
-        or not isinstance(data_axis, str)
-        or data_axis in mesh.axis_names
-    ):
+def with_data_axis(mesh: Mesh, data_axis: Any, other_axes: bool) -> Mesh:
+    """`mesh`, or, where a step splits over `other_axes` (a pipeline's stages, a
+    context axis) a mesh without the data axis (`{"stage": 8}`, `{"context": 8}`),
+    the same devices with a trailing data axis of size 1: the rows are not
+    split, every device holds all of them."""
+    if not other_axes or not isinstance(data_axis, str) or data_axis in mesh.axis_names:
         return mesh
     types = (*mesh.axis_types, jax.sharding.AxisType.Auto)
     return Mesh(

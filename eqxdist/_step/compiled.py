@@ -171,6 +171,8 @@ class CompiledStep:
       once per new structure.
     - `batch_sharding`: the sharding of batch leaves of rank >= 1 (0-d leaves are
       replicated); a batch already on the mesh in another layout is moved.
+    - `sequence_sharding`: that of leaves of rank >= 2 where it differs (a
+      context axis splits their sequences too; `None`: `batch_sharding`).
     - `check_batch(batch)`: raises for a batch `fn` cannot take (called whenever
       the batch's shapes change: `jit` would otherwise reject rows that do not
       split evenly before `fn` is traced, with an error of its own).
@@ -193,6 +195,7 @@ class CompiledStep:
         *,
         describe: Callable[[Any], Placement],
         batch_sharding: NamedSharding,
+        sequence_sharding: NamedSharding | None = None,
         donate: bool,
         max_in_flight: int | None,
         check_batch: Callable[[Any], None] | None = None,
@@ -204,6 +207,7 @@ class CompiledStep:
         self.mesh = mesh
         self.describe = describe
         self.batch_sharding = batch_sharding
+        self.sequence_sharding = sequence_sharding or batch_sharding
         self.donate = donate
         self.max_in_flight = max_in_flight
         self.check_batch = check_batch
@@ -271,7 +275,7 @@ class CompiledStep:
         replicated = NamedSharding(self.mesh, P())
         leaves = jax.tree.leaves(batch)
         batch_shardings = [
-            self.batch_sharding if jnp.ndim(leaves[i]) else replicated
+            self._leaf_sharding(jnp.ndim(leaves[i]), replicated)
             for i in entry.batch_arrays
         ]
         entry.shardings = (updated, kept, batch_shardings)
@@ -302,6 +306,11 @@ class CompiledStep:
             compiler_options=options,
         )
 
+    def _leaf_sharding(self, ndim: int, replicated: NamedSharding) -> NamedSharding:
+        if ndim == 0:
+            return replicated
+        return self.sequence_sharding if ndim >= 2 else self.batch_sharding
+
     @staticmethod
     def _state_arrays(entry: _Entry, state: Any) -> tuple[list[Any], list[Any]]:
         leaves = jax.tree.leaves(state)
@@ -316,7 +325,12 @@ class CompiledStep:
             if all(isinstance(x, jax.Array) for x in arrays):
                 return arrays
             placed = jax.tree.leaves(shard_batch(batch, self.batch_sharding))
-            return [placed[i] for i in entry.batch_arrays]
+            # Rows placed; a context axis then splits the sequences, inside the
+            # compiled step (its `in_shardings` would reject them as they are).
+            return [
+                _resharded(placed[i], want)
+                for i, want in zip(entry.batch_arrays, entry.shardings[2], strict=True)
+            ]
         out = arrays
         for j, (x, want) in enumerate(zip(arrays, entry.shardings[2], strict=True)):
             if (
@@ -399,3 +413,10 @@ class CompiledStep:
             if len(self._in_flight) > self.max_in_flight:
                 self._in_flight.popleft().block_until_ready()
         return new_state, aux
+
+
+def _resharded(x: Any, want: NamedSharding) -> Any:
+    """`x` (a global array, possibly over several processes) laid out as `want`."""
+    if x.sharding.is_equivalent_to(want, x.ndim):
+        return x
+    return jax.jit(lambda y: y, out_shardings=want)(x)

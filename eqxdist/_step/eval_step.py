@@ -352,7 +352,7 @@ def make_eval_step(
         ```
     """
     caller = "make_eval_step"
-    mesh = with_data_axis(mesh, data_axis, pipeline)
+    mesh = with_data_axis(mesh, data_axis, pipeline is not None)
     options = LayoutOptions.parse(
         caller,
         mesh,

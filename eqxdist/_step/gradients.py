@@ -21,6 +21,7 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 from jaxtyping import Array, PRNGKeyArray
 
+from .._layout.layout import balanced
 from .._layout.options import FsdpOptions
 from .._layout.partitioned import KeyPath, choose
 from .._layout.plan import WEIGHT
@@ -146,7 +147,8 @@ class DeviceGradients:
     def _per_device(
         self, trained: Any, frozen: Any, state: Any, batch: Any, key: Any
     ) -> Gradients:
-        inputs, axes = self.inputs, self.inputs.layout.data_axes
+        inputs, axes = self.inputs, self.inputs.layout.reduce_axes
+        batch = balanced(batch, inputs.layout.context_axis)
         full_frozen = inputs.plan.gathered(frozen)
         partitioned = self._partitioned(trained, state, batch, key)
         compute_dtype = self.options.compute_dtype
@@ -371,8 +373,8 @@ class GlobalGradients:
         its rows per minibatch), kept on the device that holds it."""
         if n == 1:
             return batch
-        devices = self.inputs.layout.num_shards
-        axes = self.inputs.layout.batch_spec[0]
+        layout = self.inputs.layout
+        devices = layout.num_shards
 
         def stack(x: Any) -> Any:
             if not is_array(x) or jnp.ndim(x) == 0:
@@ -380,7 +382,7 @@ class GlobalGradients:
             rows, rest = x.shape[0], x.shape[1:]
             blocks = x.reshape(devices, n, rows // (devices * n), *rest)
             stacked = jnp.swapaxes(blocks, 0, 1).reshape(n, rows // n, *rest)
-            return self._sharded(stacked, P(None, axes))
+            return self._sharded(stacked, P(None, *layout.leaf_spec(x.ndim)))
 
         return jax.tree.map(stack, batch)
 
@@ -388,7 +390,7 @@ class GlobalGradients:
         if n == 1:
             return x
         row = jax.lax.dynamic_index_in_dim(x, i, 0, keepdims=False)
-        return self._sharded(row, self.inputs.layout.batch_spec)
+        return self._sharded(row, self.inputs.layout.leaf_spec(row.ndim))
 
     def _statistics(self, grads: Any, scale: Array | None) -> dict[str, Array]:
         """The global sums (`statistics_kinds`) of the step's gradients."""

@@ -62,10 +62,10 @@ class TrainMath(eqx.Module):
             counts = plan.mean_counts(layout.mesh, ())
             grads = GlobalGradients(loss, inputs, options).compute(key)
         else:
-            loss = CheckedLoss(self.loss_fn, inputs.with_state, layout.data_axes)
+            loss = CheckedLoss(self.loss_fn, inputs.with_state, layout.reduce_axes)
             # The gradients leave the map as sums; the update divides them (see
             # `ModelPlan.sum_gradients`).
-            counts = plan.mean_counts(layout.mesh, layout.data_axes)
+            counts = plan.mean_counts(layout.mesh, layout.reduce_axes)
             grads = DeviceGradients(
                 loss,
                 inputs,

@@ -89,6 +89,7 @@ class TrainStep:
             self.mesh,
             describe=self._placement,
             batch_sharding=self.layout.batch_sharding,
+            sequence_sharding=self.layout.sequence_sharding,
             donate=donate,
             max_in_flight=max_steps_in_flight,
             check_batch=self._check_batch,
@@ -292,6 +293,7 @@ def make_train_step(
     part: str | None = None,
     pipeline: Pipeline | None = None,
     remat: Any = None,
+    context_axis: str | None = None,
 ) -> TrainStep:
     """Build a compiled, sharded training step `step(state, batch) -> (state,
     metrics)`.
@@ -448,6 +450,24 @@ def make_train_step(
       model state as the loss returns it). The steps of a model's parts take and
       return the same `TrainState`, so they alternate with donation intact
       (`state, m = step_d(state, batch); state, m = step_g(state, batch)`).
+    - `pipeline`: an `ed.Pipeline`: the model's `ed.Stacked` split over the
+      pipeline's stage axis, microbatches flowing through the stages
+      (docs/guides/pipeline.md); composes with every strategy over the data
+      axes, `param_rules` over the others, and either view (`"1f1b"`: the
+      device view).
+    - `remat`: what the backward pass keeps of every `ed.Stacked`'s blocks,
+      overriding their own `remat`: `"none"`, `"full"`, `"dots"`, `"offload"` or
+      a `jax.checkpoint` policy (`ed.Stacked`).
+    - `context_axis`: a mesh axis (not a data axis) the sequences are split
+      over: every batch leaf of rank >= 2 is sharded over it along dimension 1
+      as well as over the data axes along dimension 0 (its length a multiple of
+      2 x the axis's size); parameters are replicated over it. In the device
+      view a device's block is in the balanced order `ed.attention` computes on
+      (`ed.to_context_order`; positions from `ed.context_positions`), the axis is
+      bound, and the loss, gradients and metrics add up over it as over the data
+      axes. In the global view the loss sees whole sequences in their order
+      (positions `jnp.arange`); `ed.attention(..., context_axis=...)` shards
+      itself. docs/guides/long_context.md.
 
     **Weighted losses.** `loss_fn` may return, in place of the scalar loss, a
     pair `(loss_sum, weight)` of scalars: e.g. the summed loss of a minibatch's
@@ -497,7 +517,9 @@ def make_train_step(
         ```
     """
     caller = "make_train_step"
-    mesh = with_data_axis(mesh, data_axis, pipeline)
+    mesh = with_data_axis(
+        mesh, data_axis, pipeline is not None or context_axis is not None
+    )
     layout = LayoutOptions.parse(
         caller,
         mesh,
@@ -511,6 +533,7 @@ def make_train_step(
         fsdp_linears=fsdp_linears,
         pipeline=pipeline,
         remat=UNSET if remat is None else remat,
+        context_axis=context_axis,
     )
     if pipeline is not None and pipeline.schedule == "1f1b" and view == "global":
         raise ValueError(

@@ -1,0 +1,255 @@
+"""`make_train_step(..., context_axis=...)`: a tiny causal language model trained
+with its sequences split over a context axis, in the device view (ring attention
+on balanced chunks, `ed.context_positions`) and the global view (whole sequences,
+`ed.attention` sharding itself), against the same model trained on one device
+in plain JAX and Optax (`jax.nn.dot_product_attention`, Optax's cross-entropy);
+and `BatchLoader(..., context_axis=...)`."""
+
+import math
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from jax.sharding import PartitionSpec as P
+
+import eqxdist as ed
+from tests.reference import train_one_device
+
+V, D, H, ROWS, T = 16, 8, 2, 4, 32
+
+
+class TinyLM(eqx.Module):
+    """Token and position embeddings, one causal attention layer with a residual,
+    a linear head: plain `x @ W` arrays."""
+
+    embed: jax.Array
+    pos: jax.Array
+    qkv: jax.Array
+    out: jax.Array
+    head: jax.Array
+
+    def __init__(self, key: jax.Array) -> None:
+        k = jax.random.split(key, 5)
+        self.embed = jax.random.normal(k[0], (V, D)) * 0.5
+        self.pos = jax.random.normal(k[1], (T, D)) * 0.5
+        self.qkv = jax.random.normal(k[2], (D, 3 * D)) / math.sqrt(D)
+        self.out = jax.random.normal(k[3], (D, D)) / math.sqrt(D)
+        self.head = jax.random.normal(k[4], (V, D)) / math.sqrt(D)
+
+    def hidden(self, tokens: jax.Array, positions: jax.Array, attend) -> jax.Array:
+        """`(rows, length)` tokens at `positions` to `(rows, length, D)`."""
+        x = self.embed[tokens] + self.pos[positions]
+        q, k, v = jnp.split(x @ self.qkv, 3, axis=-1)
+        shape = (*tokens.shape, H, D // H)
+        mixed = attend(q.reshape(shape), k.reshape(shape), v.reshape(shape))
+        return x + mixed.reshape(x.shape) @ self.out
+
+
+def device_loss(model: TinyLM, batch: dict, key) -> tuple:
+    """The device view: this device's chunks of the sequences, balanced."""
+    tokens = batch["tokens"]
+    positions = ed.context_positions(tokens.shape[1], "context")
+
+    @jax.vmap
+    def attend(q, k, v):
+        return ed.attention(q, k, v, causal=True, context_axis="context")
+
+    h = model.hidden(tokens, positions, attend)
+    loss = ed.cross_entropy(h @ model.head.T, batch["targets"], weights=batch["mask"])
+    return loss, {}
+
+
+def global_loss(model: TinyLM, batch: dict, key) -> tuple:
+    """The global view: whole sequences in their order."""
+    tokens = batch["tokens"]
+
+    @jax.vmap
+    def attend(q, k, v):
+        return ed.attention(q, k, v, causal=True, context_axis="context")
+
+    h = model.hidden(tokens, jnp.arange(tokens.shape[1]), attend)
+    loss = ed.linear_cross_entropy(
+        h, model.head, batch["targets"], weights=batch["mask"], chunk_size=32
+    )
+    return loss, {}
+
+
+def reference_loss(model: TinyLM, batch: dict, key) -> jax.Array:
+    """One device, plain JAX and Optax: the weighted mean over the tokens."""
+    tokens = batch["tokens"]
+
+    def attend(q, k, v):
+        return jax.nn.dot_product_attention(q, k, v, is_causal=True)
+
+    h = model.hidden(tokens, jnp.arange(tokens.shape[1]), attend)
+    losses = optax.softmax_cross_entropy_with_integer_labels(
+        h @ model.head.T, batch["targets"]
+    )
+    return jnp.sum(losses * batch["mask"]) / jnp.sum(batch["mask"])
+
+
+def batches(steps: int = 3, rows: int = ROWS, length: int = T) -> list[dict]:
+    rng = np.random.default_rng(0)
+    out = []
+    for _ in range(steps):
+        tokens = rng.integers(0, V, (rows, length + 1)).astype(np.int32)
+        mask = (rng.random((rows, length)) < 0.8).astype(np.float32)
+        out.append({"tokens": tokens[:, :-1], "targets": tokens[:, 1:], "mask": mask})
+    return out
+
+
+def _close(a, b, atol=1e-5):
+    for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True):
+        np.testing.assert_allclose(np.asarray(x), np.asarray(y), atol=atol, rtol=1e-5)
+
+
+def _train(mesh, view, data=None, **options):
+    loss = device_loss if view == "device" else global_loss
+    optimizer = optax.adam(1e-2)
+    step = ed.make_train_step(
+        loss,
+        optimizer,
+        mesh,
+        context_axis="context",
+        view=view,
+        min_weight_size=0,
+        **options,
+    )
+    state = ed.TrainState.create(
+        TinyLM(jax.random.key(1)), optimizer, jax.random.key(2)
+    )
+    infos = []
+    for batch in data or batches():
+        out = step(state, batch)
+        state = out[0]
+        infos.append(out.info)
+    return state, step, infos
+
+
+def _reference(data=None, minibatches=1, devices=1):
+    return train_one_device(
+        TinyLM(jax.random.key(1)),
+        data or batches(),
+        optax.adam(1e-2),
+        reference_loss,
+        minibatches=minibatches,
+        devices=devices,
+    )
+
+
+MESHES = {
+    "context8": ((8,), ("context",)),
+    "data2_context4": ((2, 4), ("data", "context")),
+}
+
+
+@pytest.mark.parametrize("view", ["device", "global"])
+@pytest.mark.parametrize("strategy", ["dp", "fsdp"])
+@pytest.mark.parametrize("mesh_name", list(MESHES))
+def test_a_language_model_trains_as_on_one_device(mesh_name, strategy, view):
+    shape, names = MESHES[mesh_name]
+    mesh = jax.make_mesh(shape, names)  # Explicit axes, JAX's default
+    state, step, _ = _train(mesh, view, strategy=strategy)
+    want = _reference()
+    _close(state.model, want.model)
+    # Parameters are replicated over the context axis, sharded over "data" by FSDP.
+    specs = step.state_specs(state).model
+    assert all("context" not in jax.tree.leaves(s) for s in jax.tree.leaves(specs))
+
+
+HSDP = {
+    "mesh": {"replica": 2, "data": 2, "context": 2},
+    "data_axis": ("replica", "data"),
+}
+TENSOR = {
+    "mesh": {"data": 2, "model": 2, "context": 2},
+    "param_rules": [("qkv", P(None, "model")), ("out", P("model", None))],
+}
+
+
+@pytest.mark.parametrize("view", ["device", "global"])
+@pytest.mark.parametrize("case", [HSDP, TENSOR], ids=["hsdp", "tensor_rules"])
+def test_hsdp_tensor_rules_minibatches_weights_and_step_info(case, view):
+    """FSDP over two data axes (HSDP), or with tensor-parallel rules over "model";
+    2 minibatches of a weighted loss; step_info's gradient norm."""
+    options = {k: v for k, v in case.items() if k != "mesh"}
+    mesh = ed.create_device_mesh(case["mesh"])
+    data = batches(rows=8)
+    state, _, infos = _train(
+        mesh, view, data, strategy="fsdp", num_minibatches=2, step_info=True, **options
+    )
+    # A weighted loss is the token-weighted mean over the whole batch, however
+    # the minibatches split it.
+    want = _reference(data)
+    _close(state.model, want.model)
+    grad_norm = float(optax.tree.norm(want.grads))
+    np.testing.assert_allclose(float(infos[-1]["grad_norm"]), grad_norm, rtol=1e-5)
+
+
+def test_the_device_view_sees_balanced_chunks_and_their_positions():
+    """What a device's loss sees: its rows' chunks `i` and `2 cp - 1 - i` of the
+    sequence, and the positions of those chunks."""
+    mesh = ed.create_device_mesh({"data": 2, "context": 4})
+    seen = {}
+
+    def loss(model, batch, key):
+        positions = ed.context_positions(batch["tokens"].shape[1], "context")
+        got = jnp.all(batch["tokens"] == positions[None, :])
+        return jnp.sum(model["w"]) * 0.0, {"balanced": got.astype(jnp.int32)}
+
+    step = ed.make_train_step(loss, optax.sgd(0.1), mesh, context_axis="context")
+    state = ed.TrainState.create({"w": jnp.ones(2)}, optax.sgd(0.1), jax.random.key(0))
+    tokens = np.tile(np.arange(T, dtype=np.int32), (ROWS, 1))
+    _, metrics = step(state, {"tokens": tokens})
+    seen["balanced"] = int(metrics["balanced"])
+    assert seen["balanced"] == 8  # true on every one of the 8 devices
+
+
+def test_batches_are_placed_over_data_and_context():
+    mesh = ed.create_device_mesh({"data": 2, "context": 4})
+    data = {"tokens": np.arange(ROWS * T).reshape(ROWS, T), "row": np.arange(ROWS)}
+    with ed.BatchLoader(
+        data, ROWS, mesh, context_axis="context", shuffle=False, prefetch=0
+    ) as loader:
+        batch = loader.batch(0)
+    assert batch["tokens"].sharding.spec == P("data", "context")
+    assert batch["row"].sharding.spec == P("data")
+    np.testing.assert_array_equal(np.asarray(batch["tokens"]), data["tokens"])
+    # The step takes them as they are (no copy of the batch to another layout).
+    state, _, _ = _train(mesh, "device", [dict(b) for b in _loader_batches(mesh)])
+    _close(state.model, _reference().model)
+
+
+def _loader_batches(mesh):
+    data = batches()
+    stacked = {k: np.concatenate([b[k] for b in data]) for k in data[0]}
+    with ed.BatchLoader(
+        stacked, ROWS, mesh, context_axis="context", shuffle=False, prefetch=0
+    ) as loader:
+        return [loader.batch(s) for s in range(len(data))]
+
+
+def test_bad_context_options_are_clear_errors():
+    mesh = ed.create_device_mesh({"data": 2, "context": 4})
+    opt = optax.sgd(0.1)
+    with pytest.raises(ValueError, match="context_axis.*'seq'.*not"):
+        ed.make_train_step(device_loss, opt, mesh, context_axis="seq")
+    with pytest.raises(ValueError, match="also a data axis"):
+        ed.make_train_step(device_loss, opt, mesh, context_axis="data")
+    with pytest.raises(ValueError, match="name the context axis"):
+        ed.make_train_step(
+            device_loss, opt, mesh, context_axis="context",
+            param_rules=[("qkv", P(None, "context"))],
+        )  # fmt: skip
+    step = ed.make_train_step(device_loss, opt, mesh, context_axis="context")
+    state = ed.TrainState.create(TinyLM(jax.random.key(1)), opt, jax.random.key(2))
+    short = batches(1, length=12)[0]
+    with pytest.raises(
+        ValueError, match=r"dimension 1 \(the sequence\).*multiple of 2 x 4"
+    ):
+        step(state, short)
+    with pytest.raises(ValueError, match="context_axis"):
+        ed.BatchLoader({"x": np.ones((8, 8))}, 8, mesh, context_axis="seq")
