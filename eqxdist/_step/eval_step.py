@@ -13,7 +13,7 @@ import numpy as np
 from jax.sharding import Mesh, PartitionSpec as P
 
 from .._data_parallel import local_shard_count
-from .._layout.layout import Layout
+from .._layout.layout import Layout, balanced, check_lengths
 from .._layout.options import LayoutOptions
 from .._layout.pipeline import Pipeline, with_data_axis
 from .._mesh import retyped
@@ -78,7 +78,7 @@ class EvalMath(eqx.Module):
         check_callable_takes(self.eval_fn, arguments, "eval_fn", why)
         # The global view runs on the global arrays, placed as they are (XLA
         # gathers what it needs); the device view gathers FSDP's shards itself.
-        axes = () if self.view == "global" else layout.data_axes
+        axes = () if self.view == "global" else layout.reduce_axes
         gather = split.plan.gathered if axes else _unchanged
 
         def evaluate(
@@ -86,6 +86,8 @@ class EvalMath(eqx.Module):
         ) -> Any:
             trained = gather(cast_floating(trained, self.compute_dtype))
             model = split.model(trained, gather(frozen), view=self.view)
+            if axes:
+                batch = balanced(batch, layout.context_axis)
             batch = split.batch(batch)
             if split.with_state:
                 args: tuple[Any, ...] = (model, split.model_state(state), batch, mask)
@@ -196,6 +198,7 @@ class EvalStep:
             self.layout.mesh,
             describe=self._placement,
             batch_sharding=self.layout.batch_sharding,
+            sequence_sharding=self.layout.sequence_sharding,
             donate=False,
             max_in_flight=8,
             name="eval step",
@@ -242,6 +245,10 @@ class EvalStep:
     def padded(self, batch: Any) -> tuple[Any, Any]:
         """`batch` padded along axis 0 as the step pads it, and its mask."""
         rows = self._rows(batch)
+        if self.layout.context_axis is not None:
+            check_lengths(
+                batch, self.layout.mesh, self.layout.context_axis, "eval step"
+            )
         sharding = self.layout.batch_sharding
         shards = self.layout.num_shards
         if not sharding.is_fully_addressable:
@@ -288,6 +295,7 @@ def make_eval_step(
     view: str = "device",
     per_row: bool = False,
     pipeline: Pipeline | None = None,
+    context_axis: str | None = None,
 ) -> EvalStep:
     """Build a compiled, sharded evaluation step `eval_step(state_or_model, batch)
     -> metrics` for batches of any number of rows.
@@ -313,6 +321,9 @@ def make_eval_step(
       same as the training step's, so that its state needs no copy). `"zero1"`
       lays out the model as `"dp"` (an evaluation has no optimizer state).
     - `compute_dtype`: the dtype trained parameters are cast to, as in training.
+    - `pipeline`, `context_axis`: as for `make_train_step` (the same as the
+      training step's); with `context_axis` in the device view, metrics add up
+      over the context axis too, and `per_row` needs the global view.
     - `view`: `"device"` (the default): `eval_fn` runs once per device on that
       device's rows, the mesh axes bound. `"global"`: once on the whole padded
       batch (and its mask), as on one device, no mesh axis bound; its outputs
@@ -352,7 +363,16 @@ def make_eval_step(
         ```
     """
     caller = "make_eval_step"
-    mesh = with_data_axis(mesh, data_axis, pipeline is not None)
+    mesh = with_data_axis(
+        mesh, data_axis, pipeline is not None or context_axis is not None
+    )
+    if per_row and context_axis is not None and view == "device":
+        raise ValueError(
+            f"{caller}: per_row=True with context_axis={context_axis!r} in the "
+            "device view: a device sees a share of each row's sequence, so its "
+            "per-row outputs are not the rows'. Use view='global' (eval_fn sees "
+            "whole sequences; ed.attention shards itself)."
+        )
     options = LayoutOptions.parse(
         caller,
         mesh,
@@ -363,6 +383,7 @@ def make_eval_step(
         fsdp_axis=fsdp_axis,
         fsdp_layout=fsdp_layout,
         pipeline=pipeline,
+        context_axis=context_axis,
     )
     check_view(view, caller)
     layout = Layout(mesh, options, caller=caller)

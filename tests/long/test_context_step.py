@@ -253,3 +253,28 @@ def test_bad_context_options_are_clear_errors():
         step(state, short)
     with pytest.raises(ValueError, match="context_axis"):
         ed.BatchLoader({"x": np.ones((8, 8))}, 8, mesh, context_axis="seq")
+
+
+@pytest.mark.parametrize("view", ["device", "global"])
+def test_an_evaluation_with_a_context_axis(view):
+    """The summed loss and token count of a batch of 5 rows (padded to the
+    devices), as on one device; per-row outputs in the global view."""
+    mesh = ed.create_device_mesh({"data": 2, "context": 4})
+    model = TinyLM(jax.random.key(1))
+    batch = {k: v[:5] for k, v in batches(1, rows=8)[0].items()}
+    loss = device_loss if view == "device" else global_loss
+
+    def eval_fn(model, batch, mask):
+        weights = batch["mask"] * mask[:, None]
+        (total, count), _ = loss(model, {**batch, "mask": weights}, None)
+        return {"loss": (total, count)}
+
+    step = ed.make_eval_step(eval_fn, mesh, context_axis="context", view=view)
+    total, count = step(model, batch)["loss"]
+    full = batch["mask"].sum()
+    want = reference_loss(model, batch, None) * full
+    np.testing.assert_allclose(float(total), float(want), rtol=1e-5)
+    np.testing.assert_allclose(float(count), float(full))
+    if view == "device":
+        with pytest.raises(ValueError, match="per_row=True with context_axis"):
+            ed.make_eval_step(eval_fn, mesh, context_axis="context", per_row=True)
