@@ -4,6 +4,9 @@ tensor-parallel rules, shared with `benchmarks/bench_parallel.py`.
 Plain Equinox: token and position embeddings, pre-LayerNorm blocks of causal
 self-attention and an MLP, a final LayerNorm and a linear head. Nothing in it
 knows about devices; `make_train_step(..., param_rules=MEGATRON_RULES)` places it.
+With `stacked=True` the blocks are one `ed.Stacked` (scanned, what a pipeline's
+stages split; `STACKED_MEGATRON_RULES` are the same rules with the layer axis
+first).
 """
 
 import math
@@ -12,6 +15,8 @@ import equinox as eqx
 import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
+
+import eqxdist as ed
 
 
 class CausalSelfAttention(eqx.Module):
@@ -79,11 +84,13 @@ class Block(eqx.Module):
 
 
 class TransformerLM(eqx.Module):
-    """Decoder-only transformer: `tokens (length,) -> logits (length, vocab)`."""
+    """Decoder-only transformer: `tokens (length,) -> logits (length, vocab)`.
+    Its blocks are a list, or with `stacked=True` one `ed.Stacked` of the same
+    blocks (the same parameters, on a leading layer axis)."""
 
     token_embed: eqx.nn.Embedding
     position_embed: jax.Array
-    blocks: list[Block]
+    blocks: list[Block] | ed.Stacked
     norm: eqx.nn.LayerNorm
     head: eqx.nn.Linear
 
@@ -97,22 +104,29 @@ class TransformerLM(eqx.Module):
         mlp_ratio: int,
         max_len: int,
         key: jax.Array,
+        stacked: bool = False,
     ) -> None:
         keys = jax.random.split(key, layers + 3)
         self.token_embed = eqx.nn.Embedding(vocab, d_model, key=keys[0])
         self.position_embed = 0.02 * jax.random.normal(keys[1], (max_len, d_model))
-        self.blocks = [Block(d_model, heads, mlp_ratio * d_model, k) for k in keys[3:]]
+        blocks = [Block(d_model, heads, mlp_ratio * d_model, k) for k in keys[3:]]
+        self.blocks = ed.Stacked(blocks) if stacked else blocks
         self.norm = eqx.nn.LayerNorm(d_model)
         self.head = eqx.nn.Linear(d_model, vocab, key=keys[2])
 
     def __call__(self, tokens: jax.Array) -> jax.Array:
         x = jax.vmap(self.token_embed)(tokens) + self.position_embed[: len(tokens)]
-        for block in self.blocks:
-            x = block(x)
+        if isinstance(self.blocks, list):
+            for block in self.blocks:
+                x = block(x)
+        else:  # the Stacked (or what a step makes of it: its pipeline's stages)
+            x = self.blocks(x)
         return jax.vmap(self.head)(jax.vmap(self.norm)(x))
 
 
-def benchmark_model(config: dict[str, int], key: jax.Array) -> TransformerLM:
+def benchmark_model(
+    config: dict[str, int], key: jax.Array, stacked: bool = False
+) -> TransformerLM:
     """The benchmarks' transformer: `config` names `vocab`, `d_model`, `heads`,
     `layers` and `seq_len`; the MLP is 4 times as wide as the residual stream."""
     return TransformerLM(
@@ -123,6 +137,7 @@ def benchmark_model(config: dict[str, int], key: jax.Array) -> TransformerLM:
         mlp_ratio=4,
         max_len=config["seq_len"],
         key=key,
+        stacked=stacked,
     )
 
 
@@ -141,3 +156,10 @@ MEGATRON_RULES = (
     (r"\.mlp\.up\.bias$", P("model")),
     (r"\.mlp\.down\.weight$", P(None, "model")),
 )
+
+STACKED_MEGATRON_RULES = tuple(
+    (pattern, P(None, *spec)) for pattern, spec in MEGATRON_RULES
+)
+"""`MEGATRON_RULES` for `stacked=True`: the leaves of the `Stacked` have the layer
+axis first (".blocks.layers.attn.query.weight" is `(layers, out, in)`), which
+stays unsharded (or, under a pipeline, goes over the stage axis)."""

@@ -25,6 +25,13 @@ The state is built straight into its sharded layout (`step.init_state`):
   (by output features), the attention output and the MLP's second layer row-wise
   (by input features), so each device holds 1/8 of them.
 
+With `--pipeline-parallel N` the blocks are one `ed.Stacked` and the mesh is
+`{"stage": N, "data": 8 / N}`: each stage holds N-th of the blocks (sharded over
+`"data"` too, FSDP), each device's rows are cut into `--microbatches`
+microbatches that flow through the stages (`--schedule gpipe`, `circular` with
+`--repeats R > 1`, or `1f1b`), and embeddings, head and loss run as before.
+`--remat` chooses what the backward pass keeps of each block.
+
 The loss function is written for one device and full-size arrays; eqxdist places
 everything and XLA partitions the computation. The loop is `eqxdist.train_loop`:
 the script prints the layout, a progress bar with the loss, perplexity, gradient
@@ -37,6 +44,8 @@ checks that both give the same parameters: an equal-weight mean of per-device
 losses would not.
 
     python examples/transformer_lm.py [--steps 600] [--d-model 64] [--layers 2] [--bf16]
+    python examples/transformer_lm.py --pipeline-parallel 2 --microbatches 4 \
+        --schedule 1f1b --layers 4 [--remat full]
 """
 
 import argparse
@@ -51,11 +60,16 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
-from _transformer import MEGATRON_RULES, TransformerLM
+from _transformer import MEGATRON_RULES, STACKED_MEGATRON_RULES, TransformerLM
 
 import eqxdist as ed
 
 DATA = Path(__file__).resolve().parent / "data" / "public_domain.txt"
+
+
+def _size(text: str) -> int | None:
+    """An axis size, or `None` for "auto"."""
+    return None if text == "auto" else int(text)
 
 
 def parse_args() -> argparse.Namespace:
@@ -91,8 +105,53 @@ def parse_args() -> argparse.Namespace:
         help="compute in bfloat16 (float32 parameters and optimizer state): what "
         "a GPU or TPU runs at its peak",
     )
-    add("--data-parallel", type=int, default=4, help='size of the "data" axis')
-    add("--tensor-parallel", type=int, default=2, help='size of the "model" axis')
+    add(
+        "--data-parallel",
+        type=_size,
+        default="auto",
+        help='size of the "data" axis (auto: the rest of 8 devices: 4, or 8 / N '
+        "with --pipeline-parallel N)",
+    )
+    add(
+        "--tensor-parallel",
+        type=_size,
+        default="auto",
+        help='size of the "model" axis (auto: 2, or 1 with --pipeline-parallel)',
+    )
+    add(
+        "--pipeline-parallel",
+        type=int,
+        default=1,
+        help='size of the "stage" axis: the blocks (an ed.Stacked) split into N '
+        "pipeline stages (1: no pipeline)",
+    )
+    add(
+        "--microbatches",
+        type=_size,
+        default="auto",
+        help="pipeline microbatches per device and minibatch (auto: 2 x the stages)",
+    )
+    add(
+        "--schedule",
+        choices=("gpipe", "circular", "1f1b"),
+        default="gpipe",
+        help="pipeline schedule: all forwards then all backwards, gpipe over "
+        "--repeats rounds of the ring, or one forward one backward",
+    )
+    add("--repeats", type=int, default=1, help="rounds of the circular schedule")
+    add(
+        "--remat",
+        choices=("none", "full", "dots", "offload"),
+        default="none",
+        help="what the backward pass keeps of each block: everything, its input, "
+        "matrix products, its input in host memory (not none: --stacked)",
+    )
+    add(
+        "--stacked",
+        action="store_true",
+        help="hold the blocks in one ed.Stacked, scanned over the layers (implied "
+        "by --pipeline-parallel > 1 and --remat)",
+    )
     add(
         "--min-weight-size",
         type=int,
@@ -132,13 +191,60 @@ def parse_args() -> argparse.Namespace:
         default=None,
         help="stop at this step (saved), to try --resume",
     )
-    return parser.parse_args()
+    return resolve_parallelism(parser, parser.parse_args())
+
+
+def resolve_parallelism(
+    parser: argparse.ArgumentParser, args: argparse.Namespace
+) -> argparse.Namespace:
+    """The axis sizes of the mesh ("auto": 8 devices in all), the pipeline
+    (`args.pipeline`, `None` without stages) and whether the blocks are stacked;
+    a usage error for options that do not go together."""
+    stages = args.pipeline_parallel
+    if stages < 1:
+        parser.error(f"--pipeline-parallel must be >= 1; got {stages}")
+    if args.tensor_parallel is None:
+        args.tensor_parallel = 1 if stages > 1 else 2
+    if args.data_parallel is None:
+        if 8 % (stages * args.tensor_parallel):
+            parser.error("--pipeline-parallel x --tensor-parallel must divide 8")
+        args.data_parallel = 8 // (stages * args.tensor_parallel)
+    args.pipeline = None
+    if stages == 1:
+        if (args.microbatches, args.schedule, args.repeats) != (None, "gpipe", 1):
+            parser.error(
+                "--microbatches, --schedule and --repeats configure a pipeline: "
+                "add --pipeline-parallel N (N > 1)"
+            )
+    else:
+        micro = args.microbatches or 2 * stages
+        try:
+            args.pipeline = ed.Pipeline(
+                "stage", micro, schedule=args.schedule, repeats=args.repeats
+            )
+        except ValueError as e:
+            parser.error(str(e))
+        rows = args.batch_size // (args.data_parallel * args.minibatches)
+        if rows % micro:
+            parser.error(
+                f"--microbatches {micro} must divide each device's {rows} rows "
+                "(--batch-size / (data-parallel x --minibatches))"
+            )
+        if args.layers % (stages * args.repeats):
+            parser.error(
+                f"--layers {args.layers} must be a multiple of --pipeline-parallel "
+                f"x --repeats = {stages * args.repeats}"
+            )
+    args.stacked = args.stacked or stages > 1 or args.remat != "none"
+    return args
 
 
 ARGS = parse_args()
 COMPUTE_DTYPE = jnp.bfloat16 if ARGS.bf16 else None
 # Before JAX starts its backend: one CPU device per mesh position.
-ed.simulate_cpu_devices(ARGS.data_parallel * ARGS.tensor_parallel)
+ed.simulate_cpu_devices(
+    ARGS.pipeline_parallel * ARGS.data_parallel * ARGS.tensor_parallel
+)
 
 
 def token_metrics(
@@ -293,6 +399,7 @@ def initial_state(
             mlp_ratio=ARGS.mlp_ratio,
             max_len=ARGS.seq_len,
             key=model_key,
+            stacked=ARGS.stacked,
         )
         return ed.TrainState.create(model, optimizer, state_key)
 
@@ -300,8 +407,15 @@ def initial_state(
 
 
 def describe_layout(step: ed.TrainStep, state: ed.TrainState) -> None:
-    specs = step.state_specs(state).model.blocks[0]
-    print("layout of block 0 (PartitionSpec of each weight):")
+    blocks = step.state_specs(state).model.blocks
+    if isinstance(blocks, ed.Stacked):
+        specs = blocks.layers
+        print(
+            "layout of the stacked blocks (PartitionSpec of each weight, layer first):"
+        )
+    else:
+        specs = blocks[0]
+        print("layout of block 0 (PartitionSpec of each weight):")
     for name, spec in [
         ("attn.query.weight", specs.attn.query.weight),
         ("attn.out.weight", specs.attn.out.weight),
@@ -313,20 +427,58 @@ def describe_layout(step: ed.TrainStep, state: ed.TrainState) -> None:
         print(f"  {name:<18} {spec}")
 
 
-def train_fsdp_tp(
+def layout_name() -> str:
+    """The main run's layout, in words."""
+    if ARGS.pipeline is None:
+        return "FSDP x TP"
+    tp = " x TP" if ARGS.tensor_parallel > 1 else ""
+    return f"{ARGS.schedule} pipeline x FSDP{tp}"
+
+
+def main_layout() -> tuple[Any, dict[str, Any]]:
+    """The main run's mesh and layout options: FSDP x TP on `{"data", "model"}`,
+    or with a pipeline `{"stage", "data"}` (and "model" if --tensor-parallel)."""
+    axes = {"data": ARGS.data_parallel, "model": ARGS.tensor_parallel}
+    if ARGS.pipeline is not None:
+        axes = {"stage": ARGS.pipeline_parallel, **axes}
+        if ARGS.tensor_parallel == 1:
+            del axes["model"]
+    layout: dict[str, Any] = {
+        "strategy": "fsdp",
+        "min_weight_size": ARGS.min_weight_size,
+        "compute_dtype": COMPUTE_DTYPE,
+    }
+    if "model" in axes:
+        layout["param_rules"] = (
+            STACKED_MEGATRON_RULES if ARGS.stacked else MEGATRON_RULES
+        )
+    if ARGS.pipeline is not None:
+        layout["pipeline"] = ARGS.pipeline
+    return ed.create_device_mesh(axes), layout
+
+
+def describe_pipeline() -> None:
+    pipeline, stages = ARGS.pipeline, ARGS.pipeline_parallel
+    if pipeline is not None:
+        rows = ARGS.batch_size // (ARGS.data_parallel * ARGS.minibatches)
+        work = pipeline.repeats * pipeline.microbatches
+        print(
+            f"pipeline: {pipeline.schedule}, {stages} stages of "
+            f"{ARGS.layers // stages} block(s), repeats {pipeline.repeats}, "
+            f"{pipeline.microbatches} microbatches of {rows // pipeline.microbatches} "
+            f"rows per device: bubble (P-1)/(R M+P-1) = "
+            f"{(stages - 1) / (work + stages - 1):.2f}; remat {ARGS.remat}"
+        )
+    elif ARGS.remat != "none":
+        print(f"remat {ARGS.remat}")
+
+
+def train_main(
     source: Windows, vocab: str, held_out: dict[str, np.ndarray]
 ) -> list[np.ndarray] | None:
     """The main run; returns the parameters after `--compare-steps` steps (or
     `None` when resuming past them)."""
-    mesh = ed.create_device_mesh(
-        {"data": ARGS.data_parallel, "model": ARGS.tensor_parallel}
-    )
-    layout: dict[str, Any] = {
-        "strategy": "fsdp",
-        "param_rules": MEGATRON_RULES,
-        "min_weight_size": ARGS.min_weight_size,
-        "compute_dtype": COMPUTE_DTYPE,
-    }
+    mesh, layout = main_layout()
     optimizer = make_optimizer()
     step = ed.make_train_step(
         loss_fn,
@@ -334,6 +486,7 @@ def train_fsdp_tp(
         mesh,
         num_minibatches=ARGS.minibatches,
         step_info=True,  # logs grad_norm, update_norm and param_norm
+        remat=None if ARGS.remat == "none" else ARGS.remat,
         **layout,
     )
     evaluate = ed.make_eval_step(eval_fn, mesh, **layout)
@@ -345,6 +498,7 @@ def train_fsdp_tp(
         f"model: {ARGS.layers} blocks, d_model {ARGS.d_model}, {ARGS.heads} heads, "
         f"{num_params:,} parameters; mesh {dict(mesh.shape)}"
     )
+    describe_pipeline()
     describe_layout(step, state)
     print(f"train state bytes per device: {state_bytes(state):,}")
     out = Path(ARGS.out)
@@ -437,7 +591,7 @@ def compare_with_dp(source: Windows, vocab: str, expected: list[np.ndarray]) -> 
     """Plain data parallelism (every device holds the whole state, 8-way batch
     split) on the same batches (a loader on this mesh gives the same global
     batches), from the same initial state. The devices now hold other rows, with
-    other numbers of real tokens, than under FSDP x TP: the parameters agree
+    other numbers of real tokens, than in the main run: the parameters agree
     only because the loss is weighted by the global token count."""
     mesh = ed.create_data_parallel_mesh()
     optimizer = make_optimizer()
@@ -459,7 +613,8 @@ def compare_with_dp(source: Windows, vocab: str, expected: list[np.ndarray]) -> 
     tolerance = 2e-2 if ARGS.bf16 else 1e-5
     agree = diff < tolerance
     print(
-        f"DP ({mesh.size} devices) vs FSDP x TP after {ARGS.compare_steps} steps: "
+        f"DP ({mesh.size} devices) vs {layout_name()} after {ARGS.compare_steps} "
+        "steps: "
         f"max |param diff| {diff:.2e} (tolerance {tolerance:g}): "
         + ("parameters agree" if agree else "parameters DISAGREE")
     )
@@ -485,7 +640,7 @@ def main() -> None:
         ARGS.min_len,
         pad_id=len(vocab),
     )
-    snapshot = train_fsdp_tp(source, vocab, held_out_batch(held_out))
+    snapshot = train_main(source, vocab, held_out_batch(held_out))
     if snapshot is None and ARGS.compare_steps > 0:
         print("resumed past --compare-steps: no data-parallel check in this run")
     if snapshot is not None and not compare_with_dp(source, vocab, snapshot):

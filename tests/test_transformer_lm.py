@@ -2,8 +2,8 @@
 sequences under FSDP x tensor parallelism with a token-weighted loss, reports a
 finite loss, perplexity and gradient norm, and agrees with plain data parallelism
 on the same batches (which splits the rows, and so the real tokens, differently
-over the devices: only the globally token-weighted loss makes both agree). Run in
-its own process, as a user would run it."""
+over the devices: only the globally token-weighted loss makes both agree); with
+pipeline stages too. Run in its own process, as a user would run it."""
 
 import json
 import math
@@ -89,6 +89,46 @@ def test_help_describes_every_option(script_env: dict[str, str]) -> None:
     bad = _run(script_env, "--seq-len", "16", "--min-len", "17")
     assert bad.returncode != 0
     assert "--min-len must be in [1, --seq-len=16]; got 17" in bad.stderr
+    bad = _run(script_env, "--schedule", "1f1b")
+    assert bad.returncode != 0
+    assert "add --pipeline-parallel N" in bad.stderr
+
+
+@pytest.mark.slow
+def test_pipeline_stages_agree_with_data_parallel(
+    tmp_path: Path, script_env: dict[str, str]
+) -> None:
+    """`--pipeline-parallel 2 --schedule 1f1b`: the blocks, an `ed.Stacked`, in 2
+    stages of a `{"stage": 2, "data": 4}` mesh, each device's 4 rows in 2
+    microbatches; the same parameters as plain data parallelism."""
+    out = _run(
+        script_env,
+        *("--out", str(tmp_path)),
+        *("--steps", "4", "--compare-steps", "4", "--log-every", "2"),
+        *("--batch-size", "16", "--seq-len", "16", "--d-model", "32"),
+        *("--sample-chars", "0", "--min-weight-size", "64", "--min-len", "2"),
+        *("--pipeline-parallel", "2", "--microbatches", "2", "--schedule", "1f1b"),
+    )
+    assert out.returncode == 0, out.stdout + out.stderr
+    text = out.stdout
+    assert "2 blocks, d_model 32" in text and "mesh {'stage': 2, 'data': 4}" in text
+    assert (
+        "pipeline: 1f1b, 2 stages of 1 block(s), repeats 1, 2 microbatches of 2 "
+        "rows per device: bubble (P-1)/(R M+P-1) = 0.33; remat none"
+    ) in text
+    # Each stage holds its layer, sharded over "data" too (FSDP).
+    assert re.search(r"attn\.query\.weight\s+P\('stage', 'data', None\)", text)
+    assert re.search(r"norm1\.weight\s+P\('stage',\)", text)
+    losses = [float(x) for x in re.findall(r"loss (\d+\.\d+)  perplexity", text)]
+    assert len(losses) == 2 and all(math.isfinite(x) and x > 0 for x in losses)
+    assert losses[1] < losses[0]
+    agree = re.search(
+        r"DP \(8 devices\) vs 1f1b pipeline x FSDP after 4 steps: "
+        r"max \|param diff\| (\S+) .*parameters agree",
+        text,
+    )
+    assert agree is not None, text
+    assert float(agree[1]) < 1e-5
 
 
 @pytest.mark.slow

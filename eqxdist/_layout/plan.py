@@ -194,23 +194,24 @@ def plan_model(
     plan = _plan_model(
         model, with_path, rule_specs, data_axes, fsdp, caller, zero1, treedef
     )
-    return plan if stages is None else _staged(plan, stages, paths, caller)
+    return plan if stages is None else _staged(plan, stages, paths, treedef, caller)
 
 
 def _staged(
-    plan: ModelPlan, stages: StagePlan, paths: list[str], caller: str
+    plan: ModelPlan, stages: StagePlan, paths: list[str], treedef: Any, caller: str
 ) -> ModelPlan:
     """`plan` with the pipelined `Stacked`'s leaves split over the stage axis on
     their layer axis: the step's `shard_map`, manual over the stage axis too,
     gives each stage its layers, whole over the data axes (XLA gathers an FSDP
     shard at the boundary, once per step); their gradients leave it as sums
     over the data axes (`sum_gradients`' all-reduce)."""
-    treedef = jax.tree.structure(plan.specs, is_leaf=is_spec_leaf)
 
     def update(tree: Any, value: Any) -> Any:
         if tree is None:
             return None
-        leaves = jax.tree.leaves(tree, is_leaf=is_spec_leaf)
+        # Flattened as the model is (`treedef`): a `None` field of the model (a
+        # Linear without bias) is a node there, not a spec leaf.
+        leaves = treedef.flatten_up_to(tree)
         new = [
             value(s, path) if staged and s is not None else s
             for s, staged, path in zip(leaves, stages.leaves, paths, strict=True)

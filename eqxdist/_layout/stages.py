@@ -250,27 +250,31 @@ def to_chunk_order(x: Any, plan: StagePlan, *, inverse: bool = False) -> Any:
                 place[(src + k) % stages, n] = to_pos
         rounds.append((k, send, place))
     axis = plan.axis
+    # Each stage's rows of the tables come in sharded over the stage axis:
+    # `axis_index` in a `shard_map` manual over only some of the mesh's axes is a
+    # partition id, which XLA's SPMD partitioner rejects in some programs (a
+    # model of a dozen stacked leaves).
+    tables = [(jnp.asarray(send), jnp.asarray(place)) for _, send, place in rounds]
 
-    def move(local: Any) -> Any:
-        s = jax.lax.axis_index(axis)
+    def move(local: Any, tables: Any) -> Any:
         chunks = local.reshape(repeats, local.shape[0] // repeats, *local.shape[1:])
         out = jnp.zeros((repeats + 1, *chunks.shape[1:]), chunks.dtype)
-        for k, send, place in rounds:
-            message = chunks[jnp.asarray(send)[s]]
+        for (k, _, _), (send, place) in zip(rounds, tables, strict=True):
+            message = chunks[send[0]]
             if k:
                 shift = [(d, (d + k) % stages) for d in range(stages)]
                 message = jax.lax.ppermute(message, axis, shift)
-            out = out.at[jnp.asarray(place)[s]].set(message)
+            out = out.at[place[0]].set(message)
         return out[:repeats].reshape(local.shape)
 
     return jax.shard_map(
         move,
         mesh=jax.sharding.get_abstract_mesh(),
-        in_specs=P(axis),
+        in_specs=(P(axis), P(axis)),
         out_specs=P(axis),
         axis_names=frozenset({axis}),
         check_vma=False,
-    )(x)
+    )(x, tables)
 
 
 # The two places the stages exchange more than activations, with the gradients
@@ -395,7 +399,12 @@ class _Engine:
     def _chunk(self, leaves: list[Any], h: Any, r: Any, keys: Any) -> Any:
         """Chunk `r` of this stage's layers on the microbatch `h`."""
         c = self.num_layers // (self.stages * self.repeats)
-        chunk = [jax.lax.dynamic_slice_in_dim(a, r * c, c, axis=0) for a in leaves]
+        # One chunk (GPipe): the layers as they are, loop-invariant. A slice at
+        # the traced `r` would be kept for the backward pass at every iteration:
+        # M + P - 1 copies of the stage's parameters.
+        chunk = leaves
+        if self.repeats > 1:
+            chunk = [jax.lax.dynamic_slice_in_dim(a, r * c, c, axis=0) for a in leaves]
         first = (r * self.stages + jax.lax.axis_index(self.axis)) * c
         if keys is not None:
             key, rows_keys, m = keys

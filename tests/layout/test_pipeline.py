@@ -221,6 +221,82 @@ def test_1f1b_keeps_fewer_activations_than_gpipe():
     assert temps["1f1b"] < temps["gpipe"]
 
 
+class _NoBias(eqx.Module):
+    """A block of a dozen leaves whose `Linear`s have no bias: `None` fields in
+    the model."""
+
+    linears: list[eqx.nn.Linear]
+    norms: list[eqx.nn.LayerNorm]
+
+    def __init__(self, key):
+        keys = jax.random.split(key, 4)
+        self.linears = [eqx.nn.Linear(16, 16, use_bias=False, key=k) for k in keys]
+        self.norms = [eqx.nn.LayerNorm(16) for _ in keys]
+
+    def __call__(self, x):
+        for linear, norm in zip(self.linears, self.norms, strict=True):
+            x = x + jnp.tanh(linear(norm(x)))
+        return x
+
+
+class _NoBiasNet(eqx.Module):
+    embed: eqx.nn.Linear
+    blocks: ed.Stacked
+    head: eqx.nn.Linear
+
+    def __init__(self):
+        k1, k2, k3 = jax.random.split(jax.random.key(0), 3)
+        self.embed = eqx.nn.Linear(8, 16, use_bias=False, key=k1)
+        self.blocks = ed.Stacked([_NoBias(k) for k in jax.random.split(k2, 8)])
+        self.head = eqx.nn.Linear(16, 4, key=k3)
+
+    def __call__(self, x):
+        return self.head(self.blocks(self.embed(x)))
+
+
+@pytest.mark.parametrize("schedule", SCHEDULES)
+def test_a_block_of_many_leaves_and_none_fields(schedule):
+    """Leaves that are `None` (a `Linear` without bias), inside the stages and
+    out of them, and a dozen leaves per block (each moved between the circular
+    schedule's chunk orders), under FSDP: trained as on one device."""
+    data = _data(steps=2)
+    want = train_one_device(_NoBiasNet(), data, SGD, loss_fn)
+    mesh = ed.create_device_mesh({"stage": 2, "data": 4})
+    step = ed.make_train_step(
+        loss_fn,
+        SGD,
+        mesh,
+        pipeline=_pipeline(2, 2, schedule),
+        strategy="fsdp",
+        min_weight_size=16,
+    )
+    state = ed.TrainState.create(_NoBiasNet(), SGD, jax.random.key(1))
+    for batch in data:
+        state, _ = step(state, batch)
+    assert max_diff(state.model, want.model) < 1e-5
+    assert state.model.blocks.layers.linears[0].bias is None
+    specs = step.state_specs(state).model.blocks.layers
+    assert specs.linears[0].weight == P("stage", "data", None)
+
+
+def test_gpipe_keeps_its_layers_once():
+    """GPipe's backward pass reads the stage's layers as they are, not a copy
+    kept per iteration of its loop: with more microbatches (more iterations)
+    the temporaries shrink (fewer rows computed in the bubble); a copy of the
+    layers per iteration made them grow."""
+    mesh = ed.create_device_mesh({"stage": 2, "data": 4})
+    batch = _data(1, rows=64)[0]
+    temps = {}
+    for micro in (1, 16):
+        step = ed.make_train_step(
+            loss_fn, SGD, mesh, pipeline=ed.Pipeline("stage", micro)
+        )
+        state = ed.TrainState.create(Net(), SGD, jax.random.key(1))
+        memory = _compiled(step, state, batch).memory_analysis()
+        temps[micro] = memory.temp_size_in_bytes
+    assert temps[16] < temps[1]
+
+
 @pytest.mark.parametrize(
     "remat",
     ["none", "full", "dots", "offload", jax.checkpoint_policies.nothing_saveable],

@@ -1,0 +1,374 @@
+"""Pipeline parallelism against FSDP and FSDP x TP on a deep model: speed,
+memory, the bubble, and what each schedule and remat policy keeps.
+
+On 8 simulated CPU devices, one process, two models of `--layers` blocks (16) in
+an `ed.Stacked`, trained with adamw:
+
+- `transformer`: the transformer of the examples (`examples/_transformer.py`,
+  `stacked=True`): d_model 64, 4 heads, 32 positions, a vocabulary of 64; 32
+  sequences a step;
+- `x @ W`: residual MLP blocks written with plain arrays (`x + gelu(x @ w1 + b1)
+  @ w2 + b2`, width 128, hidden 256) on 256 rows a step: a model written
+  another way than the examples'.
+
+Three sections, each model:
+
+1. `layout`: a train step under FSDP over `{"data": 8}`, FSDP x TP over
+   `{"data": 4, "model": 2}` (Megatron rules; for `x @ W` `w1` by columns,
+   `w2` by rows) and pipeline stages x FSDP over the data axis (`{"stage": 2,
+   "data": 4}`, `{"stage": 4, "data": 2}`; GPipe and 1F1B with M = 2P
+   microbatches, circular with R = 2). Steps/s, the ratio to FSDP, and the
+   per-device peak bytes of the compiled step (`memory_analysis()`: arguments +
+   outputs - aliased + temporaries) and its temporaries (the schedules side by
+   side at the same M = 8).
+2. `bubble`: `{"stage": 4, "data": 2}` for each schedule at growing M, against
+   the same block work without a bubble: the pipeline on `{"stage": 1, "data":
+   8}` (one stage, one microbatch; each device runs B/8 rows through all L
+   blocks, as each device of P = 4 runs B/2 rows through L/4). The measured
+   bubble is 1 - t_ref / t(M), beside (P - 1)/(R M + P - 1). It is what the
+   pipeline costs over that reference: the bubble (GPipe and the circular
+   schedule compute on every iteration of their loop, on garbage in the bubble,
+   so on CPU devices the bubble is compute, not idle time), smaller
+   microbatches, the loop's per-iteration work (`ppermute`, buffers) and the
+   all-reduce of the last stage's output. 1F1B idles in its bubble slots
+   (`lax.switch`), which on 8 simulated devices sharing the host's cores frees
+   the cores for the busy stages: its bubble shows less here than on real
+   devices; it also recomputes each stage's forward pass in its backward pass.
+   The compiled temporaries per device of each schedule and M come with it.
+   GPipe's times are fitted by least squares to t(M) = a + b / M + c M: b / M
+   is the bubble's work (b = (P - 1) x the stage's work per step), c the cost
+   of each microbatch's iteration beyond its share of the work; the step is
+   fastest at M = sqrt(b / c).
+3. `remat`: the compiled temporaries of each remat policy (`none`, `full`,
+   `dots`, `offload`: on CPU, where device memory is host memory, `offload`
+   keeps what `full` keeps) under GPipe and 1F1B, P = 4, M = 8.
+
+Times are medians of `--repeats` interleaved repeats (the order rotating) of
+`--steps` steps each; the memory figures are deterministic. Compiled programs
+are shared between the step and `memory_analysis()` through a temporary JAX
+compilation cache.
+
+    python benchmarks/bench_pipeline.py [--quick] [--repeats 3] [--steps 2]
+
+The script sets up 8 simulated CPU devices itself (before JAX starts).
+"""
+
+import argparse
+import math
+import os
+import statistics
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, NamedTuple
+
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from jax.sharding import PartitionSpec as P
+
+import eqxdist as ed
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
+from _transformer import STACKED_MEGATRON_RULES, benchmark_model
+
+ed.simulate_cpu_devices(8)  # before JAX starts its backend
+
+OPTIMIZER = optax.adamw(1e-3)
+MIN_WEIGHT_SIZE = 2**10
+MiB = 2**20
+
+
+# --- the models --------------------------------------------------------------
+
+
+class XwBlock(eqx.Module):
+    """A residual MLP block of plain arrays: `x + gelu(x @ w1 + b1) @ w2 + b2`."""
+
+    w1: jax.Array
+    b1: jax.Array
+    w2: jax.Array
+    b2: jax.Array
+
+    def __init__(self, width: int, hidden: int, key: jax.Array) -> None:
+        k1, k2 = jax.random.split(key)
+        self.w1 = jax.random.normal(k1, (width, hidden)) / math.sqrt(width)
+        self.b1 = jnp.zeros(hidden)
+        self.w2 = jax.random.normal(k2, (hidden, width)) / math.sqrt(hidden)
+        self.b2 = jnp.zeros(width)
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        return x + jax.nn.gelu(x @ self.w1 + self.b1) @ self.w2 + self.b2
+
+
+class XwNet(eqx.Module):
+    w_in: jax.Array
+    blocks: ed.Stacked
+    w_out: jax.Array
+
+    def __init__(self, layers: int, key: jax.Array) -> None:
+        k1, k2, k3 = jax.random.split(key, 3)
+        self.w_in = jax.random.normal(k1, (32, 128)) / math.sqrt(32)
+        keys = jax.random.split(k2, layers)
+        self.blocks = ed.Stacked([XwBlock(128, 256, k) for k in keys])
+        self.w_out = jax.random.normal(k3, (128, 10)) / math.sqrt(128)
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        return self.blocks(x @ self.w_in) @ self.w_out
+
+
+XW_RULES = (
+    (r"\.w1$", P(None, None, "model")),
+    (r"\.b1$", P(None, "model")),
+    (r"\.w2$", P(None, "model", None)),
+)
+
+
+def lm_loss(model: Any, batch: Any, key: Any) -> Any:
+    logits = jax.vmap(model)(batch["tokens"][:, :-1])
+    targets = batch["tokens"][:, 1:]
+    losses = optax.softmax_cross_entropy_with_integer_labels(logits, targets)
+    return losses.mean(), {"loss": ed.metrics.Mean().update(losses)}
+
+
+def xw_loss(model: Any, batch: Any, key: Any) -> Any:
+    logits = jax.vmap(model)(batch["x"])
+    losses = optax.softmax_cross_entropy_with_integer_labels(logits, batch["y"])
+    return losses.mean(), {"loss": ed.metrics.Mean().update(losses)}
+
+
+class Model(NamedTuple):
+    name: str
+    build: Callable[[], Any]
+    loss: Callable[..., Any]
+    batch: dict[str, np.ndarray]
+    rules: tuple[tuple[str, P], ...]
+
+
+def models(layers: int) -> list[Model]:
+    rng = np.random.default_rng(0)
+    config = {"vocab": 64, "d_model": 64, "heads": 4, "layers": layers, "seq_len": 32}
+    tokens = rng.integers(0, 64, (32, 33)).astype(np.int32)
+    rows = {
+        "x": rng.normal(size=(256, 32)).astype(np.float32),
+        "y": rng.integers(0, 10, 256).astype(np.int32),
+    }
+    return [
+        Model(
+            "transformer",
+            lambda: benchmark_model(config, jax.random.key(0), stacked=True),
+            lm_loss,
+            {"tokens": tokens},
+            STACKED_MEGATRON_RULES,
+        ),
+        Model(
+            "x @ W", lambda: XwNet(layers, jax.random.key(0)), xw_loss, rows, XW_RULES
+        ),
+    ]
+
+
+# --- one compiled step --------------------------------------------------------
+
+
+class Case(NamedTuple):
+    name: str
+    axes: dict[str, int]
+    options: dict[str, Any]
+
+
+def fsdp(axes: dict[str, int], name: str, **options: Any) -> Case:
+    return Case(
+        name, axes, {"strategy": "fsdp", "min_weight_size": MIN_WEIGHT_SIZE, **options}
+    )
+
+
+def staged(stages: int, micro: int, schedule: str, **options: Any) -> Case:
+    repeats = 2 if schedule == "circular" else 1
+    pipeline = ed.Pipeline("stage", micro, schedule=schedule, repeats=repeats)
+    r = f" R={repeats}" if repeats > 1 else ""
+    name = f"stage {stages} x data {8 // stages}, {schedule}{r} M={micro}"
+    return fsdp(
+        {"stage": stages, "data": 8 // stages}, name, pipeline=pipeline, **options
+    )
+
+
+class Built(NamedTuple):
+    run: Callable[[], Any]
+    peak: int
+    temp: int
+
+
+def build(model: Model, case: Case, timed: bool = True) -> Built:
+    """The case's step on the model (placed state and batch), its compiled
+    program's peak and temporary bytes per device."""
+    mesh = ed.create_device_mesh(case.axes)
+    options = dict(case.options)
+    if options.pop("rules", False):
+        options["param_rules"] = model.rules
+    step = ed.make_train_step(model.loss, OPTIMIZER, mesh, **options)
+    state = step.place_state(
+        ed.TrainState.create(model.build(), OPTIMIZER, jax.random.key(1))
+    )
+    batch = ed.shard_batch(model.batch, step.layout.batch_sharding)
+    memory = step.lower(state, batch).compile().memory_analysis()
+    peak = (
+        memory.argument_size_in_bytes
+        + memory.output_size_in_bytes
+        - memory.alias_size_in_bytes
+        + memory.temp_size_in_bytes
+    )
+    holder = {"state": state}
+
+    def run() -> Any:
+        holder["state"], _ = step(holder["state"], batch)
+        return holder["state"]
+
+    if timed:
+        jax.block_until_ready(run())  # compiled (from the cache) and warm
+    return Built(run, int(peak), int(memory.temp_size_in_bytes))
+
+
+def time_runs(runs: dict[str, Callable[[], Any]], repeats: int, steps: int) -> Any:
+    """Median seconds per step of each run, interleaved, the order rotating."""
+    names = list(runs)
+    times: dict[str, list[float]] = {n: [] for n in names}
+    for r in range(repeats):
+        for name in names[r % len(names) :] + names[: r % len(names)]:
+            start = time.perf_counter()
+            for _ in range(steps):
+                out = runs[name]()
+            jax.block_until_ready(out)
+            times[name].append((time.perf_counter() - start) / steps)
+    return {n: statistics.median(t) for n, t in times.items()}
+
+
+# --- the sections ---------------------------------------------------------------
+
+
+def layout_rows(model: Model, quick: bool, repeats: int, steps: int) -> list[str]:
+    cases = [
+        fsdp({"data": 8}, "fsdp, data 8"),
+        fsdp({"data": 4, "model": 2}, "fsdp x tp, data 4 x model 2", rules=True),
+        staged(2, 4, "gpipe"),
+        staged(2, 4, "1f1b"),
+        staged(4, 8, "gpipe"),
+        staged(4, 8, "1f1b"),
+        staged(4, 8, "circular"),
+    ]
+    if quick:
+        cases = cases[:3] + cases[4:6]
+    built = {c.name: build(model, c) for c in cases}
+    times = time_runs({n: b.run for n, b in built.items()}, repeats, steps)
+    base = times[cases[0].name]
+    rows = []
+    for name, b in built.items():
+        rows.append(
+            f"{model.name:11s} layout  {name:34s} {1 / times[name]:6.2f} steps/s "
+            f"({base / times[name]:4.2f}x fsdp)  peak {b.peak / MiB:5.1f}, temp "
+            f"{b.temp / MiB:5.1f} MiB/device"
+        )
+        print(rows[-1], flush=True)
+    return rows
+
+
+def bubble_rows(model: Model, quick: bool, repeats: int, steps: int) -> list[str]:
+    reference = fsdp(
+        {"stage": 1, "data": 8},
+        "stage 1 x data 8, gpipe M=1 (no bubble)",
+        pipeline=ed.Pipeline("stage", 1),
+    )
+    micro = {"gpipe": [1, 2, 4, 8, 16], "circular": [4, 16], "1f1b": [4, 16]}
+    if quick:
+        micro = {"gpipe": [1, 4, 16], "circular": [8], "1f1b": [4, 16]}
+    cases = [reference] + [
+        staged(4, m, schedule) for schedule, ms in micro.items() for m in ms
+    ]
+    built = {c.name: build(model, c) for c in cases}
+    times = time_runs({n: b.run for n, b in built.items()}, repeats, steps)
+    ref = times[reference.name]
+    rows = []
+    for case in cases:
+        name, b = case.name, built[case.name]
+        pipeline = case.options["pipeline"]
+        stages, work = case.axes["stage"], pipeline.repeats * pipeline.microbatches
+        theory = (stages - 1) / (work + stages - 1)
+        rows.append(
+            f"{model.name:11s} bubble  {name:40s} {times[name] * 1e3:7.1f} ms/step  "
+            f"bubble {1 - ref / times[name]:5.2f} (theory {theory:4.2f})  "
+            f"temp {b.temp / MiB:6.1f} MiB/device"
+        )
+        print(rows[-1], flush=True)
+    gpipe = [c for c in cases if c.options["pipeline"].schedule == "gpipe"][1:]
+    if len(gpipe) >= 3:
+        rows.append(fit_row(model, gpipe, [times[c.name] for c in gpipe]))
+        print(rows[-1], flush=True)
+    return rows
+
+
+def fit_row(model: Model, cases: list[Case], seconds: list[float]) -> str:
+    """GPipe's step time against M fitted to `a + b / M + c M`."""
+    m = np.array([c.options["pipeline"].microbatches for c in cases], float)
+    basis = np.stack([np.ones_like(m), 1 / m, m], axis=1)
+    (a, b, c), *_ = np.linalg.lstsq(basis, 1e3 * np.array(seconds), rcond=None)
+    best = math.sqrt(b / c) if b > 0 and c > 0 else float("nan")
+    return (
+        f"{model.name:11s} fit     gpipe, stage 4: t(M) = {a:.1f} + {b:.1f} / M + "
+        f"{c:.2f} M ms: the bubble's work {b:.1f} ms / M, {c:.2f} ms per "
+        f"microbatch; fastest at M = {best:.1f}"
+    )
+
+
+def remat_rows(model: Model, quick: bool) -> list[str]:
+    rows = []
+    for schedule in ("gpipe",) if quick else ("gpipe", "1f1b"):
+        temps = {}
+        for remat in ("none", "full", "dots", "offload"):
+            case = staged(4, 8, schedule, remat=remat)
+            temps[remat] = build(model, case, timed=False).temp
+        for remat, temp in temps.items():
+            rows.append(
+                f"{model.name:11s} remat   stage 4 x data 2, {schedule} M=8, "
+                f"remat={remat:8s} temp {temp / MiB:6.1f} MiB/device "
+                f"({temp / temps['none']:4.2f}x none)"
+            )
+            print(rows[-1], flush=True)
+    return rows
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--quick", action="store_true", help="fewer cases, 8 blocks")
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--steps", type=int, default=2)
+    parser.add_argument("--layers", type=int, default=16, help="blocks (of 8)")
+    parser.add_argument("--only", choices=("layout", "bubble", "remat"), default=None)
+    args = parser.parse_args()
+    layers = 8 if args.quick else args.layers
+    if layers % 8:
+        parser.error("--layers must be a multiple of 8 (4 stages x 2 repeats)")
+    if not jax.config.jax_compilation_cache_dir:
+        # The step and `memory_analysis()` compile the same program: once.
+        jax.config.update("jax_compilation_cache_dir", tempfile.mkdtemp())
+        jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
+        jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+    start = time.perf_counter()
+    rows = []
+    for model in models(layers):
+        if args.only in (None, "layout"):
+            rows += layout_rows(model, args.quick, args.repeats, args.steps)
+        if args.only in (None, "bubble"):
+            rows += bubble_rows(model, args.quick, args.repeats, args.steps)
+        if args.only in (None, "remat"):
+            rows += remat_rows(model, args.quick)
+    print(f"\n{layers} blocks; {time.perf_counter() - start:.0f} s in all")
+    print("\n".join(rows))
+
+
+if __name__ == "__main__":
+    main()
