@@ -10,6 +10,7 @@ first).
 """
 
 import math
+from typing import Any
 
 import equinox as eqx
 import jax
@@ -20,13 +21,25 @@ import eqxdist as ed
 
 
 class CausalSelfAttention(eqx.Module):
+    """Multi-head causal self-attention through `ed.attention`: on one device
+    `jax.nn.dot_product_attention` (cuDNN's fused kernel on a GPU in bfloat16);
+    with `context_axis` a mesh axis the sequence is split over, ring attention
+    over it (the device's chunks in the balanced order)."""
+
     query: eqx.nn.Linear
     key: eqx.nn.Linear
     value: eqx.nn.Linear
     out: eqx.nn.Linear
     num_heads: int = eqx.field(static=True)
+    context_axis: str | None = eqx.field(static=True)
 
-    def __init__(self, d_model: int, num_heads: int, key: jax.Array) -> None:
+    def __init__(
+        self,
+        d_model: int,
+        num_heads: int,
+        key: jax.Array,
+        context_axis: str | None = None,
+    ) -> None:
         kq, kk, kv, ko = jax.random.split(key, 4)
         self.query = eqx.nn.Linear(d_model, d_model, key=kq)
         # No key bias: it adds the same score to every key of a query, which the
@@ -36,6 +49,7 @@ class CausalSelfAttention(eqx.Module):
         self.value = eqx.nn.Linear(d_model, d_model, key=kv)
         self.out = eqx.nn.Linear(d_model, d_model, key=ko)
         self.num_heads = num_heads
+        self.context_axis = context_axis
 
     def __call__(self, x: jax.Array) -> jax.Array:
         length, d_model = x.shape
@@ -45,11 +59,11 @@ class CausalSelfAttention(eqx.Module):
             return jax.vmap(layer)(x).reshape(length, self.num_heads, head_dim)
 
         q, k, v = heads(self.query), heads(self.key), heads(self.value)
-        scores = jnp.einsum("thd,shd->hts", q, k) / math.sqrt(head_dim)
-        causal = jnp.tril(jnp.ones((length, length), dtype=bool))
-        weights = jax.nn.softmax(jnp.where(causal, scores, -jnp.inf), axis=-1)
-        mixed = jnp.einsum("hts,shd->thd", weights, v).reshape(length, d_model)
-        return jax.vmap(self.out)(mixed)
+        mixed = ed.attention(
+            q, k, v, causal=True, scale=1 / math.sqrt(head_dim),
+            context_axis=self.context_axis,
+        )  # fmt: skip
+        return jax.vmap(self.out)(mixed.reshape(length, d_model))
 
 
 class MLP(eqx.Module):
@@ -71,10 +85,17 @@ class Block(eqx.Module):
     norm2: eqx.nn.LayerNorm
     mlp: MLP
 
-    def __init__(self, d_model: int, heads: int, hidden: int, key: jax.Array):
+    def __init__(
+        self,
+        d_model: int,
+        heads: int,
+        hidden: int,
+        key: jax.Array,
+        context_axis: str | None = None,
+    ) -> None:
         k1, k2 = jax.random.split(key)
         self.norm1 = eqx.nn.LayerNorm(d_model)
-        self.attn = CausalSelfAttention(d_model, heads, k1)
+        self.attn = CausalSelfAttention(d_model, heads, k1, context_axis)
         self.norm2 = eqx.nn.LayerNorm(d_model)
         self.mlp = MLP(d_model, hidden, k2)
 
@@ -86,7 +107,9 @@ class Block(eqx.Module):
 class TransformerLM(eqx.Module):
     """Decoder-only transformer: `tokens (length,) -> logits (length, vocab)`.
     Its blocks are a list, or with `stacked=True` one `ed.Stacked` of the same
-    blocks (the same parameters, on a leading layer axis)."""
+    blocks (the same parameters, on a leading layer axis). With `context_axis`
+    its attention runs over a sequence split over that mesh axis: call it on a
+    device's chunk with the chunk's `positions` (`ed.context_positions`)."""
 
     token_embed: eqx.nn.Embedding
     position_embed: jax.Array
@@ -105,23 +128,35 @@ class TransformerLM(eqx.Module):
         max_len: int,
         key: jax.Array,
         stacked: bool = False,
+        context_axis: str | None = None,
     ) -> None:
         keys = jax.random.split(key, layers + 3)
         self.token_embed = eqx.nn.Embedding(vocab, d_model, key=keys[0])
         self.position_embed = 0.02 * jax.random.normal(keys[1], (max_len, d_model))
-        blocks = [Block(d_model, heads, mlp_ratio * d_model, k) for k in keys[3:]]
+        blocks = [
+            Block(d_model, heads, mlp_ratio * d_model, k, context_axis)
+            for k in keys[3:]
+        ]
         self.blocks = ed.Stacked(blocks) if stacked else blocks
         self.norm = eqx.nn.LayerNorm(d_model)
         self.head = eqx.nn.Linear(d_model, vocab, key=keys[2])
 
-    def __call__(self, tokens: jax.Array) -> jax.Array:
-        x = jax.vmap(self.token_embed)(tokens) + self.position_embed[: len(tokens)]
+    def __call__(
+        self, tokens: jax.Array, positions: jax.Array | None = None
+    ) -> jax.Array:
+        return jax.vmap(self.head)(self.hidden(tokens, positions))
+
+    def hidden(self, tokens: jax.Array, positions: jax.Array | None = None) -> Any:
+        """What the head reads: `(length, d_model)` (for a chunked loss)."""
+        if positions is None:
+            positions = jnp.arange(len(tokens))
+        x = jax.vmap(self.token_embed)(tokens) + self.position_embed[positions]
         if isinstance(self.blocks, list):
             for block in self.blocks:
                 x = block(x)
         else:  # the Stacked (or what a step makes of it: its pipeline's stages)
             x = self.blocks(x)
-        return jax.vmap(self.head)(jax.vmap(self.norm)(x))
+        return jax.vmap(self.norm)(x)
 
 
 def benchmark_model(

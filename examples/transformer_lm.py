@@ -32,6 +32,14 @@ microbatches that flow through the stages (`--schedule gpipe`, `circular` with
 `--repeats R > 1`, or `1f1b`), and embeddings, head and loss run as before.
 `--remat` chooses what the backward pass keeps of each block.
 
+With `--context-parallel N` every sequence is split over the N devices of a
+`"context"` axis (`{"data": 8 / N, "context": N}`): each device holds two chunks
+of each of its rows (balanced for causal attention), finds their positions with
+`ed.context_positions`, and attention (`ed.attention`, on one device
+`jax.nn.dot_product_attention`) passes keys and values round the ring, so no
+device holds a whole sequence. `--chunked-loss C` computes the head's logits C
+rows at a time (`ed.linear_cross_entropy`), never all of them.
+
 The loss function is written for one device and full-size arrays; eqxdist places
 everything and XLA partitions the computation. The loop is `eqxdist.train_loop`:
 the script prints the layout, a progress bar with the loss, perplexity, gradient
@@ -46,9 +54,12 @@ losses would not.
     python examples/transformer_lm.py [--steps 600] [--d-model 64] [--layers 2] [--bf16]
     python examples/transformer_lm.py --pipeline-parallel 2 --microbatches 4 \
         --schedule 1f1b --layers 4 [--remat full]
+    python examples/transformer_lm.py --context-parallel 8 --seq-len 16384 \
+        --batch-size 1 --min-len 8192 --chunked-loss 4096 --compare-steps 0
 """
 
 import argparse
+import math
 import shutil
 import sys
 import time
@@ -140,6 +151,20 @@ def parse_args() -> argparse.Namespace:
     )
     add("--repeats", type=int, default=1, help="rounds of the circular schedule")
     add(
+        "--context-parallel",
+        type=int,
+        default=1,
+        help='size of the "context" axis: every sequence split over N devices '
+        "(ring attention through ed.attention; 1: whole sequences)",
+    )
+    add(
+        "--chunked-loss",
+        type=int,
+        default=0,
+        help="rows per chunk of ed.linear_cross_entropy: the logits computed chunk "
+        "by chunk, never whole (0: whole logits, Optax's loss)",
+    )
+    add(
         "--remat",
         choices=("none", "full", "dots", "offload"),
         default="none",
@@ -200,15 +225,25 @@ def resolve_parallelism(
     """The axis sizes of the mesh ("auto": 8 devices in all), the pipeline
     (`args.pipeline`, `None` without stages) and whether the blocks are stacked;
     a usage error for options that do not go together."""
-    stages = args.pipeline_parallel
-    if stages < 1:
-        parser.error(f"--pipeline-parallel must be >= 1; got {stages}")
+    stages, context = args.pipeline_parallel, args.context_parallel
+    if stages < 1 or context < 1:
+        parser.error("--pipeline-parallel and --context-parallel must be >= 1")
+    if stages > 1 and context > 1:
+        parser.error("this example splits either the blocks or the sequence")
+    if args.seq_len % (2 * context):
+        parser.error(
+            f"--seq-len {args.seq_len} must be a multiple of 2 x --context-parallel "
+            f"= {2 * context} (each device holds two chunks of every sequence)"
+        )
     if args.tensor_parallel is None:
-        args.tensor_parallel = 1 if stages > 1 else 2
+        args.tensor_parallel = 1 if stages > 1 or context > 1 else 2
     if args.data_parallel is None:
-        if 8 % (stages * args.tensor_parallel):
-            parser.error("--pipeline-parallel x --tensor-parallel must divide 8")
-        args.data_parallel = 8 // (stages * args.tensor_parallel)
+        if 8 % (stages * args.tensor_parallel * context):
+            parser.error(
+                "--pipeline-parallel x --tensor-parallel x --context-parallel must "
+                "divide 8"
+            )
+        args.data_parallel = 8 // (stages * args.tensor_parallel * context)
     args.pipeline = None
     if stages == 1:
         if (args.microbatches, args.schedule, args.repeats) != (None, "gpipe", 1):
@@ -243,43 +278,78 @@ ARGS = parse_args()
 COMPUTE_DTYPE = jnp.bfloat16 if ARGS.bf16 else None
 # Before JAX starts its backend: one CPU device per mesh position.
 ed.simulate_cpu_devices(
-    ARGS.pipeline_parallel * ARGS.data_parallel * ARGS.tensor_parallel
+    ARGS.pipeline_parallel
+    * ARGS.data_parallel
+    * ARGS.tensor_parallel
+    * ARGS.context_parallel
 )
+# The mesh axis the sequences are split over (`None`: whole sequences).
+CONTEXT = "context" if ARGS.context_parallel > 1 else None
 
 
 def token_metrics(
-    model: TransformerLM, tokens: jax.Array, mask: jax.Array
-) -> tuple[jax.Array, ed.MetricCollection]:
-    """The per-position losses of next-token prediction on `tokens` (rows of
-    `seq_len + 1`), zero where `mask` (`(rows, seq_len)`, True on real targets) is
-    False, and the token-weighted loss, perplexity and real-token count as
-    `Metric`s, which the steps reduce across devices."""
-    # The softmax in float32 whatever the compute dtype (`--bf16`).
-    logits = jax.vmap(model)(tokens[:, :-1]).astype(jnp.float32)
-    targets = tokens[:, 1:]
-    losses = optax.softmax_cross_entropy_with_integer_labels(logits, targets)
-    metrics = {
-        "loss": ed.metrics.Mean().update(losses, mask.astype(jnp.float32)),
-        "perplexity": ed.metrics.Perplexity().update(logits, targets, mask),
-        "real_tokens": ed.metrics.Sum().update(mask.sum()),
-    }
-    return jnp.where(mask, losses, 0.0), ed.MetricCollection(metrics)
+    model: TransformerLM,
+    batch: dict[str, jax.Array],
+    mask: jax.Array,
+    context_axis: str | None = CONTEXT,
+) -> tuple[tuple[jax.Array, jax.Array], ed.MetricCollection]:
+    """The summed next-token loss of this device's `batch` (rows of `inputs` and
+    `targets`, or with `--context-parallel` their chunks) where `mask` (`(rows,
+    length)`, True on real targets) is True, with the number of real targets;
+    and the loss, perplexity and real-token count as `Metric`s, which the steps
+    reduce across devices."""
+    inputs, targets = batch["inputs"], batch["targets"]
+    # With a context axis a device holds two chunks of each sequence (the step
+    # balances them): their positions in the whole sequence.
+    positions = (
+        None
+        if context_axis is None
+        else ed.context_positions(inputs.shape[1], context_axis)
+    )
+    weights = mask.astype(jnp.float32)
+    count = weights.sum()
+    if ARGS.chunked_loss:
+        hidden = jax.vmap(lambda t: model.hidden(t, positions))(inputs)
+        head = model.head
+        loss_sum, _ = ed.linear_cross_entropy(
+            hidden.astype(jnp.float32), head.weight.astype(jnp.float32), targets,
+            bias=head.bias.astype(jnp.float32), weights=weights,
+            chunk_size=ARGS.chunked_loss,
+        )  # fmt: skip
+        # The token mean as a weighted mean of one value per device.
+        mean = jnp.where(count > 0, loss_sum / jnp.maximum(count, 1.0), 0.0)
+        metrics = {"loss": ed.metrics.Mean().update(mean[None], count[None])}
+    else:
+        # The softmax in float32 whatever the compute dtype (`--bf16`).
+        logits = jax.vmap(lambda t: model(t, positions))(inputs).astype(jnp.float32)
+        losses = optax.softmax_cross_entropy_with_integer_labels(logits, targets)
+        loss_sum = jnp.sum(jnp.where(mask, losses, 0.0))
+        metrics = {
+            "loss": ed.metrics.Mean().update(losses, weights),
+            "perplexity": ed.metrics.Perplexity().update(logits, targets, mask),
+        }
+    metrics["real_tokens"] = ed.metrics.Sum().update(mask.sum())
+    return (loss_sum, count), ed.MetricCollection(metrics)
 
 
 def loss_fn(model: TransformerLM, batch: dict[str, jax.Array], key: Any) -> Any:
     """Token-weighted: the summed loss of this device's real tokens and their
     number; the step divides the global sum by the global count."""
     del key  # no dropout: every layout follows the same trajectory
-    mask = batch["mask"]
-    losses, metrics = token_metrics(model, batch["tokens"], mask)
-    return (losses.sum(), mask.sum()), metrics
+    return token_metrics(model, batch, batch["mask"])
+
+
+def whole_sequence_loss(model: TransformerLM, batch: Any, key: Any) -> Any:
+    """`loss_fn` of a step without a context axis (the data-parallel check)."""
+    del key
+    return token_metrics(model, batch, batch["mask"], context_axis=None)
 
 
 def eval_fn(model: TransformerLM, batch: dict[str, jax.Array], rows: jax.Array) -> Any:
     """Held-out metrics of this device's rows; `rows` is False on the rows
     `make_eval_step` padded."""
     mask = batch["mask"] & rows[:, None]
-    return token_metrics(model, batch["tokens"], mask)[1]
+    return token_metrics(model, batch, mask)[1]
 
 
 # -- data --------------------------------------------------------------------------
@@ -306,10 +376,11 @@ class Windows:
     rows of each batch (only this process's) and shuffles them every epoch;
     `np.memmap` reads only those.
 
-    Each row is `{"tokens": (seq_len + 1,) int32, "mask": (seq_len,) bool}`,
-    `mask` True on the real targets `tokens[1:]`. The lengths are drawn once from
-    `seed`, so row `i` is a pure function of `(i, seed)`: every process and every
-    resumed run reads the same rows."""
+    Each row is `{"inputs", "targets": (seq_len,) int32, "mask": (seq_len,)
+    bool}`, the targets the inputs shifted by one, `mask` True on the real
+    targets (every leaf of one length: a context axis splits them alike). The
+    lengths are drawn once from `seed`, so row `i` is a pure function of `(i,
+    seed)`: every process and every resumed run reads the same rows."""
 
     def __init__(
         self, path: Path, seq_len: int, stride: int, min_len: int, pad_id: int
@@ -330,7 +401,7 @@ class Windows:
         rows = rows.astype(np.int32)
         mask = np.arange(self.seq_len) < self.lengths[indices][:, None]
         rows[:, 1:][~mask] = self.pad_id  # padding at the end only
-        return {"tokens": rows, "mask": mask}
+        return {"inputs": rows[:, :-1], "targets": rows[:, 1:], "mask": mask}
 
 
 def token_file(train: np.ndarray) -> Path:
@@ -346,12 +417,15 @@ def token_file(train: np.ndarray) -> Path:
 
 def held_out_batch(held_out: np.ndarray) -> dict[str, np.ndarray]:
     """Non-overlapping windows of the held-out text: any number of rows, which
-    `make_eval_step` pads and masks. They are whole (every target real)."""
+    `make_eval_step` pads and masks. They are whole (every target real); a
+    sequence longer than the held-out text reads it round again."""
     window = ARGS.seq_len + 1
-    rows = (len(held_out) - 1) // ARGS.seq_len
+    rows = max(1, (len(held_out) - 1) // ARGS.seq_len)
+    held_out = np.resize(held_out, max(len(held_out), window))
     starts = np.arange(rows) * ARGS.seq_len
     tokens = held_out[starts[:, None] + np.arange(window)]
-    return {"tokens": tokens, "mask": np.ones((rows, ARGS.seq_len), dtype=bool)}
+    mask = np.ones((rows, ARGS.seq_len), dtype=bool)
+    return {"inputs": tokens[:, :-1], "targets": tokens[:, 1:], "mask": mask}
 
 
 # -- training ----------------------------------------------------------------------
@@ -383,24 +457,32 @@ def make_optimizer() -> optax.GradientTransformation:
     )
 
 
+def new_model(vocab_size: int, key: jax.Array, context_axis: str | None) -> Any:
+    return TransformerLM(
+        vocab_size,
+        d_model=ARGS.d_model,
+        heads=ARGS.heads,
+        layers=ARGS.layers,
+        mlp_ratio=ARGS.mlp_ratio,
+        max_len=ARGS.seq_len,
+        key=key,
+        stacked=ARGS.stacked,
+        context_axis=context_axis,
+    )
+
+
 def initial_state(
-    step: ed.TrainStep, vocab_size: int, optimizer: optax.GradientTransformation
+    step: ed.TrainStep,
+    vocab_size: int,
+    optimizer: optax.GradientTransformation,
+    context_axis: str | None = CONTEXT,
 ) -> ed.TrainState:
     """The fresh state built under `jit` straight into `step`'s layout, each
     device drawing only its shard of every parameter (and of the Adam moments):
     no device ever holds the whole model."""
 
     def init_fn(model_key: jax.Array, state_key: jax.Array) -> ed.TrainState:
-        model = TransformerLM(
-            vocab_size,
-            d_model=ARGS.d_model,
-            heads=ARGS.heads,
-            layers=ARGS.layers,
-            mlp_ratio=ARGS.mlp_ratio,
-            max_len=ARGS.seq_len,
-            key=model_key,
-            stacked=ARGS.stacked,
-        )
+        model = new_model(vocab_size, model_key, context_axis)
         return ed.TrainState.create(model, optimizer, state_key)
 
     return step.init_state(init_fn, jax.random.key(ARGS.seed), jax.random.key(1))
@@ -429,6 +511,8 @@ def describe_layout(step: ed.TrainStep, state: ed.TrainState) -> None:
 
 def layout_name() -> str:
     """The main run's layout, in words."""
+    if CONTEXT is not None:
+        return "context-parallel x FSDP"
     if ARGS.pipeline is None:
         return "FSDP x TP"
     tp = " x TP" if ARGS.tensor_parallel > 1 else ""
@@ -441,8 +525,10 @@ def main_layout() -> tuple[Any, dict[str, Any]]:
     axes = {"data": ARGS.data_parallel, "model": ARGS.tensor_parallel}
     if ARGS.pipeline is not None:
         axes = {"stage": ARGS.pipeline_parallel, **axes}
-        if ARGS.tensor_parallel == 1:
-            del axes["model"]
+    if CONTEXT is not None:
+        axes[CONTEXT] = ARGS.context_parallel
+    if ARGS.tensor_parallel == 1 and (ARGS.pipeline or CONTEXT):
+        del axes["model"]
     layout: dict[str, Any] = {
         "strategy": "fsdp",
         "min_weight_size": ARGS.min_weight_size,
@@ -454,6 +540,8 @@ def main_layout() -> tuple[Any, dict[str, Any]]:
         )
     if ARGS.pipeline is not None:
         layout["pipeline"] = ARGS.pipeline
+    if CONTEXT is not None:
+        layout["context_axis"] = CONTEXT
     return ed.create_device_mesh(axes), layout
 
 
@@ -506,7 +594,9 @@ def train_main(
         shutil.rmtree(out / "checkpoints", ignore_errors=True)
     snapshot, start = None, time.perf_counter()
     with (
-        ed.BatchLoader(source, ARGS.batch_size, mesh, seed=ARGS.seed) as loader,
+        ed.BatchLoader(
+            source, ARGS.batch_size, mesh, seed=ARGS.seed, context_axis=CONTEXT
+        ) as loader,
         ed.CheckpointManager(
             out / "checkpoints", max_to_keep=2, save_interval_steps=ARGS.save_every
         ) as manager,
@@ -545,10 +635,13 @@ def report(
     result: ed.LoopResult, held: Any, held_out: dict[str, Any], start: float
 ) -> None:
     """Held-out loss and perplexity, and the throughput of the last log point."""
+    loss = float(held["loss"])
+    # The chunked loss never holds the logits Perplexity reads: exp of the mean.
+    perplexity = float(held["perplexity"]) if "perplexity" in held else math.exp(loss)
     print(
         f"trained to step {result.step} in {time.perf_counter() - start:.1f}s; "
-        f"held-out loss {float(held['loss']):.4f}, perplexity "
-        f"{float(held['perplexity']):.3f} ({len(held_out['tokens'])} sequences)"
+        f"held-out loss {loss:.4f}, perplexity "
+        f"{perplexity:.3f} ({len(held_out['inputs'])} sequences)"
     )
     logs = [values for _, values in result.logs]
     if logs and "tokens_per_sec" in logs[-1]:
@@ -565,6 +658,9 @@ def report(
 
 def generate(model: TransformerLM, vocab: str, prompt: str) -> str:
     """A sampled continuation of `prompt` (temperature 0.8), on one device."""
+    # The trained arrays in a model whose attention runs on one device.
+    single = new_model(len(vocab) + 1, jax.random.key(0), None)
+    model = jax.tree.unflatten(jax.tree.structure(single), jax.tree.leaves(model))
     model = jax.device_put(model, jax.devices()[0])
     index = {c: i for i, c in enumerate(vocab)}
     window = np.zeros(ARGS.seq_len, dtype=np.int32)
@@ -596,14 +692,14 @@ def compare_with_dp(source: Windows, vocab: str, expected: list[np.ndarray]) -> 
     mesh = ed.create_data_parallel_mesh()
     optimizer = make_optimizer()
     step = ed.make_train_step(
-        loss_fn,
+        whole_sequence_loss,
         optimizer,
         mesh,
         strategy="dp",
         num_minibatches=ARGS.minibatches,
         compute_dtype=COMPUTE_DTYPE,
     )
-    state = initial_state(step, len(vocab) + 1, optimizer)
+    state = initial_state(step, len(vocab) + 1, optimizer, context_axis=None)
     loader = ed.BatchLoader(source, ARGS.batch_size, mesh, seed=ARGS.seed)
     for i in range(ARGS.compare_steps):
         state, _ = step(state, loader.batch(i))

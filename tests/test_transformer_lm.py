@@ -3,7 +3,8 @@ sequences under FSDP x tensor parallelism with a token-weighted loss, reports a
 finite loss, perplexity and gradient norm, and agrees with plain data parallelism
 on the same batches (which splits the rows, and so the real tokens, differently
 over the devices: only the globally token-weighted loss makes both agree); with
-pipeline stages too. Run in its own process, as a user would run it."""
+pipeline stages too, and with sequences split over a context axis and the
+chunked loss. Run in its own process, as a user would run it."""
 
 import json
 import math
@@ -129,6 +130,42 @@ def test_pipeline_stages_agree_with_data_parallel(
     )
     assert agree is not None, text
     assert float(agree[1]) < 1e-5
+
+
+@pytest.mark.slow
+def test_context_parallel_with_the_chunked_loss_agrees_with_data_parallel(
+    tmp_path: Path, script_env: dict[str, str]
+) -> None:
+    """`--context-parallel 4 --chunked-loss 64`: every sequence split over the 4
+    devices of "context" (ring attention), the loss of the head chunk by chunk,
+    on `{"data": 2, "context": 4}`; the same parameters as data parallelism on
+    whole sequences with Optax's loss."""
+    out = _run(
+        script_env,
+        *("--out", str(tmp_path)),
+        *("--steps", "4", "--compare-steps", "4", "--log-every", "2"),
+        *("--batch-size", "16", "--seq-len", "32", "--d-model", "32"),
+        *("--sample-chars", "8", "--min-weight-size", "64", "--min-len", "2"),
+        *("--context-parallel", "4", "--chunked-loss", "64"),
+    )
+    assert out.returncode == 0, out.stdout + out.stderr
+    text = out.stdout
+    assert "mesh {'data': 2, 'context': 4}" in text
+    losses = [float(x) for x in re.findall(r"step \d/4  loss (\d+\.\d+)", text)]
+    assert len(losses) == 2 and losses[1] < losses[0]
+    held_out = re.search(r"held-out loss (\S+), perplexity (\S+)", text)
+    assert held_out is not None
+    assert math.isclose(float(held_out[2]), math.exp(float(held_out[1])), rel_tol=1e-3)
+    agree = re.search(
+        r"DP \(8 devices\) vs context-parallel x FSDP after 4 steps: "
+        r"max \|param diff\| (\S+) .*parameters agree",
+        text,
+    )
+    assert agree is not None, text
+    assert float(agree[1]) < 1e-5
+    bad = _run(script_env, "--context-parallel", "4", "--seq-len", "12")
+    assert bad.returncode != 0
+    assert "--seq-len 12 must be a multiple of 2 x --context-parallel = 8" in bad.stderr
 
 
 @pytest.mark.slow

@@ -102,6 +102,16 @@ def fold_rng_over_axis(key: PRNGKeyArray, axis_name: AxisName) -> Array:
     return jax.random.fold_in(key, jax.lax.axis_index(names))
 
 
+def unplaced_shapes(tree: Any) -> Any:
+    """`tree` with a `jax.ShapeDtypeStruct` of no sharding at each array leaf: the
+    model as the loss sees it inside the step's `shard_map`, whole and typed by
+    the mesh there (a struct keeping its global placement would name the
+    `Auto` mesh, which a gather at traced indices rejects in a manual one)."""
+    return jax.tree.map(
+        lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype) if is_array(x) else x, tree
+    )
+
+
 def shapes(tree: Any) -> Any:
     """`tree` with a `jax.ShapeDtypeStruct` at each array leaf, of the leaf's type
     (its sharding too: inside `shard_map` under a mesh context a value's type

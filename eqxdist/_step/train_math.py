@@ -22,8 +22,8 @@ from .gradients import (
     DeviceGradients,
     GlobalGradients,
     Gradients,
-    shapes,
     statistics_kinds,
+    unplaced_shapes,
 )
 from .inputs import StepInputs
 from .options import StepOptions
@@ -73,7 +73,7 @@ class TrainMath(eqx.Module):
                 layout.options.fsdp,
                 counts,
                 wants_loss=wants_value or options.skip_nonfinite,
-                model=shapes(state.model),
+                model=unplaced_shapes(state.model),
             ).compute(key)
         _, update_kinds = statistics_kinds(options)
         update = Update(
