@@ -217,9 +217,11 @@ def test_multi_process_example_restarts_past_a_crash(tmp_path: Path) -> None:
         "--steps", "12", "--crash-at", "7", "--log-every", "4",
     )  # fmt: skip
     assert out.returncode == 0, out.stdout + out.stderr
-    assert "restart 1 of 1 after process 1 exited with status 1" in out.stderr, (
-        out.stderr
-    )
+    # Process 1 crashes; process 0, in a collective with it, may see the broken
+    # connection and exit first: the launcher restarts after whichever it sees.
+    assert re.search(
+        r"restart 1 of 1 after process [01] exited with status 1", out.stderr
+    ), out.stderr
     assert (out.stdout + out.stderr).count("RuntimeError: --crash-at 7") == 1
     assert "[0] resumed from step 5" in out.stdout
     assert "[0] === Steps 8-11 ===" in out.stdout
