@@ -430,10 +430,13 @@ def test_max_restarts_recovers_a_jax_job(tmp_path):
     )
     assert result.returncode == 0, explain(result)
     assert "[1] process 1 exits with status 3" in result.stdout
-    assert (
-        "eqxdist.launch: restart 1 of 1 after process 1 exited with status 3."
-        in result.stderr
-    )
+    # Process 0, in a collective with process 1, may see the broken connection
+    # and exit (status 1) before the launcher sees process 1's exit.
+    assert re.search(
+        r"eqxdist\.launch: restart 1 of 1 after process "
+        r"(1 exited with status 3|0 exited with status 1)\.",
+        result.stderr,
+    ), explain(result)
     assert "[0] trained 3 steps" in result.stdout
     assert_all_gone(tmp_path / "pids")
 
