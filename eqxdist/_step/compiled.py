@@ -325,8 +325,8 @@ class CompiledStep:
             if all(isinstance(x, jax.Array) for x in arrays):
                 return arrays
             placed = jax.tree.leaves(shard_batch(batch, self.batch_sharding))
-            # Rows placed; a context axis then splits the sequences, inside the
-            # compiled step (its `in_shardings` would reject them as they are).
+            # Rows placed; a context axis then splits the sequences (the
+            # compiled step's `in_shardings` would reject them as they are).
             return [
                 _resharded(placed[i], want)
                 for i, want in zip(entry.batch_arrays, entry.shardings[2], strict=True)
@@ -416,7 +416,9 @@ class CompiledStep:
 
 
 def _resharded(x: Any, want: NamedSharding) -> Any:
-    """`x` (a global array, possibly over several processes) laid out as `want`."""
+    """`x` (a global array, possibly over several processes) laid out as `want`,
+    moved as the single-process path moves a batch in another layout (a fresh
+    `jax.jit` here would compile again on every step)."""
     if x.sharding.is_equivalent_to(want, x.ndim):
         return x
-    return jax.jit(lambda y: y, out_shardings=want)(x)
+    return jax.device_put(x, want)
