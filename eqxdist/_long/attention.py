@@ -12,6 +12,7 @@ from jax.sharding import PartitionSpec as P
 from jaxtyping import Array, Bool, Float, Int
 
 from .._utils import typecheck
+from .checks import checked_first, shape_and_dtype
 from .order import balance, unbalance
 from .ring import ring_attention
 from .views import run_global, shard_over, size_in_context, view_of
@@ -19,6 +20,41 @@ from .views import run_global, shard_over, size_in_context, view_of
 SegmentIds = Int[Array, " Tq"] | tuple[Int[Array, " Tq"], Int[Array, " Skv"]]
 
 _CALLER = "attention"
+_LAYOUTS = {"q": "(T, H, D)", "k": "(S, K_heads, D)", "v": "(S, K_heads, D)"}
+
+
+def _check_sequences(q: Any, k: Any, v: Any, *_: Any, **options: Any) -> None:
+    """`q`, `k` and `v` are float arrays of one sequence each, and the segment
+    ids int arrays of one dimension: a batch is the mistake this catches."""
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        shape, dtype = shape_and_dtype(x, _CALLER, name)
+        if len(shape) != 3:
+            fix = (
+                "map it over the batch's rows: `jax.vmap(functools.partial("
+                "ed.attention, causal=...))(q, k, v)`"
+                if len(shape) > 3
+                else "give it a heads axis, e.g. `x[:, None, :]` for one head"
+            )
+            raise ValueError(
+                f"{_CALLER}: `{name}` has shape {shape}; expected {_LAYOUTS[name]}, "
+                f"one sequence ({len(shape)} dimensions seen, 3 expected).\n"
+                f"Fix: {fix}."
+            )
+        if not jnp.issubdtype(dtype, jnp.floating):
+            raise TypeError(
+                f"{_CALLER}: `{name}` has dtype {dtype}; expected a floating dtype. "
+                f"Fix: `{name}.astype(jnp.float32)` (or bfloat16)."
+            )
+    segments = options.get("segment_ids")
+    pair = segments if isinstance(segments, tuple) else (segments,)
+    for seg in (s for s in pair if s is not None):
+        shape, dtype = shape_and_dtype(seg, _CALLER, "segment_ids")
+        if len(shape) != 1 or not jnp.issubdtype(dtype, jnp.integer):
+            raise ValueError(
+                f"{_CALLER}: `segment_ids` has shape {shape} and dtype {dtype}; "
+                "expected int arrays of shape (T,) (and (S,) for the keys), one "
+                "sequence's. Fix: `jax.vmap` over a batch's rows, ids as int32."
+            )
 
 
 def _check_shapes(q: Array, k: Array, v: Array) -> None:
@@ -122,7 +158,9 @@ def _one_device(
         )  # fmt: skip
         return out
 
-    if fused_kernel(q.dtype, q.shape[-1]):
+    # Causal with T != S: JAX defines the mask as `jnp.tril` of (T, S) but does
+    # not say which corner cuDNN's takes, so XLA computes JAX's definition.
+    if fused_kernel(q.dtype, q.shape[-1]) and not (causal and q.shape[0] != k.shape[0]):
         try:
             return call("cudnn")
         except (NotImplementedError, RuntimeError):
@@ -179,18 +217,19 @@ def _device(
     axis: str,
 ) -> Array:
     """The device view: this device's chunks, `axis` bound."""
-    if causal and (q.shape[0] != k.shape[0] or q.shape[0] % 2):
+    if causal and (q.shape[0] % 2 or k.shape[0] % 2):
         raise ValueError(
             f"{_CALLER}: causal attention over context axis {axis!r} needs this "
-            f"device's chunks of queries and keys to be of one even length (two "
+            f"device's chunks of queries and of keys to be of even lengths (two "
             f"halves of the balanced order, `ed.to_context_order`); got "
-            f"{q.shape[0]} queries and {k.shape[0]} keys. Make the sequence length "
-            "a multiple of 2 x (devices of the axis)."
+            f"{q.shape[0]} queries and {k.shape[0]} keys. Make the sequence lengths "
+            "multiples of 2 x (devices of the axis)."
         )
     out: Array = ring_attention(q, k, v, *segments, causal, scale, axis)
     return out
 
 
+@checked_first(_check_sequences)
 @typecheck
 def attention(
     q: Float[Array, "T H D"],
@@ -243,7 +282,8 @@ def attention(
       loss with `view="device"`): `q`, `k`, `v` (and `segment_ids`) are this
       device's chunks: for `causal=True` in the balanced order (two halves of
       one even length; `ed.context_positions` gives their positions in the
-      whole sequence), in any order otherwise.
+      whole sequence; queries and keys each in the order of their own
+      sequence where `T != S`), in any order otherwise.
     - *Global view* (`context_axis` not bound, but an axis of the context mesh:
       under `jax.set_mesh(mesh)`, or a step's loss with `view="global"`): whole
       sequences in their natural order; the function reorders them, shards them
@@ -257,7 +297,12 @@ def attention(
     - `k`, `v`: keys and values, `(S, K_heads, D)`, `H % K_heads == 0`; the
       dtype of `q`.
     - `causal`: query `t` attends only keys `s <= t` (positions in the whole
-      sequence).
+      sequences), as `jax.nn.dot_product_attention(..., is_causal=True)`, also
+      where `T != S`: its mask is `jnp.tril` of `(T, S)`, aligned at the first
+      query and key (with `T < S` the last `S - T` keys are seen by no query;
+      with `T > S` the queries from `S` on see every key). With context
+      parallelism and `T != S` each ring step computes its whole block (no
+      half-block saving).
     - `bias`: added to the logits; shape `(T, S)`, `(1, T, S)` or `(H, T, S)`.
       Not with `context_axis`.
     - `mask`: boolean, `True` where a query may attend a key; shapes as `bias`.
@@ -279,14 +324,15 @@ def attention(
 
     **Raises:**
 
-    `ValueError` if the head dimensions of `q` and `k` differ, `v`'s shape is
-    not `k`'s, `K_heads` does not divide `H`, the dtypes differ, `bias` or `mask`
+    `ValueError` if `q`, `k` or `v` is not of one sequence, `(length, heads, dim)`
+    (a batch: `jax.vmap` it), the head dimensions of `q` and `k` differ, `v`'s shape
+    is not `k`'s, `K_heads` does not divide `H`, the dtypes differ, `bias` or `mask`
     does not broadcast to `(H, T, S)`, the segment ids do not match the lengths,
-    `bias` or `mask` is given with `context_axis`, `context_axis` is neither
-    bound nor an axis of the context mesh, or the lengths do not divide as
-    context parallelism needs (in the global view `T` and `S` by `2 cp` when
-    causal, by `cp` otherwise; in the device view causal chunks of queries and
-    keys of one even length).
+    `bias` or `mask` is given with `context_axis`, `context_axis` is neither bound
+    nor an axis of the context mesh, or the lengths do not divide as context
+    parallelism needs (in the global view `T` and `S` by `2 cp` when causal, by `cp`
+    otherwise; in the device view causal chunks of queries and of keys of even
+    lengths); `TypeError` if `q`, `k` or `v` is not a float array.
 
     !!! Example
 

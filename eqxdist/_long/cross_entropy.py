@@ -12,6 +12,7 @@ from jax.sharding import PartitionSpec as P
 from jaxtyping import Array, Bool, Float, Int
 
 from .._utils import typecheck
+from .checks import checked_first, shape_and_dtype
 from .views import run_global, shard_over, size_in_context, view_of
 
 # Labels and weights may be NumPy arrays: a host batch's, passed as they are.
@@ -95,6 +96,40 @@ def check_labels(labels: Any, weights: Any, vocab: int, caller: str) -> None:
         )
 
 
+def check_rows(
+    rows: tuple[tuple[int, ...], str], labels: Any, weights: Any, caller: str
+) -> None:
+    """`labels` (and `weights`) are arrays of the `rows` of the array named
+    `rows[1]` (its dimensions but the last), the labels integer class ids."""
+    expected, source = rows
+    shape, dtype = shape_and_dtype(labels, caller, "labels")
+    if not jnp.issubdtype(dtype, jnp.integer):
+        raise TypeError(
+            f"{caller}: `labels` has dtype {dtype} (shape {shape}); expected integer "
+            f"class ids of shape {expected}.\nFix: `labels.astype(jnp.int32)`; for "
+            "one-hot or soft targets, `optax.softmax_cross_entropy`."
+        )
+    for name, x in (("labels", labels), ("weights", weights)):
+        seen = None if x is None else shape_and_dtype(x, caller, name)[0]
+        if seen is not None and seen != expected:
+            raise ValueError(
+                f"{caller}: `{name}` has shape {seen}; expected {expected}, the rows "
+                f"of `{source}` (its shape but the last dimension).\nFix: one "
+                f"{name[:-1]} per row, in the rows' shape."
+            )
+
+
+def _check_logits(logits: Any, labels: Any, **options: Any) -> None:
+    shape, dtype = shape_and_dtype(logits, "cross_entropy", "logits")
+    if not shape or not jnp.issubdtype(dtype, jnp.floating):
+        raise TypeError(
+            f"cross_entropy: `logits` has shape {shape} and dtype {dtype}; expected "
+            "floats of shape (*rows, V).\nFix: pass the output head's logits."
+        )
+    rows = (shape[:-1], "logits")
+    check_rows(rows, labels, options.get("weights"), "cross_entropy")
+
+
 def vocab_size(block: int, axis: str | None, caller: str) -> tuple[int, str]:
     """The whole vocabulary's size from this device's `block` (device view) or the
     whole (global view), and the view."""
@@ -113,6 +148,7 @@ def vocab_size(block: int, axis: str | None, caller: str) -> tuple[int, str]:
     return block, view
 
 
+@checked_first(_check_logits)
 @typecheck
 def cross_entropy(
     logits: Float[Array, "*rows V"],
@@ -163,10 +199,10 @@ def cross_entropy(
     **Raises:**
 
     `ValueError` for a concrete label outside `[0, V)` in a row of nonzero
-    weight, a `vocab_axis` neither bound nor an axis of the context mesh, or (in
-    the global view) a vocabulary not divisible by the axis's size;
-    `jaxtyping.TypeCheckError` (a `TypeError`) for `labels` or `weights` whose
-    shape is not the logits' rows.
+    weight, `labels` or `weights` whose shape is not the logits' rows, a
+    `vocab_axis` neither bound nor an axis of the context mesh, or (in the global
+    view) a vocabulary not divisible by the axis's size; `TypeError` for labels
+    that are not integers or logits that are not floats.
 
     !!! Example
 

@@ -2,17 +2,21 @@
 computed chunk by chunk of rows so that the `(tokens, vocab)` logits never exist
 whole, in the forward pass or the backward."""
 
+from typing import Any
+
 import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 from jaxtyping import Array, Float
 
 from .._utils import typecheck
+from .checks import checked_first, shape_and_dtype
 from .cross_entropy import (
     Labels,
     LossSum,
     Weights,
     check_labels,
+    check_rows,
     flat_rows,
     token_losses,
     total_weight,
@@ -61,6 +65,32 @@ def _chunked(
     return total
 
 
+def _check_head(hidden: Any, weight: Any, labels: Any, **options: Any) -> None:
+    """`weight` is `(V, d)` (`eqx.nn.Linear`'s layout) for `hidden` of `(*rows,
+    d)`, `bias` `(V,)`, and the labels (and weights) fit the rows."""
+    caller = "linear_cross_entropy"
+    shape = shape_and_dtype(hidden, caller, "hidden")[0]
+    seen = shape_and_dtype(weight, caller, "weight")[0]
+    d = shape[-1] if shape else "d"
+    if len(seen) != 2 or seen[1] != d:
+        fix = "pass `head.weight` of the `eqx.nn.Linear(d, V)` head"
+        if seen[:1] == (d,):
+            fix += "; a `(d, V)` matrix is its transpose: pass `weight.T`"
+        raise ValueError(
+            f"{caller}: `weight` has shape {seen}; expected (V, d) = (V, {d}), "
+            f"`eqx.nn.Linear`'s layout, d the last dimension of `hidden` {shape}."
+            f"\nFix: {fix}."
+        )
+    bias = options.get("bias")
+    if bias is not None and shape_and_dtype(bias, caller, "bias")[0] != seen[:1]:
+        raise ValueError(
+            f"{caller}: `bias` has shape {bias.shape}; expected (V,) = {seen[:1]}, "
+            "one per row of `weight`.\nFix: pass `head.bias` with `head.weight`."
+        )
+    check_rows((shape[:-1], "hidden"), labels, options.get("weights"), caller)
+
+
+@checked_first(_check_head)
 @typecheck
 def linear_cross_entropy(
     hidden: Float[Array, "*rows d"],
@@ -108,10 +138,10 @@ def linear_cross_entropy(
 
     **Raises:**
 
-    `ValueError` for `chunk_size < 1` and what `ed.cross_entropy` raises for;
-    `jaxtyping.TypeCheckError` (a `TypeError`) for shapes that do not fit
-    together (`hidden`'s last dimension and `weight`'s, `labels` and `hidden`'s
-    rows, `bias` and `weight`'s rows).
+    `ValueError` for `chunk_size < 1`, shapes that do not fit together (`weight`
+    not `(V, d)` for `hidden`'s last dimension `d`, `bias` not `(V,)`, `labels`
+    or `weights` not `hidden`'s rows) and what `ed.cross_entropy` raises for;
+    `TypeError` for labels that are not integers.
 
     !!! Example
 

@@ -166,11 +166,17 @@ def context_positions(local_length: int, context_axis: str) -> Int[Array, " L"]:
         )
     check_bound(context_axis, caller, "context_axis")
     size = jax.lax.axis_size(context_axis)
-    index = jax.lax.axis_index(context_axis)
+    return balanced_positions(local_length, jax.lax.axis_index(context_axis), size)
+
+
+def balanced_positions(local_length: int, device: Any, size: int) -> Array:
+    """The positions in the whole sequence of the `local_length` positions that
+    device `device` (an int or a traced index) of `size` holds in the balanced
+    order: chunks `device` and `2 size - 1 - device` of `2 size`."""
     half = local_length // 2
     steps = jnp.arange(half, dtype=jnp.int32)
-    early = index * half + steps
-    late = (2 * size - 1 - index) * half + steps
+    early = device * half + steps
+    late = (2 * size - 1 - device) * half + steps
     return jnp.concatenate([early, late]).astype(jnp.int32)
 
 

@@ -15,17 +15,24 @@ device's queries but only their first half (its early chunk) matters; keys of a
 later device's chunk are seen only by this device's late half of queries. The
 first step (its own chunk) is causal within the chunk, as the chunk's positions
 increase.
+
+Queries and keys of different lengths (T != S) are each in the balanced order of
+their own sequence, and `causal` is JAX's `is_causal` (`jnp.tril` of `(T, S)`,
+top-left: query `t` attends keys `s <= t`): the half-block shortcut assumes chunks
+of one length, so there every step computes its whole block under the mask of the
+positions in the whole sequences of its queries and keys.
 """
 
 import functools
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Bool, Float, Int
 
 from . import blocks
+from .order import balanced_positions
 
 QuerySegments = Int[Array, " T"] | None
 KeySegments = Int[Array, " S"] | None
@@ -45,16 +52,34 @@ def _segment_mask(
     return q_seg[:, None] == kv_seg[None, :]
 
 
-def _own_mask(
-    q_seg: QuerySegments, kv_seg: KeySegments, length: tuple[int, int], causal: bool
+class _At(NamedTuple):
+    """Where a step of the ring stands: the device whose keys this device holds
+    (`source`), this device (`index`), and the number of devices (`size`)."""
+
+    source: Any
+    index: Any
+    size: int
+
+
+def _at(step: Any, axis: str) -> _At:
+    size, index = jax.lax.axis_size(axis), jax.lax.axis_index(axis)
+    return _At((index - step) % size, index, size)
+
+
+def _mask(
+    q_seg: QuerySegments, kv_seg: KeySegments, length: tuple[int, int], at: _At | None
 ) -> Bool[Array, "T S"] | None:
-    """The mask of the first step: this device's queries against its own keys,
-    causal within the chunk (its positions increase)."""
+    """The mask of this device's queries against the keys of device `at.source`:
+    same segments and, unless `at` is `None` (not causal), JAX's causal mask on
+    the positions in the whole sequences (query at `t` attends keys at `s <= t`,
+    for queries and keys of one length or not)."""
     mask = _segment_mask(q_seg, kv_seg)
-    if causal:
-        tril = jnp.tril(jnp.ones(length, dtype=bool))
-        mask = tril if mask is None else mask & tril
-    return mask
+    if at is None:
+        return mask
+    q_pos = balanced_positions(length[0], at.index, at.size)
+    k_pos = balanced_positions(length[1], at.source, at.size)
+    causal = q_pos[:, None] >= k_pos[None, :]
+    return causal if mask is None else mask & causal
 
 
 def _half(x: Any, which: int) -> Any:
@@ -73,20 +98,28 @@ def _pad(x: Array, which: int, fill: float) -> Array:
     return jnp.concatenate([x, other] if which == 0 else [other, x])
 
 
+def _whole_block(causal: bool, q: Array, k: Array) -> bool:
+    """Whether a step computes its whole block: not causal, or causal over
+    queries and keys of different lengths (no half of the block is masked
+    whole)."""
+    return not causal or q.shape[0] != k.shape[0]
+
+
 def _block_forward(
     q: Array,
     kv: tuple[Any, ...],
     q_seg: QuerySegments,
     scale: float,
     causal: bool,
-    earlier: Any,
+    at: _At,
 ) -> tuple[Array, Array]:
-    """A step after the first: this device's queries against the keys of another
-    device, `earlier` in the ring than this one or later; under `causal` only
-    the half of the block that the mask keeps."""
+    """A step after the first: this device's queries against the keys of device
+    `at.source`, earlier in the ring than this one or later; under `causal` (and
+    chunks of one length) only the half of the block that the mask keeps."""
     k, v, kv_seg = kv
-    if not causal:
-        return blocks.forward(q, k, v, _segment_mask(q_seg, kv_seg), scale)
+    if _whole_block(causal, q, k):
+        mask = _mask(q_seg, kv_seg, (q.shape[0], k.shape[0]), at if causal else None)
+        return blocks.forward(q, k, v, mask, scale)
 
     def from_earlier() -> tuple[Array, Array]:
         mask = _segment_mask(q_seg, _half(kv_seg, 0))
@@ -97,6 +130,7 @@ def _block_forward(
         out, lse = blocks.forward(_half(q, 1), k, v, mask, scale)
         return _pad(out, 1, 0.0), _pad(lse, 1, blocks.NEG)
 
+    earlier = at.source < at.index
     out: tuple[Array, Array] = jax.lax.cond(earlier, from_earlier, from_later)
     return out
 
@@ -107,14 +141,15 @@ def _block_backward(
     q_seg: QuerySegments,
     scale: float,
     causal: bool,
-    earlier: Any,
+    at: _At,
     rows: tuple[Array, Array, Array],
 ) -> tuple[Array, Array, Array]:
     """The gradients of `_block_forward`'s block: `rows` is `(d_out, lse, delta)`
     of this device's queries."""
     k, v, kv_seg = kv
-    if not causal:
-        return blocks.backward(q, k, v, _segment_mask(q_seg, kv_seg), scale, *rows)
+    if _whole_block(causal, q, k):
+        mask = _mask(q_seg, kv_seg, (q.shape[0], k.shape[0]), at if causal else None)
+        return blocks.backward(q, k, v, mask, scale, *rows)
 
     def from_earlier() -> tuple[Array, Array, Array]:
         mask = _segment_mask(q_seg, _half(kv_seg, 0))
@@ -127,6 +162,7 @@ def _block_backward(
         d_q, d_k, d_v = blocks.backward(_half(q, 1), k, v, mask, scale, *half_rows)
         return _pad(d_q, 1, 0.0), d_k, d_v
 
+    earlier = at.source < at.index
     grads: tuple[Array, Array, Array] = jax.lax.cond(earlier, from_earlier, from_later)
     return grads
 
@@ -153,12 +189,6 @@ def _around(
     return step_fn(carry, kv, size - 1)  # the last step sends nothing on
 
 
-def _earlier(step: Any, axis: str) -> Any:
-    """Whether the keys a device holds at `step` come from a device before it."""
-    size, index = jax.lax.axis_size(axis), jax.lax.axis_index(axis)
-    return (index - step) % size < index
-
-
 def _forward(
     q: Array,
     k: Array,
@@ -169,10 +199,11 @@ def _forward(
     scale: float,
     axis: str,
 ) -> tuple[Float[Array, "T H D"], Float[Array, "T H"]]:
-    own = _own_mask(q_seg, kv_seg, (q.shape[0], k.shape[0]), causal)
+    lengths = (q.shape[0], k.shape[0])
+    own = _mask(q_seg, kv_seg, lengths, _at(0, axis) if causal else None)
 
     def step(carry: Any, kv: Any, step: Any) -> Any:
-        block = _block_forward(q, kv, q_seg, scale, causal, _earlier(step, axis))
+        block = _block_forward(q, kv, q_seg, scale, causal, _at(step, axis))
         return _merge(carry, block)
 
     first = blocks.forward(q, k, v, own, scale)
@@ -235,13 +266,13 @@ def _ring_bwd(
     f32 = jnp.float32
     delta = jnp.sum(d_out.astype(f32) * out.astype(f32), axis=-1)
     rows = (d_out, lse, delta)
-    own = _own_mask(q_seg, kv_seg, (q.shape[0], k.shape[0]), causal)
+    lengths = (q.shape[0], k.shape[0])
+    own = _mask(q_seg, kv_seg, lengths, _at(0, axis) if causal else None)
     d_q, d_k, d_v = blocks.backward(q, k, v, own, scale, *rows)
 
     def step(carry: Any, kv: Any, step: Any) -> Any:
         d_q, d_kv = carry
-        earlier = _earlier(step, axis)
-        grads = _block_backward(q, kv, q_seg, scale, causal, earlier, rows)
+        grads = _block_backward(q, kv, q_seg, scale, causal, _at(step, axis), rows)
         d_kv = (d_kv[0] + grads[1], d_kv[1] + grads[2])
         return d_q + grads[0], _rotate(d_kv, axis, size)
 

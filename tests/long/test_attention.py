@@ -177,3 +177,52 @@ def test_context_axis_errors_without_a_mesh_or_with_a_bias(rng):
         jax.jit(lambda q, k, v: ed.attention(q, k, v, context_axis="context"))(q, k, v)
     with pytest.raises(ValueError, match=r"`bias` cannot be given with `context_axis`"):
         ed.attention(q, k, v, bias=jnp.zeros((T, S)), context_axis="seq")
+
+
+@pytest.mark.parametrize(("t", "s"), [(16, 32), (32, 16)])
+def test_causal_attention_of_queries_and_keys_of_different_lengths(t, s):
+    """JAX's `is_causal` where T != S: `jnp.tril` of (T, S), query t attending
+    keys s <= t (no context axis; the ring's in test_ring.py)."""
+    rng = np.random.default_rng(t)
+    q = jnp.asarray(rng.normal(size=(t, H, D)), jnp.float32)
+    k, v = jnp.asarray(rng.normal(size=(2, s, 2, D)), jnp.float32)
+    weights = jnp.asarray(rng.normal(size=(t, H, D)), jnp.float32)
+
+    def value_and_grads(attend):
+        loss = lambda *a: jnp.sum(attend(*a) * weights)  # noqa: E731
+        return jax.jit(lambda *a: (attend(*a), jax.grad(loss, (0, 1, 2))(*a)))(q, k, v)
+
+    ours = value_and_grads(lambda *a: ed.attention(*a, causal=True))
+    theirs = value_and_grads(
+        lambda *a: jax.nn.dot_product_attention(*a, is_causal=True)
+    )
+    _assert_close(ours, theirs)
+
+
+def _short(error):
+    lines = str(error.value).splitlines()
+    assert len(lines) <= 4, lines
+    return str(error.value)
+
+
+def test_a_batch_or_a_missing_heads_axis_says_so_briefly(rng):
+    q, k, v = (x[None] for x in _inputs(rng))
+    with pytest.raises(ValueError) as error:
+        ed.attention(q, k, v, causal=True)
+    message = _short(error)
+    assert message.startswith("attention: `q` has shape (1, 16, 4, 8); expected ")
+    assert "(T, H, D), one sequence (4 dimensions seen, 3 expected)" in message
+    assert "jax.vmap(functools.partial(ed.attention" in message
+    with pytest.raises(ValueError) as error:
+        ed.attention(q[0], k[0, :, 0], v[0])
+    message = _short(error)
+    assert "`k` has shape (16, 8); expected (S, K_heads, D)" in message
+    assert "heads axis" in message
+    with pytest.raises(TypeError) as error:
+        ed.attention(q[0].astype(jnp.int32), k[0], v[0])
+    assert "`q` has dtype int32; expected a floating dtype" in _short(error)
+    with pytest.raises(ValueError) as error:
+        ed.attention(q[0], k[0], v[0], segment_ids=jnp.zeros((1, T), jnp.int32))
+    assert "`segment_ids` has shape (1, 16) and dtype int32; expected" in (
+        _short(error)
+    )

@@ -191,3 +191,41 @@ def test_loss_errors():
             match=r"cross_entropy: the vocabulary has 12 entries, .* by the 8 devices",
         ):
             jax.jit(lambda x: ed.cross_entropy(x, labels % 12, vocab_axis="model"))(odd)
+
+
+def _short(error):
+    """A message of a few lines, not a dump of every parameter."""
+    lines = str(error.value).splitlines()
+    assert len(lines) <= 4, lines
+    return str(error.value)
+
+
+def test_a_transposed_head_float_labels_and_rows_of_another_shape_say_so_briefly():
+    hidden, weight, bias, labels, weights = _data(6)
+    with pytest.raises(ValueError) as error:
+        ed.linear_cross_entropy(hidden, weight.T, labels)  # a (d, V) weight
+    message = _short(error)
+    assert message.startswith("linear_cross_entropy: `weight` has shape (16, 32);")
+    assert "expected (V, d) = (V, 16)" in message and "pass `weight.T`" in message
+    with pytest.raises(ValueError) as error:
+        ed.linear_cross_entropy(hidden, weight, labels, bias=bias[:7])
+    assert "`bias` has shape (7,); expected (V,) = (32,)" in _short(error)
+    with pytest.raises(TypeError) as error:
+        ed.cross_entropy(hidden @ weight.T, labels.astype(jnp.float32))
+    message = _short(error)
+    assert message.startswith("cross_entropy: `labels` has dtype float32")
+    assert "expected integer class ids of shape (3, 5)" in message
+    assert "labels.astype(jnp.int32)" in message
+    with pytest.raises(TypeError) as error:
+        ed.linear_cross_entropy(hidden, weight, labels.astype(jnp.float32))
+    assert _short(error).startswith("linear_cross_entropy: `labels` has dtype float32")
+    with pytest.raises(ValueError) as error:
+        ed.cross_entropy(hidden @ weight.T, labels, weights=weights[:, :2])
+    assert "`weights` has shape (3, 2); expected (3, 5), the rows of `logits`" in (
+        _short(error)
+    )
+    with pytest.raises(ValueError) as error:
+        ed.linear_cross_entropy(hidden, weight, labels.reshape(-1))
+    assert "`labels` has shape (15,); expected (3, 5), the rows of `hidden`" in (
+        _short(error)
+    )

@@ -168,6 +168,56 @@ def test_keys_of_another_length_with_a_pair_of_segment_ids():
     _assert_close(got, want)
 
 
+LENGTHS = [(t, s, v) for t, s in ((16, 32), (32, 16)) for v in ("device", "global")]
+
+
+@pytest.mark.parametrize(
+    ("t", "s", "view"), LENGTHS, ids=[f"T{t}-S{s}-{v}" for t, s, v in LENGTHS]
+)
+def test_causal_attention_of_queries_and_keys_of_different_lengths(t, s, view):
+    """JAX's `is_causal` where T != S (`jnp.tril` of (T, S): query t attends keys
+    s <= t), on {data 2, context 4}: queries and keys each in the balanced order
+    of their own sequence, the mask from their positions in them."""
+    rng = np.random.default_rng(t)
+    q = jnp.asarray(rng.normal(size=(B, t, H, D)), jnp.float32)
+    k, v = jnp.asarray(rng.normal(size=(2, B, s, KV, D)), jnp.float32)
+    unused = jnp.zeros((B, t), jnp.int32)  # segment ids the helpers pass round
+    want = _value_and_grads(lambda *a: _reference(*a[:3], None, True), q, k, v, unused)
+    mesh = ed.create_device_mesh({"data": 2, "context": 4})
+    if view == "device":
+        attend = _device_view(mesh, True, False, data=True)
+        got = _value_and_grads(attend, q, k, v, unused)
+    else:
+        with jax.set_mesh(mesh):
+            got = _value_and_grads(_global_view(True, False), q, k, v, unused)
+    _assert_close(got, want)
+
+
+def test_causal_attention_of_different_lengths_with_a_pair_of_segment_ids():
+    q, k, v, seg = _inputs(4, length=64)
+    kv_seg = jnp.asarray(
+        np.sort(np.random.default_rng(5).integers(0, 4, (B, 64))), jnp.int32
+    )
+    kv_seg = kv_seg.at[:, :4].set(jnp.arange(4))  # every segment has early keys
+    mask = seg[:, None, :, None] == kv_seg[:, None, None, :]
+    want = _value_and_grads(
+        lambda q, k, v, s: jax.nn.dot_product_attention(
+            q, k, v, mask=mask, is_causal=True
+        ),
+        q, k, v, seg,
+    )  # fmt: skip
+
+    def attend(q, k, v, s):
+        one = lambda q, k, v, a, b: ed.attention(  # noqa: E731
+            q, k, v, segment_ids=(a, b), causal=True, context_axis="context"
+        )
+        return jax.vmap(one)(q, k, v, s, kv_seg)
+
+    with jax.set_mesh(ed.create_device_mesh({"context": 4})):
+        got = _value_and_grads(attend, q, k, v, seg)
+    _assert_close(got, want)
+
+
 @pytest.mark.parametrize("cp", [2, 4, 8])
 def test_every_device_does_the_same_causal_work(cp):
     """The positions `context_positions` gives are the balanced order's, and each
@@ -230,9 +280,7 @@ def test_the_device_view_needs_balanced_chunks_and_a_bound_axis():
     def odd(q):
         return ed.attention(q, q, q, causal=True, context_axis="context")
 
-    with pytest.raises(
-        ValueError, match=r"one even length .* got 3 queries and 3 keys"
-    ):
+    with pytest.raises(ValueError, match=r"even lengths .* got 3 queries and 3 keys"):
         jax.shard_map(odd, mesh=mesh, in_specs=P("context"), out_specs=P("context"))(q)
     with (
         jax.set_mesh(mesh),
