@@ -17,6 +17,7 @@ from jaxtyping import Array
 
 from .._layout.layout import Layout
 from .._mesh import retyped
+from .._metrics.tree import check_summed
 from .accumulate import CheckedLoss
 from .gradients import (
     DeviceGradients,
@@ -58,11 +59,13 @@ class TrainMath(eqx.Module):
         key = jax.random.fold_in(state.key, state.step)
         if options.view == "global":
             # No mesh axis is bound where the loss runs (`CheckedLoss` says so).
-            loss = CheckedLoss(self.loss_fn, inputs.with_state)
+            loss = CheckedLoss(self.loss_fn, inputs.with_state, counted=True)
             counts = plan.mean_counts(layout.mesh, ())
             grads = GlobalGradients(loss, inputs, options).compute(key)
         else:
-            loss = CheckedLoss(self.loss_fn, inputs.with_state, layout.reduce_axes)
+            loss = CheckedLoss(
+                self.loss_fn, inputs.with_state, layout.reduce_axes, counted=True
+            )
             # The gradients leave the map as sums; the update divides them (see
             # `ModelPlan.sum_gradients`).
             counts = plan.mean_counts(layout.mesh, layout.reduce_axes)
@@ -75,6 +78,9 @@ class TrainMath(eqx.Module):
                 wants_loss=wants_value or options.skip_nonfinite,
                 model=unplaced_shapes(state.model),
             ).compute(key)
+        # Per-row metrics added up are refused; the `Summed` counts leave the
+        # step (static) for `TrainStep` to warn of plain arrays summed.
+        check_summed(grads.metrics, "loss_fn")
         _, update_kinds = statistics_kinds(options)
         update = Update(
             self.optimizer,
