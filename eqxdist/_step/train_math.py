@@ -57,18 +57,16 @@ class TrainMath(eqx.Module):
         wants_value = reads_value(self.optimizer, trained, opt_state)
         plan = inputs.plan
         key = jax.random.fold_in(state.key, state.step)
+        # No mesh axis is bound where a global view's loss runs (`CheckedLoss`
+        # says so); its metrics' arrays are counted (`check_summed` below).
+        axes = () if options.view == "global" else layout.reduce_axes
+        loss = CheckedLoss(self.loss_fn, inputs.with_state, axes, counted=True)
+        # The device view's gradients leave the map as sums; the update divides
+        # them (see `ModelPlan.sum_gradients`).
+        counts = plan.mean_counts(layout.mesh, axes)
         if options.view == "global":
-            # No mesh axis is bound where the loss runs (`CheckedLoss` says so).
-            loss = CheckedLoss(self.loss_fn, inputs.with_state, counted=True)
-            counts = plan.mean_counts(layout.mesh, ())
             grads = GlobalGradients(loss, inputs, options).compute(key)
         else:
-            loss = CheckedLoss(
-                self.loss_fn, inputs.with_state, layout.reduce_axes, counted=True
-            )
-            # The gradients leave the map as sums; the update divides them (see
-            # `ModelPlan.sum_gradients`).
-            counts = plan.mean_counts(layout.mesh, layout.reduce_axes)
             grads = DeviceGradients(
                 loss,
                 inputs,
@@ -78,8 +76,7 @@ class TrainMath(eqx.Module):
                 wants_loss=wants_value or options.skip_nonfinite,
                 model=unplaced_shapes(state.model),
             ).compute(key)
-        # Per-row metrics added up are refused; the `Summed` counts leave the
-        # step (static) for `TrainStep` to warn of plain arrays summed.
+        # The `Summed` counts leave the step (static) for `TrainStep`'s warning.
         check_summed(grads.metrics, "loss_fn")
         _, update_kinds = statistics_kinds(options)
         update = Update(
