@@ -487,11 +487,11 @@ def make_train_step(
 
     A `TrainStep`: call it as `step(state, batch) -> (state, metrics)` (a
     `StepOutput`, the pair whatever the options, its `.info` the statistics of
-    `step_info`); build a state straight into its
-    layout with `step.init_state(init_fn, *args)`. The metrics come back already
-    reduced across devices (arrays and `(sum, count)` parts summed, `Metric`s
-    `reduce`d). It also has `state_specs(state)`, `place_state(state)` and
-    `lower(state, batch)` (for inspecting the compiled step).
+    `step_info`); build a state straight into its layout with
+    `step.init_state(init_fn, *args)`. The metrics come back reduced across
+    devices: `(sum, count)` parts summed, `Metric`s `reduce`d, a 0-d plain array
+    summed with a `UserWarning`, a per-row one a `ValueError`. It also has
+    `state_specs(state)`, `place_state(state)` and `lower(state, batch)`.
 
     **Raises:**
 
