@@ -1,11 +1,13 @@
 """Small helpers shared by every module: type checking, pytree walking, axis checks."""
 
+import difflib
+import functools
 import inspect
 import re
 import weakref
 from collections.abc import Callable
 from types import TracebackType
-from typing import Any, TypeAlias, TypeVar
+from typing import Any, TypeAlias, TypeVar, cast
 
 import equinox as eqx
 import jax
@@ -101,14 +103,74 @@ def check_axis_bound(
     return names
 
 
+def not_in_mesh(axis: Any, mesh: Mesh) -> str:
+    """The one way an error says that `axis` is not an axis of `mesh`: the
+    mesh's axes, and the close name the user may have meant."""
+    names = tuple(mesh.axis_names)
+    close = difflib.get_close_matches(str(axis), [str(n) for n in names], n=1)
+    hint = f"; did you mean {close[0]!r}?" if close else "."
+    return f"{axis!r} is not an axis of the mesh; the mesh's axes are {names}{hint}"
+
+
 def check_axis_in_mesh(mesh: Mesh, axis: str, caller: str, argument: str) -> None:
-    """Raise a `ValueError` naming `argument` and the mesh's axes if `axis` is not an
-    axis of `mesh`."""
+    """Raise a `ValueError` naming `argument`, the mesh's axes and a close name
+    if `axis` is not an axis of `mesh`."""
     if axis not in mesh.axis_names:
-        raise ValueError(
-            f"{caller}: `{argument}`={axis!r} is not an axis of the mesh; the mesh's "
-            f"axes are {tuple(mesh.axis_names)}."
+        raise ValueError(f"{caller}: `{argument}`={not_in_mesh(axis, mesh)}")
+
+
+def check_mesh(mesh: Any, caller: str, argument: str = "mesh") -> None:
+    """A `TypeError` naming the value when `mesh` is not a `jax.sharding.Mesh`,
+    with the mesh to build instead."""
+    if not isinstance(mesh, Mesh):
+        axis = mesh if isinstance(mesh, str) and mesh else "data"
+        raise TypeError(
+            f"{caller}: `{argument}` must be a jax.sharding.Mesh; got "
+            f"{type(mesh).__name__} {mesh!r}. Build one, e.g. "
+            f"`ed.create_device_mesh({{{axis!r}: {jax.device_count()}}})` (all "
+            "devices on one axis) or `jax.make_mesh(...)`, and name its batch axis "
+            "with `data_axis`."
         )
+
+
+def check_function(form: str) -> Callable[[Any, str, str], None]:
+    """A check for `checked_first`: a `TypeError` naming the argument and the
+    value when it is not callable; `form` says how it is called."""
+
+    def check(fn: Any, caller: str, argument: str) -> None:
+        if not callable(fn):
+            raise TypeError(
+                f"{caller}: `{argument}` must be a function `{form}`; got "
+                f"{type(fn).__name__} {fn!r}."
+            )
+
+    return check
+
+
+def checked_first(**checks: Callable[[Any, str, str], None]) -> Callable[[_F], _F]:
+    """Decorate a public function so that `checks[name](value, caller, name)`
+    runs on each named argument first, before the annotation check of
+    `typecheck` (or of the test run's jaxtyping hook): the commonest mistakes
+    (a string for a mesh) get a message with the fix, not beartype's report."""
+
+    def decorate(fn: _F) -> _F:
+        signature = inspect.signature(fn)
+        caller = fn.__qualname__.removesuffix(".__init__")
+
+        @functools.wraps(fn)
+        def checked(*args: Any, **kwargs: Any) -> Any:
+            try:
+                given = signature.bind(*args, **kwargs).arguments
+            except TypeError:  # Python's own error, from the call below
+                given = {}
+            for name, check in checks.items():
+                if name in given:
+                    check(given[name], caller, name)
+            return fn(*args, **kwargs)
+
+        return cast(_F, checked)
+
+    return decorate
 
 
 def check_min_weight_size(min_weight_size: Any, caller: str) -> None:

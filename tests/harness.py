@@ -213,7 +213,7 @@ def token_weighted_loss(model: Any, batch: dict, key: Any) -> tuple:
     del key
     mask = batch["mask"]
     loss_sum = jnp.sum(jnp.where(mask, token_losses(model, batch), 0.0))
-    return (loss_sum, mask.sum()), {"tokens": mask.sum()}
+    return (loss_sum, mask.sum()), {"tokens": ed.metrics.Sum().update(mask)}
 
 
 def token_mean_loss(model: Any, batch: dict, key: Any) -> tuple:

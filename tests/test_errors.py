@@ -13,6 +13,7 @@ import os
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 from jax.sharding import PartitionSpec as P
 
@@ -21,6 +22,13 @@ import eqxdist as ed
 STRINGS = np.array(["cat", "dog"])
 OBJECTS = np.array([None, 1], dtype=object)
 KEYS = jax.random.split(jax.random.key(0), 8)
+
+
+SGD = optax.sgd(0.1)
+
+
+def no_loss(model, batch, key):
+    return jnp.zeros(()), {}
 
 
 def mesh():
@@ -89,6 +97,67 @@ CASES = [
         lambda t: ed.get_mesh_info("mesh"),
         TypeError,
         r"(?s)parameter 'mesh'.*'mesh'.*Mesh",
+    ),
+    # -- the steps' and the loader's first arguments (v0.3's checks, kept)
+    (
+        "a number for loss_fn",
+        lambda t: ed.make_train_step(1, SGD, mesh()),
+        TypeError,
+        r"make_train_step: `loss_fn` must be a function `loss_fn\(model, batch, "
+        r"key\) -> \(loss, metrics\)`; got int 1\.",
+    ),
+    (
+        "an axis name for the train step's mesh",
+        lambda t: ed.make_train_step(no_loss, SGD, "data"),
+        TypeError,
+        r"make_train_step: `mesh` must be a jax.sharding.Mesh; got str 'data'\. "
+        r"Build one, e.g. `ed.create_device_mesh\(\{'data': 8\}\)`",
+    ),
+    (
+        "a number for an optimizer",
+        lambda t: ed.make_train_step(no_loss, 1, mesh()),
+        TypeError,
+        r"make_train_step: `optimizer` must be an Optax gradient transformation.*"
+        r"optax.adamw\(1e-3\).*got int 1\.",
+    ),
+    (
+        "a dict of optimizers without a part",
+        lambda t: ed.make_train_step(no_loss, {"g": SGD}, mesh()),
+        TypeError,
+        r"make_train_step: `optimizer` is a dict of parts \(\['g'\]\).*part='g'",
+    ),
+    (
+        "a number for eval_fn",
+        lambda t: ed.make_eval_step(1, mesh()),
+        TypeError,
+        r"make_eval_step: `eval_fn` must be a function `eval_fn\(model, batch, "
+        r"mask\) -> metrics`; got int 1\.",
+    ),
+    (
+        "an axis name for the eval step's mesh",
+        lambda t: ed.make_eval_step(no_loss, "data"),
+        TypeError,
+        r"make_eval_step: `mesh` must be a jax.sharding.Mesh; got str 'data'\.",
+    ),
+    (
+        "a mesh given by keyword as None",
+        lambda t: ed.make_eval_step(no_loss, mesh=None),
+        TypeError,
+        r"make_eval_step: `mesh` must be a jax.sharding.Mesh; got NoneType None",
+    ),
+    (
+        "an axis name for the loader's mesh",
+        lambda t: ed.BatchLoader({"x": np.zeros((8, 2))}, 8, "rows"),
+        TypeError,
+        r"BatchLoader: `mesh` must be a jax.sharding.Mesh; got str 'rows'\. Build "
+        r"one, e.g. `ed.create_device_mesh\(\{'rows': 8\}\)`",
+    ),
+    (
+        "a typo of the data axis",
+        lambda t: ed.make_train_step(no_loss, SGD, mesh(), data_axis="dta"),
+        ValueError,
+        r"make_train_step: `data_axis`='dta' is not an axis of the mesh; the mesh's "
+        r"axes are \('data',\); did you mean 'data'\?",
     ),
     # -- placement
     (

@@ -18,6 +18,8 @@ from .._utils import (
     Closing,
     axis_names,
     check_axis_in_mesh,
+    check_mesh,
+    checked_first,
     plural,
     typecheck,
 )
@@ -134,6 +136,7 @@ class BatchLoader(Closing):
         ```
     """
 
+    @checked_first(mesh=check_mesh)
     @typecheck
     def __init__(
         self,

@@ -21,6 +21,7 @@ from .._data_parallel import place
 from .._utils import (
     check_axis_bound,
     check_axis_in_mesh,
+    check_mesh,
     check_min_weight_size,
     is_array,
     path_str,
@@ -386,15 +387,6 @@ def _typed_gathered(module: Any, axis_name: str) -> Any:
         return jax.sharding.reshard(x, NamedSharding(sharding.mesh, spec))
 
     return jax.tree.map(gather, module)
-
-
-def check_mesh(mesh: Any, caller: str) -> None:
-    """A `TypeError` naming the value when `mesh` is not a `jax.sharding.Mesh`."""
-    if not isinstance(mesh, Mesh):
-        raise TypeError(
-            f"{caller}: `mesh` must be a jax.sharding.Mesh (e.g. from "
-            f"ed.create_data_parallel_mesh()); got {type(mesh).__name__} {mesh!r}."
-        )
 
 
 class FSDP(SelfGathering):

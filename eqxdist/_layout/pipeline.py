@@ -21,6 +21,7 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, PartitionSpec as P
 
+from .._utils import not_in_mesh
 from .stacked import Stacked
 
 SCHEDULES = ("gpipe", "circular", "1f1b")
@@ -130,11 +131,14 @@ class Pipeline(eqx.Module):
     def check_mesh(self, mesh: Mesh, data_axes: tuple[str, ...], caller: str) -> None:
         """A `ValueError` for a stage axis not in `mesh`, or among the data axes."""
         if self.axis not in mesh.axis_names:
-            raise ValueError(
-                f"{caller}: the pipeline's axis {self.axis!r} is not an axis of the "
-                f"mesh {dict(mesh.shape)}; build the mesh with a stage axis, e.g. "
-                f"ed.create_device_mesh({{{self.axis!r}: 2, 'data': 4}})."
-            )
+            message = f"{caller}: the pipeline's axis {not_in_mesh(self.axis, mesh)}"
+            if message.endswith("."):  # no axis of a close name
+                message += (
+                    " Name the mesh's stage axis in ed.Pipeline(axis, ...), or build "
+                    f"the mesh with one, e.g. ed.create_device_mesh({{{self.axis!r}: "
+                    "2, 'data': 4})."
+                )
+            raise ValueError(message)
         if self.axis in data_axes:
             raise ValueError(
                 f"{caller}: the pipeline's axis {self.axis!r} is also a data axis "

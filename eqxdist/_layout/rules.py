@@ -20,7 +20,13 @@ import jax
 from jax.sharding import Mesh, PartitionSpec as P
 from jaxtyping import PyTree
 
-from .._utils import check_min_weight_size, is_array_like, plural, typecheck
+from .._utils import (
+    check_min_weight_size,
+    is_array_like,
+    not_in_mesh,
+    plural,
+    typecheck,
+)
 
 LAYOUTS = ("largest", "leading")
 DEFAULT_LAYOUT = "leading"
@@ -242,8 +248,7 @@ class ParamRules:
                 if axis not in mesh.axis_names:
                     raise ValueError(
                         f"{caller}: param_rules pattern {pattern!r}: spec {spec} "
-                        f"names axis {axis!r}, which is not an axis of the mesh "
-                        f"{tuple(mesh.axis_names)}."
+                        f"names an axis the mesh lacks: {not_in_mesh(axis, mesh)}"
                     )
                 if axis in data_axes:
                     raise ValueError(

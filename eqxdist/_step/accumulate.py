@@ -9,14 +9,18 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import PRNGKeyArray, PyTree
 
-from .._metrics.tree import check_metrics, merge_metrics
+from .._metrics.tree import check_metrics, merge_metrics, with_counts
 from .._utils import (
+    batch_rows,
     call_with_axes,
     check_callable_takes,
+    check_function,
     check_rows,
     is_array,
     typecheck,
 )
+
+check_loss_fn = check_function("loss_fn(model, batch, key) -> (loss, metrics)")
 
 
 def check_num_minibatches(num_minibatches: int, caller: str) -> None:
@@ -33,17 +37,20 @@ class CheckedLoss:
 
     A scalar loss is its own sum with weight 1; a `(loss_sum, weight)` pair is
     taken as it is. `weighted` says which one `loss_fn` returned (known once it
-    has been traced)."""
+    has been traced). `counted`: its metrics' arrays come as `Summed` (the train
+    step's, to say what it summed)."""
 
     def __init__(
         self,
         loss_fn: Callable[..., Any],
         with_state: bool,
         axes: tuple[str, ...] = (),
+        counted: bool = False,
     ) -> None:
         self.loss_fn = loss_fn
         self.with_state = with_state
         self.axes = axes  # the mesh axes bound where it runs, for errors
+        self.counted = counted
         self.weighted: bool | None = None
 
     def __call__(self, model: Any, model_state: Any, batch: Any, key: Any) -> Any:
@@ -74,6 +81,8 @@ class CheckedLoss:
         self.weighted = isinstance(loss, tuple)
         loss_sum, weight = _loss_and_weight(loss)
         check_metrics(metrics, "loss_fn")
+        if self.counted:
+            metrics = with_counts(metrics, batch_rows(batch, "loss_fn"))
         new_state = _same_state(out[2], model_state) if with_state else None
         return loss_sum, (weight, metrics, new_state)
 

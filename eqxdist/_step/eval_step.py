@@ -17,7 +17,13 @@ from .._layout.layout import Layout, balanced, check_lengths
 from .._layout.options import LayoutOptions
 from .._layout.pipeline import Pipeline, with_data_axis
 from .._mesh import retyped
-from .._metrics.tree import check_metrics, is_metric, reduce_metrics
+from .._metrics.tree import (
+    check_metrics,
+    is_metric,
+    is_per_row,
+    per_row_error,
+    reduce_metrics,
+)
 from .._utils import (
     AxisName,
     batch_rows,
@@ -26,6 +32,9 @@ from .._utils import (
     check_array_leaves,
     check_callable_takes,
     check_compute_dtype,
+    check_function,
+    check_mesh,
+    checked_first,
     flatten_up_to,
     is_array,
     path_str,
@@ -154,16 +163,18 @@ def _check_no_rows(metrics: Any, rows: int) -> None:
     rows, and in either view it would hold the padding rows."""
     leaves = jax.tree_util.tree_flatten_with_path(metrics, is_leaf=is_metric)[0]
     for path, leaf in leaves:
-        if is_array(leaf) and jnp.ndim(leaf) and jnp.shape(leaf)[0] == rows:
-            raise ValueError(
-                f"eval_fn: metrics leaf {path_str(path)} has shape "
-                f"{jnp.shape(leaf)}, one entry per row of the {rows} it was given "
-                "(padding included); metrics are added up over the devices, which "
-                "would sum different rows. For per-row outputs (predictions, "
-                "per-example losses) use "
-                "make_eval_step(..., per_row=True) and return `(metrics, rows)`; "
-                "for a metric, reduce it (a `(sum, count)` pair, `ed.metrics.Mean`)."
+        if is_array(leaf) and is_per_row(jnp.shape(leaf), rows):
+            raise per_row_error(
+                "eval_fn",
+                path_str(path),
+                jnp.shape(leaf),
+                rows,
+                "they include the padding rows, and metrics are added up over the "
+                "devices",
             )
+
+
+check_eval_fn = check_function("eval_fn(model, batch, mask) -> metrics")
 
 
 def padded_rows(rows: int, shards: int) -> int:
@@ -280,6 +291,7 @@ class EvalStep:
         return metrics, jax.tree.map(lambda x: np.asarray(x)[real], rows)
 
 
+@checked_first(eval_fn=check_eval_fn, mesh=check_mesh)
 @typecheck
 def make_eval_step(
     eval_fn: Callable[..., Any],

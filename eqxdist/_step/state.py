@@ -201,7 +201,7 @@ def as_optimizer(optimizer: Any, caller: str) -> optax.GradientTransformation:
             f"{caller}: `optimizer` must be an Optax gradient transformation (an "
             "object with `init(params)` and `update(updates, state, params)`, e.g. "
             f"optax.adamw(1e-3) or optax.MultiSteps(...)); got "
-            f"{type(optimizer).__name__}."
+            f"{type(optimizer).__name__} {optimizer!r}."
         )
     return optax.GradientTransformationExtraArgs(optimizer.init, optimizer.update)
 

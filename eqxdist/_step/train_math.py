@@ -17,6 +17,7 @@ from jaxtyping import Array
 
 from .._layout.layout import Layout
 from .._mesh import retyped
+from .._metrics.tree import check_summed
 from .accumulate import CheckedLoss
 from .gradients import (
     DeviceGradients,
@@ -56,16 +57,16 @@ class TrainMath(eqx.Module):
         wants_value = reads_value(self.optimizer, trained, opt_state)
         plan = inputs.plan
         key = jax.random.fold_in(state.key, state.step)
+        # No mesh axis is bound where a global view's loss runs (`CheckedLoss`
+        # says so); its metrics' arrays are counted (`check_summed` below).
+        axes = () if options.view == "global" else layout.reduce_axes
+        loss = CheckedLoss(self.loss_fn, inputs.with_state, axes, counted=True)
+        # The device view's gradients leave the map as sums; the update divides
+        # them (see `ModelPlan.sum_gradients`).
+        counts = plan.mean_counts(layout.mesh, axes)
         if options.view == "global":
-            # No mesh axis is bound where the loss runs (`CheckedLoss` says so).
-            loss = CheckedLoss(self.loss_fn, inputs.with_state)
-            counts = plan.mean_counts(layout.mesh, ())
             grads = GlobalGradients(loss, inputs, options).compute(key)
         else:
-            loss = CheckedLoss(self.loss_fn, inputs.with_state, layout.reduce_axes)
-            # The gradients leave the map as sums; the update divides them (see
-            # `ModelPlan.sum_gradients`).
-            counts = plan.mean_counts(layout.mesh, layout.reduce_axes)
             grads = DeviceGradients(
                 loss,
                 inputs,
@@ -75,6 +76,8 @@ class TrainMath(eqx.Module):
                 wants_loss=wants_value or options.skip_nonfinite,
                 model=unplaced_shapes(state.model),
             ).compute(key)
+        # The `Summed` counts leave the step (static) for `TrainStep`'s warning.
+        check_summed(grads.metrics, "loss_fn")
         _, update_kinds = statistics_kinds(options)
         update = Update(
             self.optimizer,

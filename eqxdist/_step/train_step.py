@@ -17,14 +17,18 @@ from .._layout.layout import Layout, describe_state
 from .._layout.options import LayoutOptions
 from .._layout.pipeline import Pipeline, with_data_axis
 from .._layout.remat import UNSET
+from .._metrics.tree import without_counts
 from .._utils import (
     AxisName,
     batch_rows,
     check_array_leaves,
+    check_mesh,
     check_not_consumed,
+    checked_first,
     state_like,
     typecheck,
 )
+from .accumulate import check_loss_fn
 from .compiled import CompiledStep, Placement
 from .options import StepOptions
 from .sharded_init import ShardedInit, peak_bytes, sharded_init
@@ -251,7 +255,7 @@ class TrainStep:
         """One training step; see `make_train_step`."""
         check_train_state(state, "train step")
         new_state, (metrics, info) = self._cache(state, batch)
-        return StepOutput(new_state, metrics, info)
+        return StepOutput(new_state, without_counts(metrics, "train step"), info)
 
 
 @typecheck
@@ -269,6 +273,7 @@ def check_parts(state: TrainState, optimizers: dict[Any, Any]) -> None:
         )
 
 
+@checked_first(loss_fn=check_loss_fn, mesh=check_mesh)
 def make_train_step(
     loss_fn: Callable[..., Any],
     optimizer: Any,
@@ -482,11 +487,11 @@ def make_train_step(
 
     A `TrainStep`: call it as `step(state, batch) -> (state, metrics)` (a
     `StepOutput`, the pair whatever the options, its `.info` the statistics of
-    `step_info`); build a state straight into its
-    layout with `step.init_state(init_fn, *args)`. The metrics come back already
-    reduced across devices (arrays and `(sum, count)` parts summed, `Metric`s
-    `reduce`d). It also has `state_specs(state)`, `place_state(state)` and
-    `lower(state, batch)` (for inspecting the compiled step).
+    `step_info`); build a state straight into its layout with
+    `step.init_state(init_fn, *args)`. The metrics come back reduced across
+    devices: `(sum, count)` parts summed, `Metric`s `reduce`d, a 0-d plain array
+    summed with a `UserWarning`, a per-row one a `ValueError`. It also has
+    `state_specs(state)`, `place_state(state)` and `lower(state, batch)`.
 
     **Raises:**
 

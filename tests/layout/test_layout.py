@@ -500,3 +500,34 @@ def test_zero1_with_frozen_leaves(mesh8):
     want = train_one_device(model, batches, OPTIMIZER, loss_fn, trainable).model
     assert max_diff(state.model, want) < 1e-5
     assert max_diff(state.model.layers[1], model.layers[1]) == 0.0
+
+
+def test_an_axis_not_in_the_mesh_suggests_the_close_name():
+    """Every "axis not in the mesh" error goes through one helper: the mesh's
+    axes, and the axis meant when the name is a typo of one; never advice to
+    rename the mesh to the typo."""
+    mesh = ed.create_device_mesh({"stage": 2, "data": 4})
+
+    def make(**kw):
+        return ed.make_train_step(loss_fn, OPTIMIZER, mesh, **kw)
+
+    with pytest.raises(ValueError) as info:
+        make(pipeline=ed.Pipeline("stages", microbatches=2))
+    message = str(info.value)
+    assert message.startswith("make_train_step: the pipeline's axis 'stages'")
+    assert "('stage', 'data')" in message and "did you mean 'stage'?" in message
+    assert "{'stages'" not in message  # no mesh built around the typo
+    # No close name: the mesh's axes, and both ways out.
+    with pytest.raises(ValueError, match=r"'pipe' is not an axis.*Pipeline\(axis"):
+        make(pipeline=ed.Pipeline("pipe", microbatches=2))
+    for kw, name in [
+        ({"data_axis": "dat"}, "`data_axis`='dat'"),
+        ({"context_axis": "stag"}, "`context_axis`='stag'"),
+        ({"param_rules": [("up", P("stge"))]}, "'stge'"),
+    ]:
+        with pytest.raises(ValueError) as info:
+            make(**kw)
+        assert name in str(info.value), str(info.value)
+        assert re.search(r"did you mean '(data|stage)'\?", str(info.value))
+    with pytest.raises(ValueError, match=r"`data_axis`='rows'.*\('stage', 'data'\)\."):
+        ed.BatchLoader({"x": np.zeros((8, 2))}, 8, mesh, data_axis="rows")

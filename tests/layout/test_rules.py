@@ -90,7 +90,11 @@ def test_param_rules_match_first_rule_and_report_unused(tp_mesh):
         ([("w",)], TypeError, r"param_rules\[0\] is \('w',\); expected a pair"),
         ([(1, P())], TypeError, r"expected \(a regular expression string"),
         ([("(", P())], ValueError, "not a valid regular expression"),
-        ([("w", P("tensor"))], ValueError, "names axis 'tensor', which is not an axis"),
+        (
+            [("w", P("tensor"))],
+            ValueError,
+            "names an axis the mesh lacks: 'tensor' is not an axis",
+        ),
         ([("w", P("data"))], ValueError, "names the data axis 'data'"),
     ],
 )

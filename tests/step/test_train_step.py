@@ -2,6 +2,8 @@
 caller mistakes), checked against a plain single-device training loop
 (`reference.py`)."""
 
+import warnings
+
 import equinox as eqx
 import jax
 import jax.numpy as jnp
@@ -456,3 +458,101 @@ def test_weakly_typed_parameters_compile_the_step_once(mesh8, rng):
             state, _ = step(state, _batch(rng, 16))
         assert len(traces) == 1, name
         assert not jax.typeof(state.model.act.negative_slope).weak_type
+
+
+def _squares(model, batch):
+    """Each row's squared error (one device, plain JAX)."""
+    return jnp.sum((jax.vmap(model)(batch["x"]) - batch["y"][:, None]) ** 2, -1)
+
+
+def _metric_step(mesh, metrics_of, view, n):
+    """A step of `_model()` on 32 rows whose metrics are `metrics_of(losses)`."""
+
+    def loss(model, batch, key):
+        losses = _squares(model, batch)
+        return losses.mean(), metrics_of(losses)
+
+    return ed.make_train_step(loss, optax.sgd(0.1), mesh, view=view, num_minibatches=n)
+
+
+@pytest.mark.parametrize("view", ["device", "global"])
+def test_plain_metrics_per_row_refused_and_0d_summed_with_a_warning(mesh8, rng, view):
+    """v0.5: a per-row plain metrics leaf is a `ValueError` naming it and the fix;
+    a 0-d one keeps v0.1's sum over devices and minibatches, with one
+    `UserWarning` per step naming it and the number of values summed."""
+    batch = {**_batch(rng), "y": rng.integers(0, 4, 32).astype(np.float32)}
+    model = _model()
+    state = ed.TrainState.create(model, optax.sgd(0.1), jax.random.key(0))
+    # One loss_fn call per device and minibatch (device view), per minibatch
+    # (global view): each sees 32 / calls rows.
+    calls = 16 if view == "device" else 2
+    step = _metric_step(mesh8, lambda losses: {"rows": losses}, view, 2)
+    with pytest.raises(ValueError) as info:
+        step(state, batch)
+    message = str(info.value)
+    assert f"loss_fn: metrics leaf ['rows'] has shape ({32 // calls},)" in message
+    assert f"one entry per row of the {32 // calls} rows" in message
+    assert f"over {calls} values" in message
+    assert "ed.metrics.Mean().update(values)" in message and "per_row=True" in message
+
+    step = _metric_step(mesh8, lambda losses: {"loss": losses.mean()}, view, 2)
+    for _ in range(2):  # one warning per step, not per compilation
+        with pytest.warns(UserWarning) as caught:
+            state, metrics = step(state, batch)
+        assert len(caught) == 1
+        warned = str(caught[0].message)
+        assert f"leaf ['loss'] is a plain 0-d array, the sum of {calls} values" in (
+            warned
+        )
+        assert "ed.metrics.Mean()" in warned and "(losses.sum()" in warned
+    assert metrics["loss"].shape == ()
+
+
+@pytest.mark.parametrize("view", ["device", "global"])
+def test_0d_plain_metric_equals_the_single_device_sum(mesh8, rng, view):
+    batch = {**_batch(rng), "y": rng.integers(0, 4, 32).astype(np.float32)}
+    model = _model()
+    state = ed.TrainState.create(model, optax.sgd(0.1), jax.random.key(0))
+    calls = 16 if view == "device" else 2
+    step = _metric_step(mesh8, lambda losses: {"loss": losses.mean()}, view, 2)
+    with pytest.warns(UserWarning, match=rf"\['loss'\].*the sum of {calls} values"):
+        _, metrics = step(state, batch)
+    # Every call's mean of 32 / calls rows, summed: the rows' sum / (32 / calls).
+    expected = np.sum(_squares(model, batch)) / (32 // calls)
+    np.testing.assert_allclose(metrics["loss"], expected, rtol=1e-5)
+
+
+@pytest.mark.parametrize("view", ["device", "global"])
+def test_pairs_and_metrics_stay_silent(mesh8, rng, view):
+    """`(sum, int)` pairs, `(sum, count)` arrays and `Metric`s are meant to add
+    up: no warning; and where nothing is summed (the global view, one
+    minibatch) a plain array comes back as it is, per-row ones too."""
+    batch = {**_batch(rng), "y": rng.integers(0, 4, 32).astype(np.float32)}
+    model = _model()
+    losses = _squares(model, batch)
+    state = ed.TrainState.create(model, optax.sgd(0.1), jax.random.key(0))
+
+    def metrics_of(losses):
+        return {
+            "pair": (losses.sum(), losses.shape[0]),
+            "arrays": (losses.sum(), jnp.asarray(losses.shape[0])),
+            "mean": ed.metrics.Mean().update(losses),
+            "per_class": jnp.zeros(3).at[0].set(losses.sum()),  # not per row
+        }
+
+    step = _metric_step(mesh8, metrics_of, view, 2)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        _, metrics = step(state, batch)
+    total = np.sum(losses)
+    np.testing.assert_allclose(metrics["pair"][0], total, rtol=1e-5)
+    assert metrics["pair"][1] == 32 and int(metrics["arrays"][1]) == 32
+    np.testing.assert_allclose(metrics["mean"].compute(), total / 32, rtol=1e-5)
+    np.testing.assert_allclose(metrics["per_class"][0], total, rtol=1e-5)
+    if view == "global":
+        step = _metric_step(mesh8, lambda ls: {"rows": ls, "loss": ls.mean()}, view, 1)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            _, metrics = step(state, batch)
+        np.testing.assert_allclose(metrics["rows"], losses, rtol=1e-5)
+        np.testing.assert_allclose(metrics["loss"], np.mean(losses), rtol=1e-5)
