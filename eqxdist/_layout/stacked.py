@@ -60,7 +60,8 @@ class Stacked(SelfGathering):
     again). Parameters, results and sharding are the same, on every path
     above and in a pipeline's stages. On GPUs XLA's loop costs a 350M
     transformer about a quarter of its speed (docs/benchmarks.md);
-    `make_train_step(..., unroll=...)` sets it for every `Stacked` of the model.
+    `make_train_step(..., unroll=...)` sets it for every `Stacked` of the model
+    (`make_eval_step`, which has no `remat` either, runs each as built).
 
     Each block maps an array (or pytree of arrays) to one of the same shape and
     dtype: `x -> block(x)`, or `block(x, key=...)` when the stack is called with a

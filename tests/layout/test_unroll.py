@@ -117,6 +117,16 @@ CASES = {
         {},
         "stacked",
     ),
+    # A chunk of the stage's layers chosen per time slot, in the global view.
+    "circular_global": (
+        {"stage": 2, "data": 4},
+        {
+            "pipeline": ed.Pipeline("stage", 2, schedule="circular", repeats=2),
+            "view": "global",
+        },
+        {},
+        "stacked",
+    ),
     "1f1b": (
         {"stage": 2, "data": 4},
         {"pipeline": ed.Pipeline("stage", 2, schedule="1f1b")},
