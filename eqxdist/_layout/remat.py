@@ -114,11 +114,9 @@ def check_unroll(unroll: Any, caller: str, *, optional: bool = False) -> Any:
     `TypeError` naming it otherwise."""
     if isinstance(unroll, bool) or (optional and unroll is None):
         return unroll
-    allowed = (
-        "True, False or None (leave each Stacked as built)"
-        if optional
-        else ("True or False")
-    )
+    allowed = "True or False"
+    if optional:
+        allowed = "True, False or None (leave each Stacked as built)"
     raise TypeError(
         f"{caller}: `unroll` must be {allowed}; got {unroll!r} of type "
         f"{type(unroll).__name__}. unroll=True runs the layers as a Python loop "
