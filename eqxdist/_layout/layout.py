@@ -158,14 +158,14 @@ class Layout:
         pipelined: bool = True,
     ) -> Any:
         """The model as a step's loss sees it: every `Stacked` with the step's
-        `remat` (where one is given), the pipelined one running the pipeline's
+        `remat` and `unroll` (where given), the pipelined one running the pipeline's
         schedule (`stages`, the model's plan's; not with `pipelined=False`), or
         with a `marker` recording what it is called with (the 1F1B schedule's
         trace). In the global view the schedule makes the data axes manual
         too."""
-        remat = self.options.remat
-        if remat is not UNSET:
-            model = _with_remat(model, remat, self.caller)
+        remat, unroll = self.options.remat, self.options.unroll
+        if remat is not UNSET or unroll is not None:
+            model = _with_stack_options(model, remat, unroll, self.caller)
         if stages is None or not pipelined:
             return model
         manual = self.data_axes if view == "global" else ()
@@ -386,21 +386,31 @@ def check_lengths(batch: Any, mesh: Mesh, axis: str, caller: str) -> None:
             )
 
 
-def _with_remat(model: Any, remat: Any, caller: str) -> Any:
-    """`model` with every `Stacked` keeping what `remat` says (`ValueError`
-    without one: the option would do nothing)."""
+_STACK_OPTIONS = {
+    "remat": "says what the backward pass keeps of a Stacked's blocks. Hold the "
+    "blocks in an ed.Stacked, or use jax.checkpoint in the model.",
+    "unroll": "says whether a Stacked's blocks run as a scan or a Python loop; a "
+    "model without one has no loop over its layers. Leave `unroll` out.",
+}
+
+
+def _with_stack_options(model: Any, remat: Any, unroll: Any, caller: str) -> Any:
+    """`model` with every `Stacked` keeping what `remat` says (`UNSET`: its
+    own) and unrolled as `unroll` says (`None`: as built); a `ValueError`
+    without one: the option would do nothing."""
     stacks = [
         x for x in jax.tree.leaves(model, is_leaf=_is_stacked) if isinstance(x, Stacked)
     ]
     if not stacks:
+        name, value = ("remat", remat) if remat is not UNSET else ("unroll", unroll)
         raise ValueError(
-            f"{caller}: `remat`={remat!r} is given, but the model holds no "
-            "ed.Stacked; remat says what the backward pass keeps of a Stacked's "
-            "blocks. Hold the blocks in an ed.Stacked, or use jax.checkpoint in the "
-            "model."
+            f"{caller}: `{name}`={value!r} is given, but the model holds no "
+            f"ed.Stacked; {name} {_STACK_OPTIONS[name]}"
         )
     return jax.tree.map(
-        lambda x: x._with_remat(remat) if isinstance(x, Stacked) else x,
+        lambda x: (
+            x._with_options(remat=remat, unroll=unroll) if isinstance(x, Stacked) else x
+        ),
         model,
         is_leaf=_is_stacked,
     )

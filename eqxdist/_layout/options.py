@@ -15,7 +15,7 @@ from jax.sharding import Mesh, PartitionSpec as P
 from .._utils import AxisName, axis_names, check_axis_in_mesh, check_min_weight_size
 from .partitioned import LINEAR_MODES
 from .pipeline import Pipeline
-from .remat import UNSET, check_remat
+from .remat import UNSET, check_remat, check_unroll
 from .rules import DEFAULT_LAYOUT, check_layout, spec_axes
 
 STRATEGIES = ("dp", "fsdp", "zero1")
@@ -67,6 +67,7 @@ class LayoutOptions:
     pipeline: Pipeline | None = None
     remat: Any = UNSET
     context_axis: str | None = None
+    unroll: bool | None = None
 
     @classmethod
     def parse(
@@ -85,6 +86,7 @@ class LayoutOptions:
         pipeline: Pipeline | None = None,
         remat: Any = UNSET,
         context_axis: str | None = None,
+        unroll: Any = None,
     ) -> "LayoutOptions":
         """The options of `caller`'s keyword arguments (`None`: not given, the
         default), or a `ValueError` naming the argument, the value and what to
@@ -132,8 +134,7 @@ class LayoutOptions:
         if context_axis is not None:
             _check_context_axis(caller, mesh, context_axis, data_axes, pipeline)
             _check_rules_spare(caller, param_rules, context_axis, "context axis")
-        if remat is not UNSET:
-            remat = check_remat(remat, caller)
+        remat = _check_stack_options(caller, remat, unroll)
         defaults = FsdpOptions()
         fsdp = FsdpOptions(
             axis=fsdp_axis,
@@ -150,7 +151,15 @@ class LayoutOptions:
             pipeline,
             remat,
             context_axis,
+            unroll,
         )
+
+
+def _check_stack_options(caller: str, remat: Any, unroll: Any) -> Any:
+    """The options a step sets on every `Stacked`: `remat` in its normal form
+    (`UNSET`: not given), `unroll` checked to be `None` or a bool."""
+    check_unroll(unroll, caller, optional=True)
+    return remat if remat is UNSET else check_remat(remat, caller)
 
 
 def _check_context_axis(

@@ -1,7 +1,9 @@
 """`Stacked`: identical blocks with their parameters stacked on a leading layer
-axis, run with `jax.lax.scan`, whose FSDP all-gathers run one layer ahead."""
+axis, run with `jax.lax.scan` (or, with `unroll=True`, a Python loop over the
+layers), whose FSDP all-gathers run one layer ahead."""
 
 import copy
+import functools
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -14,7 +16,7 @@ from jaxtyping import PyTree
 
 from .._utils import is_array, is_array_like
 from .fsdp import axis_is_bound, gather_leaf
-from .remat import LEGACY, check_remat, rematerialised
+from .remat import LEGACY, UNSET, check_remat, check_unroll, loop_blocks
 from .rules import FsdpRule, SelfGathering, has_fsdp_modules
 
 
@@ -52,6 +54,15 @@ class Stacked(SelfGathering):
     with it. `make_train_step(..., remat=...)` sets it for every `Stacked` of
     the model.
 
+    `unroll=True` runs the layers as a loop of the Python program over static
+    slices of the stacked leaves instead of a `jax.lax.scan`: the compiled
+    program has no `while` loop over the layers (compile time grows with depth
+    again). Parameters, results and sharding are the same, on every path
+    above and in a pipeline's stages. On GPUs XLA's loop costs a 350M
+    transformer about a quarter of its speed (docs/benchmarks.md);
+    `make_train_step(..., unroll=...)` sets it for every `Stacked` of the model
+    (`make_eval_step`, which has no `remat` either, runs each as built).
+
     Each block maps an array (or pytree of arrays) to one of the same shape and
     dtype: `x -> block(x)`, or `block(x, key=...)` when the stack is called with a
     `key` (split into one key per layer).
@@ -70,6 +81,7 @@ class Stacked(SelfGathering):
     axis_name: str = eqx.field(static=True)
     remat: Any = eqx.field(static=True)
     prefetch: bool = eqx.field(static=True)
+    unroll: bool = eqx.field(static=True)
     shapes: tuple[tuple[int, ...], ...] = eqx.field(static=True)
 
     def __init__(
@@ -79,6 +91,7 @@ class Stacked(SelfGathering):
         axis_name: str = "data",
         remat: Any = None,
         prefetch: bool | None = None,
+        unroll: Any = False,  # a bool, checked here to say so plainly
     ) -> None:
         """**Arguments:**
 
@@ -92,15 +105,18 @@ class Stacked(SelfGathering):
           policy.
         - `prefetch`: under FSDP, gather the next layer during this one (`None`:
           wherever `remat` allows it, i.e. with `None` or `"full"`).
+        - `unroll`: run the layers as a Python loop, not a scan (see above).
 
         **Raises:**
 
         `ValueError` for no blocks, blocks of different structures or shapes,
         stacked leaves of different leading sizes, `FSDP`/`Stacked` modules
         inside a block (wrap the `Stacked` instead), an unknown `remat`, or
-        `prefetch=True` with a `remat` that gathers inside its body.
+        `prefetch=True` with a `remat` that gathers inside its body;
+        `TypeError` for an `unroll` that is not a bool.
         """
         remat = check_remat(remat, "Stacked")
+        self.unroll = check_unroll(unroll, "Stacked")
         prefetches = remat in (None, LEGACY, "full")
         if prefetch and not prefetches:
             raise ValueError(
@@ -220,14 +236,18 @@ class Stacked(SelfGathering):
 
         return leaves, layer
 
-    def _with_remat(self, remat: Any) -> "Stacked":
-        """This stack with another `remat` (normal form, `check_remat`): what
-        `make_train_step(..., remat=...)` gives the loss. Only the static field
-        changes, so the layers are the same arrays."""
+    def _with_options(self, *, remat: Any = UNSET, unroll: Any = None) -> "Stacked":
+        """This stack with another `remat` (normal form, `check_remat`; `UNSET`:
+        its own) and `unroll` (`None`: its own): what `make_train_step(...,
+        remat=..., unroll=...)` gives the loss. Only static fields change, so
+        the layers are the same arrays."""
         new = copy.copy(self)
-        object.__setattr__(new, "remat", remat)
-        if remat not in (None, LEGACY, "full"):
-            object.__setattr__(new, "prefetch", False)
+        if remat is not UNSET:
+            object.__setattr__(new, "remat", remat)
+            if remat not in (None, LEGACY, "full"):
+                object.__setattr__(new, "prefetch", False)
+        if unroll is not None:
+            object.__setattr__(new, "unroll", unroll)
         return new
 
     def __call__(self, x: PyTree[Any], *, key: Any = None) -> PyTree[Any]:
@@ -245,8 +265,9 @@ class Stacked(SelfGathering):
             # The layers' keys travel with the layers' leaves, never gathered.
             leaves = [*leaves, jax.random.split(key, self.num_layers)]
             plan = [*plan, None]
+        loop = functools.partial(loop_blocks, remat=self.remat, unroll=self.unroll)
         if all(d is None for d in plan):
-            return _scan_plain(layer, leaves, x, remat=self.remat)
+            return _scan_plain(layer, leaves, x, loop=loop)
         if self.prefetch:
             return _scan_prefetch(
                 layer,
@@ -256,24 +277,24 @@ class Stacked(SelfGathering):
                 axis_name=self.axis_name,
                 remat=self.remat,
                 num_layers=self.num_layers,
+                unroll=self.unroll,
             )
-        return _scan_gather(
-            layer, leaves, plan, x, axis_name=self.axis_name, remat=self.remat
-        )
+        return _scan_gather(layer, leaves, plan, x, axis_name=self.axis_name, loop=loop)
 
 
 # The scans `Stacked.__call__` chooses between. `layer(layer_leaves, x)` runs one
 # layer on its (full) leaves; `plan` gives, per leaf, the dimension to gather over
-# `axis_name`, or `None` for a leaf used as it arrives.
+# `axis_name`, or `None` for a leaf used as it arrives; `loop(body, x, leaves)`
+# is `loop_blocks` with the stack's `remat` and `unroll`.
 
 
 def _scan_plain(
-    layer: Callable[..., Any], leaves: list[Any], x: Any, *, remat: Any
+    layer: Callable[..., Any], leaves: list[Any], x: Any, *, loop: Callable[..., Any]
 ) -> Any:
     def body(x: Any, layer_leaves: list[Any]) -> tuple[Any, None]:
         return layer(layer_leaves, x), None
 
-    x, _ = jax.lax.scan(rematerialised(body, remat), x, leaves)
+    x, _ = loop(body, x, leaves)
     return x
 
 
@@ -296,7 +317,7 @@ def _scan_gather(
     x: Any,
     *,
     axis_name: str,
-    remat: Any,
+    loop: Callable[..., Any],
 ) -> Any:
     """Each layer gathers its own slice once its input exists (no prefetch)."""
     dims = [d for d in plan if d is not None]
@@ -311,7 +332,7 @@ def _scan_gather(
         ]
         return layer(merged, x), None
 
-    x, _ = jax.lax.scan(rematerialised(body, remat), x, leaves)
+    x, _ = loop(body, x, leaves)
     return x
 
 
@@ -324,10 +345,12 @@ def _scan_prefetch(
     axis_name: str,
     remat: Any,
     num_layers: int,
+    unroll: bool,
 ) -> Any:
     """Layer i runs on parameters gathered during layer i - 1 (the scan's
     carry); layer 0's are gathered before the scan, once its input exists, and
-    the last layer runs after it on the last carry."""
+    the last layer runs after it on the last carry. Unrolled, the same body
+    runs on each layer's static slices: the same order of gathers."""
     gathered = [i for i, d in enumerate(plan) if d is not None]
     dims = [plan[i] for i in gathered]
     rest = [i for i, d in enumerate(plan) if d is None]
@@ -368,7 +391,8 @@ def _scan_prefetch(
             slice_of(slice(0, -1), rest),
             slice_of(slice(1, None), gathered),
         )
-        (x, full), _ = jax.lax.scan(body, (x, full), xs)
+        # `run` rematerialises each layer itself: the loop's body is not.
+        (x, full), _ = loop_blocks(body, (x, full), xs, remat=None, unroll=unroll)
     last = num_layers - 1
     return run(slice_of(last, gathered), full, slice_of(last, rest), x)
 

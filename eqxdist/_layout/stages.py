@@ -35,7 +35,7 @@ import numpy as np
 from jax.sharding import PartitionSpec as P
 
 from .pipeline import StagePlan, where_fn
-from .remat import UNSET, rematerialised
+from .remat import UNSET, loop_blocks
 from .stacked import Stacked
 
 
@@ -141,6 +141,7 @@ class PipelinedStack(eqx.Module):
             num_layers=plan.num_layers,
             key_rows=key_rows,
             remat=self.remat,
+            unroll=self.stacked.unroll,
             # In the global view the transpose of the schedule's own `shard_map`
             # sums the stages' input cotangents and splits the output's among
             # them (both replicated over the stage axis); in the step's, whose
@@ -346,6 +347,7 @@ class _Engine:
     key_rows: bool
     remat: Any
     sum_input: bool
+    unroll: bool = False
 
     def __call__(self, leaves: list[Any], x: Any, key: Any) -> Any:
         stages, m_total, repeats = self.stages, self.microbatches, self.repeats
@@ -420,6 +422,7 @@ class _Engine:
             first=first,
             num_layers=self.num_layers,
             remat=self.remat,
+            unroll=self.unroll,
         )
 
 
@@ -433,12 +436,14 @@ def run_layers(
     first: Any,
     num_layers: int,
     remat: Any,
+    unroll: bool = False,
 ) -> Any:
     """`leaves`' layers (global layers `first`, `first + 1`, ... of a stack of
     `num_layers`) in turn on the rows `h` (each row its own call of the block,
     as under the loss's `vmap`). With a `key` (one per row if `key_rows`), each
     layer gets its key as the `Stacked` would give it: `jax.random.split(key,
-    num_layers)[layer]`."""
+    num_layers)[layer]`. With `unroll`, a Python loop over the layers, not a
+    scan (`loop_blocks`)."""
     count = int(jax.tree.leaves(leaves)[0].shape[0])
     chunk = list(leaves)
     in_axes: list[int | None] = [None] * len(leaves)
@@ -459,7 +464,7 @@ def run_layers(
     def body(h: Any, layer_leaves: list[Any]) -> tuple[Any, None]:
         return jax.vmap(layer, in_axes=(in_axes, 0))(layer_leaves, h), None
 
-    h, _ = jax.lax.scan(rematerialised(body, remat), h, chunk)
+    h, _ = loop_blocks(body, h, chunk, remat=remat, unroll=unroll, length=count)
     return h
 
 

@@ -236,6 +236,7 @@ class DeviceGradients:
                 first=jax.lax.axis_index(stages.axis) * count,
                 num_layers=stacked.num_layers,
                 remat=stacked.remat if remat is UNSET else remat,
+                unroll=stacked.unroll,
             )
 
         return stage

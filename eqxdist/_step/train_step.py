@@ -299,6 +299,7 @@ def make_train_step(
     pipeline: Pipeline | None = None,
     remat: Any = None,
     context_axis: str | None = None,
+    unroll: Any = None,  # True, False or None, checked to say so plainly
 ) -> TrainStep:
     """Build a compiled, sharded training step `step(state, batch) -> (state,
     metrics)`.
@@ -463,6 +464,9 @@ def make_train_step(
     - `remat`: what the backward pass keeps of every `ed.Stacked`'s blocks,
       overriding their own `remat`: `"none"`, `"full"`, `"dots"`, `"offload"` or
       a `jax.checkpoint` policy (`ed.Stacked`).
+    - `unroll`: every `ed.Stacked`'s blocks as a Python loop (`True`: no `while`
+      loop in the program, faster on GPUs) or a `jax.lax.scan` (`False`);
+      `None` leaves each as built (`ed.Stacked(..., unroll=...)`).
     - `context_axis`: a mesh axis (not a data axis) the sequences are split
       over: every batch leaf of rank >= 2 is sharded over it along dimension 1
       as well as over the data axes along dimension 0 (its length a multiple of
@@ -539,6 +543,7 @@ def make_train_step(
         pipeline=pipeline,
         remat=UNSET if remat is None else remat,
         context_axis=context_axis,
+        unroll=unroll,
     )
     if pipeline is not None and pipeline.schedule == "1f1b" and view == "global":
         raise ValueError(

@@ -271,6 +271,22 @@ def test_scanned_layer_runs_on_the_previous_iterations_gather(mesh8):
             assert dot not in _ancestors(body, gather)
 
 
+def test_unrolled_layers_keep_the_prefetch_order(mesh8):
+    """Unrolled (no loop), layer i + 1's gather waits for layer i's input, not
+    its output: counting the gathers each gather depends on, the first two
+    start together; without prefetch each waits for all before it."""
+    x = jnp.ones((16, WIDTH))
+    for prefetch, want in ((True, [0, 0, 1, 2]), (False, [0, 1, 2, 3])):
+        stacked = ed.Stacked(_blocks(4), prefetch=prefetch, unroll=True)
+        model = ed.FSDP(stacked, mesh8, min_weight_size=64)
+        comps = _computations(_compiled(model, x, mesh8, grad=False))
+        graph = comps[next(n for n in comps if n.startswith("main"))]
+        assert not any(" while(" in r for g in comps.values() for r, _ in g.values())
+        gathers = _gathers(graph, f"{WIDTH},{WIDTH}")
+        before = [len(set(gathers) & _ancestors(graph, g)) for g in gathers]
+        assert sorted(before) == want, prefetch
+
+
 def _calls_dot(comps, rhs):
     if re.search(r"\bdot\(", rhs):
         return True
