@@ -90,9 +90,9 @@ from ._reductions import (
 from ._step.accumulate import accumulate_gradients as accumulate_gradients
 from ._step.eval_step import EvalStep as EvalStep, make_eval_step as make_eval_step
 from ._step.gradients import fold_rng_over_axis as fold_rng_over_axis
+from ._step.output import StepOutput as StepOutput
 from ._step.state import TrainState as TrainState
 from ._step.train_step import (
-    StepOutput as StepOutput,
     TrainStep as TrainStep,
     make_train_step as make_train_step,
 )

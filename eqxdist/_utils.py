@@ -147,11 +147,15 @@ def check_function(form: str) -> Callable[[Any, str, str], None]:
     return check
 
 
-def checked_first(**checks: Callable[[Any, str, str], None]) -> Callable[[_F], _F]:
-    """Decorate a public function so that `checks[name](value, caller, name)`
-    runs on each named argument first, before the annotation check of
-    `typecheck` (or of the test run's jaxtyping hook): the commonest mistakes
-    (a string for a mesh) get a message with the fix, not beartype's report."""
+def checked_first(
+    *whole: Callable[..., None], **checks: Callable[[Any, str, str], None]
+) -> Callable[[_F], _F]:
+    """Decorate a public function so that its plain checks run first, before the
+    annotation check of `typecheck` (or of the test run's jaxtyping hook, which
+    adds its checks below every decorator): the commonest mistakes (a string for
+    a mesh, a batch where one sequence goes) get a few lines with the fix, not
+    beartype's report. Each of `whole` gets the call's arguments as they were
+    passed; `checks[name](value, caller, name)` gets one named argument."""
 
     def decorate(fn: _F) -> _F:
         signature = inspect.signature(fn)
@@ -159,13 +163,15 @@ def checked_first(**checks: Callable[[Any, str, str], None]) -> Callable[[_F], _
 
         @functools.wraps(fn)
         def checked(*args: Any, **kwargs: Any) -> Any:
+            for check in whole:
+                check(*args, **kwargs)
             try:
                 given = signature.bind(*args, **kwargs).arguments
             except TypeError:  # Python's own error, from the call below
                 given = {}
-            for name, check in checks.items():
+            for name, check_one in checks.items():
                 if name in given:
-                    check(given[name], caller, name)
+                    check_one(given[name], caller, name)
             return fn(*args, **kwargs)
 
         return cast(_F, checked)

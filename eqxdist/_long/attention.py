@@ -11,8 +11,8 @@ import numpy as np
 from jax.sharding import PartitionSpec as P
 from jaxtyping import Array, Bool, Float, Int
 
-from .._utils import typecheck
-from .checks import checked_first, shape_and_dtype
+from .._utils import checked_first, typecheck
+from .checks import shape_and_dtype
 from .order import balance, unbalance
 from .ring import ring_attention
 from .views import run_global, shard_over, size_in_context, view_of

@@ -4,27 +4,7 @@ head's weight transposed, float labels) gets a few lines naming the argument, th
 shape or dtype expected, the one seen and the fix, where jaxtyping would print every
 parameter and annotation of the call."""
 
-import functools
-from collections.abc import Callable
-from typing import Any, TypeVar
-
-_F = TypeVar("_F", bound=Callable[..., Any])
-
-
-def checked_first(check: Callable[..., None]) -> Callable[[_F], _F]:
-    """Decorate a (type-checked) function so that `check(*args, **kwargs)` runs
-    first, on the same arguments. Put it above `@typecheck` (jaxtyping's import
-    hook adds its own checks below every decorator, so those run after it too)."""
-
-    def decorate(fn: _F) -> _F:
-        @functools.wraps(fn)
-        def checked(*args: Any, **kwargs: Any) -> Any:
-            check(*args, **kwargs)
-            return fn(*args, **kwargs)
-
-        return checked  # type: ignore[return-value]
-
-    return decorate
+from typing import Any
 
 
 def shape_and_dtype(x: Any, caller: str, name: str) -> tuple[tuple[int, ...], Any]:

@@ -9,8 +9,8 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 from jaxtyping import Array, Float
 
-from .._utils import typecheck
-from .checks import checked_first, shape_and_dtype
+from .._utils import checked_first, typecheck
+from .checks import shape_and_dtype
 from .cross_entropy import (
     Labels,
     LossSum,

@@ -5,8 +5,9 @@ metrics kept apart by name."""
 from collections.abc import Mapping
 from typing import Any
 
+from .._step.output import StepOutput
 from .._step.state import TrainState
-from .._step.train_step import StepOutput, TrainStep
+from .._step.train_step import TrainStep
 
 
 class StepsInTurn:

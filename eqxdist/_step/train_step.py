@@ -8,7 +8,7 @@ from typing import Any
 import jax
 import optax
 from jax.sharding import Mesh, PartitionSpec as P
-from jaxtyping import Array, PyTree
+from jaxtyping import PyTree
 
 from .._data_parallel import place
 from .._hlo import compiled_cost
@@ -31,41 +31,10 @@ from .._utils import (
 from .accumulate import check_loss_fn
 from .compiled import CompiledStep, Placement
 from .options import StepOptions
+from .output import StepOutput
 from .sharded_init import ShardedInit, peak_bytes, sharded_init
 from .state import TrainState, as_optimizer, check_train_state
 from .train_math import TrainMath
-
-
-class StepOutput(tuple[Any, Any]):
-    """What a train step returns: the pair `(state, metrics)`, whatever the step's
-    options, with the step statistics of `step_info=True` as `.info` (a dict of
-    replicated 0-d float32 arrays; `None` without `step_info`).
-
-    !!! Example
-
-        ```python
-        state, metrics = step(state, batch)       # any step
-        out = step(state, batch)                  # with step_info=True
-        print(out.info["grad_norm"], out.state.step)
-        ```
-    """
-
-    info: dict[str, Array] | None
-
-    def __new__(
-        cls, state: Any, metrics: Any, info: dict[str, Array] | None = None
-    ) -> "StepOutput":
-        output = super().__new__(cls, (state, metrics))
-        output.info = info
-        return output
-
-    @property
-    def state(self) -> Any:
-        return self[0]
-
-    @property
-    def metrics(self) -> Any:
-        return self[1]
 
 
 class TrainStep:
