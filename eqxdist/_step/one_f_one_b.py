@@ -146,7 +146,8 @@ class CutLoss:
     """`loss(args)` cut at the stack: `pre(args) -> stack input leaves` and
     `post(args, stack output leaves) -> loss output leaves` (`out_tree`), both
     on the flattened `args`; `x_tree` the stack input's structure, `key` its
-    key's (`None` without one), `key_rows` whether that key is per row."""
+    key's (`None` without one), `key_rows` whether that key is per row,
+    `per_row` whether the blocks take one row (the loss's `vmap`) or a batch."""
 
     pre: Callable[..., Any]
     post: Callable[..., Any]
@@ -154,6 +155,7 @@ class CutLoss:
     x_tree: Any
     key_tree: Any
     key_rows: bool
+    per_row: bool
 
 
 def cut(loss: Callable[..., Any], args: Any, seen: dict[str, Any]) -> CutLoss:
@@ -169,9 +171,9 @@ def cut(loss: Callable[..., Any], args: Any, seen: dict[str, Any]) -> CutLoss:
     if len(marks) != 1:
         raise ValueError(
             "pipeline (schedule='1f1b'): the loss must call the pipelined Stacked "
-            f"exactly once, on its rows under jax.vmap (as `jax.vmap(model)(x)` "
-            f"does), outside any jax.jit, jax.checkpoint or loop of its own; it is "
-            f"called {len(marks)} times so. Use schedule='gpipe', which has no such "
+            "exactly once (on its rows under jax.vmap, as `jax.vmap(model)(x)` "
+            "does, or on a batch), outside any jax.jit, jax.checkpoint or loop of "
+            f"its own; it is called {len(marks)} times so. Use schedule='gpipe', which has no such "
             "limit, or call the model so."
         )
     mark = jaxpr.eqns[marks[0]]
@@ -186,6 +188,7 @@ def cut(loss: Callable[..., Any], args: Any, seen: dict[str, Any]) -> CutLoss:
         seen["x"],
         seen["key"],
         seen["key_rows"],
+        seen["per_row"],
     )
 
 
@@ -226,9 +229,10 @@ class OneFOneB:
     - `marked`: `marked(params, model_state, minibatch, key, seen)`, the checked
       loss (`CheckedLoss`'s output) on a model whose pipelined stack is a
       `MarkedStack` recording into `seen`.
-    - `stage`: `stage(params, h, key, key_rows) -> h`, this stage's layers on
-      the rows `h` (`key`: the rows' keys (`key_rows`) or the stack's key, or
-      `None`).
+    - `stage`: `stage(params, h, key, key_rows, per_row) -> h`, this stage's
+      layers on the rows `h` (`key`: the rows' keys (`key_rows`) or the stack's
+      key, or `None`; `per_row`: each block called per row, else on all of
+      `h`).
     - `plan`: the pipeline; `specs`: the model's specs (`ModelPlan.specs`),
       which say which leaves are a stage's own layers.
     - `checked`: the user's loss, checked (`weighted` is read after tracing).
@@ -304,7 +308,9 @@ class OneFOneB:
 
         def stage(p: list[Any], h: list[Any], key: Any) -> list[Any]:
             x = jax.tree.unflatten(loss.x_tree, h)
-            out = self.stage(jax.tree.unflatten(p_tree, p), x, key, loss.key_rows)
+            out = self.stage(
+                jax.tree.unflatten(p_tree, p), x, key, loss.key_rows, loss.per_row
+            )
             return list(jax.tree.leaves(out))
 
         slots = _Slots(
@@ -316,7 +322,7 @@ class OneFOneB:
         def pre_grads(total: list[Any], a: Any) -> tuple[list[Any], None]:
             r, d = a
             _, vjp = jax.vjp(lambda p: loss.pre(*p, *r)[:n_x], p_leaves)
-            (dp,) = vjp(list(d))
+            (dp,) = vjp([_cotangent(a, a) for a in d])
             return [x + y for x, y in zip(total, dp, strict=True)], None
 
         zero = [jnp.zeros_like(x) for x in p_leaves]
@@ -358,6 +364,24 @@ def _seed(out: Any, loss: bool) -> Any:
     if not jnp.issubdtype(out.dtype, jnp.inexact):
         return np.zeros(out.shape, jax.dtypes.float0)
     return jnp.ones_like(out) if loss else jnp.zeros_like(out)
+
+
+def _cotangent(ct: Any, primal: Any) -> Any:
+    """A cotangent as `jax.vjp` takes it for `primal`: `float0` zeros where
+    `primal` is not floating (an integer leaf carried beside the activations:
+    a mask, positions)."""
+    if jnp.issubdtype(primal.dtype, jnp.inexact):
+        return ct
+    return np.zeros(primal.shape, jax.dtypes.float0)
+
+
+def _held(ct: Any, primal: Any) -> Any:
+    """A cotangent as the schedule's buffers and messages hold it: zeros of
+    `primal`'s dtype for a `float0` one (buffers are of the activations'
+    dtypes)."""
+    if ct.dtype == jax.dtypes.float0:
+        return jnp.zeros(primal.shape, primal.dtype)
+    return ct
 
 
 def _block(x: Any, i: int, n: int) -> Any:
@@ -426,8 +450,9 @@ class _Slots:
         return grads, dx, outs
 
     def _post(self, p: list[Any], r: list[Any], y: list[Any]) -> list[Any]:
-        out: list[Any] = self.loss.post(*p, *r, *y)
-        return out
+        # Arrays: a Python number in the metrics (a `(sum, count)` pair's
+        # count) is a literal of the traced program.
+        return [jnp.asarray(o) for o in self.loss.post(*p, *r, *y)]
 
     def _key(self, m: Any) -> Any:
         if self.loss.key_tree is None:
@@ -453,6 +478,7 @@ class _Slots:
             out, vjp = jax.vjp(lambda p, y: self._post(p, r, y), self.params, y)
             dp, dy = vjp([_seed(o, i == 0) for i, o in enumerate(out)])
             grads = [a + b for a, b in zip(grads, dp, strict=True)]
+            dy = [_held(d, v) for d, v in zip(dy, y, strict=True)]
             inbox_b = [_set(b, m % stages, v) for b, v in zip(inbox_b, dy, strict=True)]
             outs = [_set(b, m, v) for b, v in zip(outs, out, strict=True)]
             return inbox_b, grads, outs
@@ -468,8 +494,9 @@ class _Slots:
         h = [_index(b, m % stages) for b in stash]
         dy = [_index(b, m % stages) for b in inbox_b]
         key = self._key(m)
-        _, vjp = jax.vjp(lambda p, h: self.stage(p, h, key), self.params, h)
-        dp, dh = vjp(dy)
+        y, vjp = jax.vjp(lambda p, h: self.stage(p, h, key), self.params, h)
+        dp, dh = vjp([_cotangent(d, v) for d, v in zip(dy, y, strict=True)])
+        dh = [_held(d, v) for d, v in zip(dh, h, strict=True)]
         grads = [a + b for a, b in zip(grads, dp, strict=True)]
         dx = [_set_if(b, m, v, s == 0) for b, v in zip(dx, dh, strict=True)]
         return (stash, inbox_f, inbox_b, grads, dx, outs), self._zeros(), dh

@@ -56,7 +56,14 @@ class TrainMath(eqx.Module):
         wants_value = reads_value(self.optimizer, trained, opt_state)
         plan = inputs.plan
         key = jax.random.fold_in(state.key, state.step)
-        if options.view == "global":
+        pipeline = layout.options.pipeline
+        if options.view == "global" and not (
+            # 1F1B runs the loss once per microbatch on each device's rows,
+            # whichever the view: the global view's loss, which reduces over
+            # what it sees (means, `(sum, count)` pairs, Metric objects, weighted
+            # losses), reduced over the devices as the device view's is.
+            pipeline is not None and pipeline.schedule == "1f1b"
+        ):
             # No mesh axis is bound where the loss runs (`CheckedLoss` says so).
             loss = CheckedLoss(self.loss_fn, inputs.with_state)
             counts = plan.mean_counts(layout.mesh, ())

@@ -535,12 +535,6 @@ def make_train_step(
         remat=UNSET if remat is None else remat,
         context_axis=context_axis,
     )
-    if pipeline is not None and pipeline.schedule == "1f1b" and view == "global":
-        raise ValueError(
-            f"{caller}: schedule='1f1b' runs in the device view: it runs the loss "
-            "once per microbatch, out of order, on each device's rows. Use "
-            "view='device', or schedule='gpipe' (or 'circular') in the global view."
-        )
     options = StepOptions.parse(
         caller,
         view=view,
