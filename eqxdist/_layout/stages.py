@@ -73,6 +73,7 @@ class PipelinedStack(eqx.Module):
             return self._run(
                 layer, leaves, x, key, key_rows=False, micro=micro, per_row=False
             )
+
         def one_row(leaves: Any, x: Any, key: Any) -> Any:
             # Traced for the output's type only: an unbatched call never gets
             # here (above), a batched one runs the rule.
@@ -114,8 +115,9 @@ class PipelinedStack(eqx.Module):
         per_row: bool = True,
     ) -> Any:
         """The schedule on `x`'s rows (its leading dimension) in `micro`
-        microbatches (in the global view, each data shard's rows); each block called once per row (`per_row`, the loss's `vmap`)
-        or on a whole microbatch."""
+        microbatches (in the global view, each data shard's rows); each block
+        called once per row (`per_row`, the loss's `vmap`) or on a whole
+        microbatch."""
         plan, pipeline = self.plan, self.plan.pipeline
         stages, repeats = plan.stages, pipeline.repeats
         n = _rows(x, micro)

@@ -173,8 +173,8 @@ def cut(loss: Callable[..., Any], args: Any, seen: dict[str, Any]) -> CutLoss:
             "pipeline (schedule='1f1b'): the loss must call the pipelined Stacked "
             "exactly once (on its rows under jax.vmap, as `jax.vmap(model)(x)` "
             "does, or on a batch), outside any jax.jit, jax.checkpoint or loop of "
-            f"its own; it is called {len(marks)} times so. Use schedule='gpipe', which has no such "
-            "limit, or call the model so."
+            f"its own; it is called {len(marks)} times so. Use schedule='gpipe', "
+            "which has no such limit, or call the model so."
         )
     mark = jaxpr.eqns[marks[0]]
     others = [e for i, e in enumerate(jaxpr.eqns) if i != marks[0]]
