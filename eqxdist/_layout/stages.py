@@ -7,8 +7,10 @@ chunks (`to_chunk_order`). `pipeline` holds the configuration and the layout.
 **Where the stages run.** The loss is written as for one device (or one data
 shard). When it calls the pipelined `Stacked` on its rows under `jax.vmap` (as
 `jax.vmap(model)(x)` does), a `jax.custom_batching.custom_vmap` rule receives
-the rows together, cuts them into microbatches and runs the schedule with the
-stage axis bound: in the device view the step's own `shard_map` binds it (each
+the rows together; when it calls it on a batch (blocks that take `(rows, ...)`,
+no `vmap`: `under_vmap` tells), the input's leading axis is the rows. Either
+way the rows are cut into microbatches and the schedule runs with the stage
+axis bound: in the device view the step's own `shard_map` binds it (each
 stage holds its layers); in the global view the stack runs a `shard_map` of its
 own over the stage and data axes. Activations move to the next stage with
 `ppermute`; the last stage's output is given to every stage with one

@@ -56,14 +56,7 @@ class TrainMath(eqx.Module):
         wants_value = reads_value(self.optimizer, trained, opt_state)
         plan = inputs.plan
         key = jax.random.fold_in(state.key, state.step)
-        pipeline = layout.options.pipeline
-        if options.view == "global" and not (
-            # 1F1B runs the loss once per microbatch on each device's rows,
-            # whichever the view: the global view's loss, which reduces over
-            # what it sees (means, `(sum, count)` pairs, Metric objects, weighted
-            # losses), reduced over the devices as the device view's is.
-            pipeline is not None and pipeline.schedule == "1f1b"
-        ):
+        if _global_gradients(layout, options):
             # No mesh axis is bound where the loss runs (`CheckedLoss` says so).
             loss = CheckedLoss(self.loss_fn, inputs.with_state)
             counts = plan.mean_counts(layout.mesh, ())
@@ -136,6 +129,17 @@ class TrainMath(eqx.Module):
         )
         info = step_statistics(grads.statistics, update_sums, param_sums, skipped)
         return new_state, (grads.metrics, info)
+
+
+def _global_gradients(layout: Layout, options: StepOptions) -> bool:
+    """Whether the loss runs once on the global batch (`GlobalGradients`).
+    Not under 1F1B, which runs the loss once per microbatch on each device's
+    rows whichever the view: the global view's loss (which reduces over what it
+    sees: a mean, `(sum, count)` pairs, Metric objects, a weighted loss) is
+    reduced over the devices as the device view's is."""
+    pipeline = layout.options.pipeline
+    one_f_one_b = pipeline is not None and pipeline.schedule == "1f1b"
+    return options.view == "global" and not one_f_one_b
 
 
 def _nonfinite(grads: Gradients) -> Array:

@@ -453,8 +453,9 @@ def make_train_step(
     - `pipeline`: an `ed.Pipeline`: the model's `ed.Stacked` split over the
       pipeline's stage axis, microbatches flowing through the stages
       (docs/guides/pipeline.md); composes with every strategy over the data
-      axes, `param_rules` over the others, and either view (`"1f1b"`: the
-      device view).
+      axes, `param_rules` over the others, and either view. The loss calls
+      the `Stacked` on its rows under `jax.vmap`, or on a batch (blocks that
+      take `(rows, ...)`): the input's leading axis is then the rows.
     - `remat`: what the backward pass keeps of every `ed.Stacked`'s blocks,
       overriding their own `remat`: `"none"`, `"full"`, `"dots"`, `"offload"` or
       a `jax.checkpoint` policy (`ed.Stacked`).
