@@ -189,7 +189,13 @@ class DeviceGradients:
             stages = inputs.plan.stages
             if stages is not None and stages.pipeline.schedule == "1f1b":
                 one_f_one_b = OneFOneB(
-                    loss, self._stage(full_frozen), stages, inputs.plan.specs, self.loss
+                    loss,
+                    self._stage(full_frozen),
+                    stages,
+                    inputs.plan.specs,
+                    self.loss,
+                    # The global view's loss is the whole batch's.
+                    inputs.layout.data_axes if self.options.view == "global" else None,
                 )
                 return one_f_one_b(params, inputs.model_state(state), local, key, n)
             return accumulate(loss, self.loss, params, state, local, key, n, scan)

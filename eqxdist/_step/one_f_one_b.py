@@ -48,6 +48,7 @@ from .._layout.stages import MARKER, Seen
 from .._metrics.tree import merge_metrics
 from .._utils import is_array
 from .accumulate import Accumulated, CheckedLoss
+from .hoist import shares
 
 IDLE, FORWARD, BACKWARD = 0, 1, 2
 
@@ -147,7 +148,9 @@ class CutLoss:
     `post(args, stack output leaves) -> loss output leaves` (`out_tree`), both
     on the flattened `args`; `x_tree` the stack input's structure, `key` its
     key's (`None` without one), `key_rows` whether that key is per row,
-    `per_row` whether the blocks take one row (the loss's `vmap`) or a batch."""
+    `per_row` whether the blocks take one row (the loss's `vmap`) or a batch;
+    `jaxpr` is `post`'s program and `kinds` says what each of its inputs is
+    (`"param"`, `"batch"`, `"key"`, `"stack"`: `hoist.analyse`)."""
 
     pre: Callable[..., Any]
     post: Callable[..., Any]
@@ -156,6 +159,8 @@ class CutLoss:
     key_tree: Any
     key_rows: bool
     per_row: bool
+    jaxpr: Any = None
+    kinds: tuple[str, ...] = ()
 
 
 def cut(loss: Callable[..., Any], args: Any, seen: dict[str, Any]) -> CutLoss:
@@ -181,6 +186,11 @@ def cut(loss: Callable[..., Any], args: Any, seen: dict[str, Any]) -> CutLoss:
     pre = _closed(closed, jaxpr.invars, list(mark.invars), _needed(others, mark.invars))
     post_eqns = _needed(others, jaxpr.outvars)
     post = _closed(closed, [*jaxpr.invars, *mark.outvars], jaxpr.outvars, post_eqns)
+    kinds = [
+        kind
+        for kind, arg in zip(("param", "batch", "key"), args, strict=True)
+        for _ in jax.tree.leaves(arg)
+    ]
     return CutLoss(
         jex.jaxpr_as_fun(pre),
         jex.jaxpr_as_fun(post),
@@ -189,6 +199,8 @@ def cut(loss: Callable[..., Any], args: Any, seen: dict[str, Any]) -> CutLoss:
         seen["key"],
         seen["key_rows"],
         seen["per_row"],
+        post,
+        (*kinds, *["stack"] * len(mark.outvars)),
     )
 
 
@@ -236,6 +248,9 @@ class OneFOneB:
     - `plan`: the pipeline; `specs`: the model's specs (`ModelPlan.specs`),
       which say which leaves are a stage's own layers.
     - `checked`: the user's loss, checked (`weighted` is read after tracing).
+    - `whole_batch`: in the global view, the data axes: the loss is the whole
+      batch's, each microbatch's `post` giving its share (`hoist`); `None` in
+      the device view.
     """
 
     marked: Callable[..., Any]
@@ -243,6 +258,7 @@ class OneFOneB:
     plan: StagePlan
     specs: Any
     checked: CheckedLoss
+    whole_batch: tuple[str, ...] | None = None
 
     def __call__(
         self, params: Any, model_state: Any, batch: Any, key: Any, n: int
@@ -295,6 +311,8 @@ class OneFOneB:
             (params, parts[0], mkeys[0]),
             seen.values,
         )
+        if self.whole_batch is not None:
+            loss = self._shares(loss, params, batch, mkeys[0], micro)
         # The microbatches' own arguments, stacked; the parameters are shared.
         rest = [
             jnp.stack(xs)
@@ -342,6 +360,47 @@ class OneFOneB:
             total, weight = total + value, weight + w
             metrics = merge_metrics(metrics, more)
         return grads, total.astype(jnp.float32), weight, metrics
+
+    def _shares(
+        self, loss: CutLoss, params: Any, batch: Any, key: Any, micro: int
+    ) -> CutLoss:
+        """The global view: `loss` whose `post` gives the microbatch's share of
+        the loss of the whole minibatch (`batch` on every device: `hoist`), for
+        a mean loss times the number of shares (the schedule averages them)."""
+        axes = self.whole_batch
+        assert axes is not None
+        mesh = jax.sharding.get_abstract_mesh()
+        devices = int(np.prod([mesh.shape[a] for a in axes]))
+        slices = devices * micro
+
+        def whole_rows(x: Any) -> Any:
+            if not is_array(x) or jnp.ndim(x) == 0:
+                return x
+            return jax.ShapeDtypeStruct((x.shape[0] * devices, *x.shape[1:]), x.dtype)
+
+        seen = Seen()
+        whole = cut(
+            lambda p, b, k: self.marked(p, None, b, k, seen),
+            (params, jax.tree.map(whole_rows, batch), key),
+            seen.values,
+        )
+        weighted = bool(self.checked.weighted)
+        found = shares(loss.jaxpr, whole.jaxpr, list(loss.kinds), weighted)
+        # The whole minibatch: each device's block of it, in device order.
+        gathered = [
+            jax.lax.all_gather(x, axes, axis=0, tiled=True) if jnp.ndim(x) else x
+            for x in jax.tree.leaves(batch)
+        ]
+        hoisted = found.whole(*gathered)
+        post = loss.post
+
+        def shared(*args: Any) -> list[Any]:
+            parts = found.evaluate(hoisted, slices, *args)
+            if not weighted:
+                parts = [parts[0] * slices]
+            return [*parts, *list(post(*args))[len(parts) :]]
+
+        return dataclasses.replace(loss, post=shared)
 
     def _over_stages(self, grads: Any) -> Any:
         """The gradients of the leaves that are not a stage's own layers (those

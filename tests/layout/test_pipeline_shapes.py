@@ -191,3 +191,60 @@ def test_blocks_with_different_static_fields_name_the_field_and_values():
     assert "'layer_0'" in message and "'layer_1'" in message
     assert "blocks[1]" in message
     assert "PyTreeDef" not in message
+
+
+# -- 1F1B in the global view: the whole batch's loss, cut into shares ---------
+
+
+def masked_loss(model: Net, batch: dict, key: jax.Array) -> tuple:
+    """The eqx-llama notebook's loss: the mean over the real tokens of the
+    whole batch, with a `(sum, count)` metric of the microbatch's own rows."""
+    ce = _losses(model, batch, batched=False)
+    mask = batch["mask"]
+    loss = jnp.sum(ce * mask) / jnp.sum(mask)
+    return loss, {"pair": (jnp.sum(ce * mask), jnp.sum(mask))}
+
+
+def mixed_loss(model: Net, batch: dict, key: jax.Array) -> tuple:
+    """A masked mean plus a mean over every row and a term of the parameters
+    alone (a regulariser), on a batch at once (no `vmap`)."""
+    ce = _losses(model, batch, batched=True)
+    mask = batch["mask"]
+    aux = jnp.sum(ce * mask) / jnp.sum(mask) + 0.01 * ce.mean()
+    return aux + 1e-3 * jnp.sum(model.head.weight**2), {}
+
+
+def _uneven(steps: int = 2, rows: int = 32) -> list:
+    """Masks that differ in count between devices and microbatches: a
+    different share of real rows in each block of 4."""
+    data = _data(steps, rows)
+    for n, batch in enumerate(data):
+        keep = np.arange(rows) % 4 < (np.arange(rows) // 4 + n) % 4 + 1
+        batch["mask"] = (keep & (batch["mask"] > 0)).astype(np.float32)
+        batch["mask"][0] = 1.0
+    return data
+
+
+@pytest.mark.parametrize("loss", [masked_loss, mixed_loss])
+def test_one_f_one_b_global_view_takes_the_whole_batch_loss(loss):
+    """1F1B in the global view on the loss of the whole batch (divided by its
+    real tokens, plus means and a parameter term): equal to one device, and the
+    metrics summed over the microbatches."""
+    data = _uneven()
+    want = train_one_device(Net(), data, SGD, loss)
+    state, metrics = _train(loss, {"stage": 2, "data": 4}, "1f1b", "global", data)
+    assert max_diff(state.model, want.model) < 1e-5
+    if loss is masked_loss:
+        for m, batch in zip(metrics, data, strict=True):
+            assert float(m["pair"][1]) == batch["mask"].sum()
+
+
+def test_one_f_one_b_global_view_refuses_a_loss_that_couples_microbatches():
+    def log_of_mean(model: Net, batch: dict, key: jax.Array) -> tuple:
+        return jnp.log(_losses(model, batch, batched=False).mean()), {}
+
+    with pytest.raises(ValueError) as error:
+        _train(log_of_mean, {"stage": 2, "data": 4}, "1f1b", "global", _data(1))
+    message = str(error.value)
+    for part in ("schedule='1f1b'", "view='global'", "`log`", "gpipe", "(loss_sum"):
+        assert part in message, message
