@@ -134,9 +134,9 @@ class TrainMath(eqx.Module):
 def _global_gradients(layout: Layout, options: StepOptions) -> bool:
     """Whether the loss runs once on the global batch (`GlobalGradients`).
     Not under 1F1B, which runs the loss once per microbatch on each device's
-    rows whichever the view: the global view's loss (which reduces over what it
-    sees: a mean, `(sum, count)` pairs, Metric objects, a weighted loss) is
-    reduced over the devices as the device view's is."""
+    rows whichever the view: in the global view each microbatch's loss is its
+    share of the whole batch's (`hoist`), which the device view's sums over
+    the microbatches and devices add up."""
     pipeline = layout.options.pipeline
     one_f_one_b = pipeline is not None and pipeline.schedule == "1f1b"
     return options.view == "global" and not one_f_one_b
