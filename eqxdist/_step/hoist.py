@@ -152,6 +152,10 @@ def _visit(found: Found, i: int, eqn: Any, other: Any, top: bool) -> None:
         classes = [inner.cls(v) for v in _inner(eqn).outvars]
         whys = [inner.why.get(v) for v in _inner(eqn).outvars if _var(v)]
         why = next((w for w in whys if w), None)
+    elif not top and name in _ADDS and {SHARE, GLOBAL} <= set(ins):
+        # Only the outer program's global terms are divided among the slices.
+        classes = [COUPLED] * len(outs)
+        why = f"a term of the whole batch added to a sum over the rows inside `{name}`"
     else:
         classes, why = _rule(eqn, other, ins, rows_out)
     for (v, _), c in zip(outs, classes, strict=True):
