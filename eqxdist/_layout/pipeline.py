@@ -50,7 +50,7 @@ class Pipeline(eqx.Module):
       over R repeats of the ring, `repeats > 1`, M >= P: the bubble shrinks from
       (P - 1)/(M + P - 1) to (P - 1)/(R M + P - 1)), or `"1f1b"` (one forward,
       one backward: at most P microbatches' activations alive per stage; the
-      device view only).
+      loss after the stack runs once per microbatch, in either view).
     - `repeats`: R, the circular schedule's rounds of the ring.
     - `where`: `where(model)` returns the `Stacked` to pipeline (as for
       `eqx.tree_at`); `None`: the model's only `Stacked`.

@@ -7,8 +7,10 @@ chunks (`to_chunk_order`). `pipeline` holds the configuration and the layout.
 **Where the stages run.** The loss is written as for one device (or one data
 shard). When it calls the pipelined `Stacked` on its rows under `jax.vmap` (as
 `jax.vmap(model)(x)` does), a `jax.custom_batching.custom_vmap` rule receives
-the rows together, cuts them into microbatches and runs the schedule with the
-stage axis bound: in the device view the step's own `shard_map` binds it (each
+the rows together; when it calls it on a batch (blocks that take `(rows, ...)`,
+no `vmap`: `under_vmap` tells), the input's leading axis is the rows. Either
+way the rows are cut into microbatches and the schedule runs with the stage
+axis bound: in the device view the step's own `shard_map` binds it (each
 stage holds its layers); in the global view the stack runs a `shard_map` of its
 own over the stage and data axes. Activations move to the next stage with
 `ppermute`; the last stage's output is given to every stage with one
@@ -43,8 +45,9 @@ class PipelinedStack(eqx.Module):
     """The pipelined `Stacked` as a step's loss sees it: called like the
     `Stacked` (`stack(x)`, `stack(x, key=key)`) on a device's rows under
     `jax.vmap`, it runs the schedule over the stage axis (see the module
-    docstring). Called without `vmap`, its input is one row: the stages run it
-    as one microbatch.
+    docstring). Called without `vmap` (blocks that take a batch), its input's
+    leading axis is the rows: they are cut into microbatches the same way, and
+    each block is called on a microbatch whole.
 
     - `stacked`: the `Stacked`, its leaves as the step has them: in the device
       view this stage's layers (in chunk order for the circular schedule, the
@@ -63,17 +66,20 @@ class PipelinedStack(eqx.Module):
 
     def __call__(self, x: Any, *, key: Any = None) -> Any:
         leaves, layer = self.stacked._layer_fn(with_key=key is not None)
-        stages = self.plan.stages
+
+        if not under_vmap((x, key)):
+            # Blocks that take a batch: `x`'s leading axis is the device's rows
+            # (in the global view, the batch's), each block called on a
+            # microbatch whole.
+            micro = self.plan.pipeline.microbatches
+            return self._run(
+                layer, leaves, x, key, key_rows=False, micro=micro, per_row=False
+            )
 
         def one_row(leaves: Any, x: Any, key: Any) -> Any:
-            # Traced on one row's shapes whether or not the call is batched
-            # (run only when it is not): the row copied once per stage, so that
-            # every schedule has its microbatches.
-            rows = jax.tree.map(lambda a: jnp.broadcast_to(a, (stages, *a.shape)), x)
-            out = self._run(
-                layer, leaves, rows, key, key_rows=False, micro=stages, split=False
-            )
-            return jax.tree.map(lambda a: a[0], out)
+            # Traced for the output's type only: an unbatched call never gets
+            # here (above), a batched one runs the rule.
+            return x
 
         stack = jax.custom_batching.custom_vmap(one_row)
 
@@ -108,15 +114,16 @@ class PipelinedStack(eqx.Module):
         *,
         key_rows: bool,
         micro: int,
-        split: bool = True,
+        per_row: bool = True,
     ) -> Any:
         """The schedule on `x`'s rows (its leading dimension) in `micro`
-        microbatches (in the global view, each data shard's rows, unless not
-        `split`)."""
+        microbatches (in the global view, each data shard's rows); each block
+        called once per row (`per_row`, the loss's `vmap`) or on a whole
+        microbatch."""
         plan, pipeline = self.plan, self.plan.pipeline
         stages, repeats = plan.stages, pipeline.repeats
-        (n,) = {int(a.shape[0]) for a in jax.tree.leaves(x)}
-        data = self.manual if split else ()
+        n = _rows(x, micro)
+        data = self.manual
         if data:
             mesh = jax.sharding.get_abstract_mesh()
             n //= int(np.prod([mesh.shape[a] for a in data]))
@@ -142,6 +149,7 @@ class PipelinedStack(eqx.Module):
             key_rows=key_rows,
             remat=self.remat,
             unroll=self.stacked.unroll,
+            per_row=per_row,
             # In the global view the transpose of the schedule's own `shard_map`
             # sums the stages' input cotangents and splits the output's among
             # them (both replicated over the stage axis); in the step's, whose
@@ -167,6 +175,45 @@ class PipelinedStack(eqx.Module):
         )(leaves, x, key)
 
 
+def under_vmap(x: Any) -> bool:
+    """Whether a leaf of `x` is batched by a `jax.vmap` inside the loss (the
+    pipelined stack called on rows) or not (on a batch): a `custom_vmap` probe
+    whose rule runs only then. Its input carries no tangent (`stop_gradient`),
+    so that under differentiation it is no `custom_vmap` to linearize (which
+    JAX cannot); its result is unused."""
+    found: list[bool] = []
+
+    def nothing(x: Any) -> Any:
+        return jnp.zeros((), jnp.int32)
+
+    probe = jax.custom_batching.custom_vmap(nothing)
+
+    @probe.def_vmap
+    def rule(axis_size: int, in_batched: Any, x: Any) -> tuple[Any, bool]:
+        found.append(True)
+        return jnp.zeros((), jnp.int32), False
+
+    probe(jax.tree.map(jax.lax.stop_gradient, x))
+    return bool(found)
+
+
+def _rows(x: Any, micro: int) -> int:
+    """The rows of the stack's input `x`: the leading size shared by its
+    leaves."""
+    sizes = {int(a.shape[0]) if jnp.ndim(a) else 0 for a in jax.tree.leaves(x)}
+    if len(sizes) != 1 or 0 in sizes:
+        shapes = [tuple(jnp.shape(a)) for a in jax.tree.leaves(x)]
+        raise ValueError(
+            "pipeline: the pipelined Stacked's input has leaves of shapes "
+            f"{shapes}; every leaf needs the rows as its leading axis (one size), "
+            f"which the schedule cuts into microbatches={micro}. Outside "
+            "jax.vmap the leading axis is the rows; carry per-batch values in "
+            "the blocks, or broadcast them over the rows."
+        )
+    (n,) = sizes
+    return n
+
+
 MARKER = "eqxdist_pipeline_stack"
 """The name of the `jax.jit` a `MarkedStack` leaves where the stack is called,
 so the 1F1B schedule can cut the loss's program there."""
@@ -176,14 +223,30 @@ class MarkedStack(eqx.Module):
     """The pipelined `Stacked` as the 1F1B schedule's trace of the loss sees it:
     called on the loss's rows under `jax.vmap`, it returns its input through a
     `jax.jit` named `MARKER` (with its key as a second input) and records in
-    `seen` the input's structure and whether the key is per row. Called without
-    `vmap` it leaves no marker (the schedule then says so)."""
+    `seen` the input's structure, whether the key is per row and whether the
+    blocks take one row (`per_row`). Called without `vmap` (blocks that take a
+    batch) it marks its input the same way, the rows its leading axis."""
 
     stacked: Stacked
     seen: "Seen" = eqx.field(static=True)
 
     def __call__(self, x: Any, *, key: Any = None) -> Any:
         seen = self.seen.values
+
+        def mark(x: Any, key: Any, per_row: bool) -> Any:
+            seen["x"] = jax.tree.structure(x)
+            seen["key"] = None if key is None else jax.tree.structure(key)
+            seen["per_row"] = per_row
+
+            def eqxdist_pipeline_stack(x: Any, key: Any) -> Any:
+                return x
+
+            return jax.jit(eqxdist_pipeline_stack)(x, key)
+
+        if not under_vmap((x, key)):
+            # Blocks that take a batch: `x`'s leading axis is the rows.
+            seen["key_rows"] = False
+            return mark(x, key, per_row=False)
 
         def one_row(x: Any, key: Any) -> Any:
             return x
@@ -198,14 +261,8 @@ class MarkedStack(eqx.Module):
                 x,
                 x_batched,
             )
-            seen["x"] = jax.tree.structure(x)
-            seen["key"] = None if key is None else jax.tree.structure(key)
             seen["key_rows"] = any(jax.tree.leaves(key_batched))
-
-            def eqxdist_pipeline_stack(x: Any, key: Any) -> Any:
-                return x
-
-            out = jax.jit(eqxdist_pipeline_stack)(x, key)
+            out = mark(x, key, per_row=True)
             return out, jax.tree.map(lambda _: True, out)
 
         return stack(x, key)
@@ -346,6 +403,7 @@ class _Engine:
     num_layers: int
     key_rows: bool
     remat: Any
+    per_row: bool
     sum_input: bool
     unroll: bool = False
 
@@ -423,6 +481,7 @@ class _Engine:
             num_layers=self.num_layers,
             remat=self.remat,
             unroll=self.unroll,
+            per_row=self.per_row,
         )
 
 
@@ -437,10 +496,12 @@ def run_layers(
     num_layers: int,
     remat: Any,
     unroll: bool = False,
+    per_row: bool = True,
 ) -> Any:
     """`leaves`' layers (global layers `first`, `first + 1`, ... of a stack of
     `num_layers`) in turn on the rows `h` (each row its own call of the block,
-    as under the loss's `vmap`). With a `key` (one per row if `key_rows`), each
+    as under the loss's `vmap`; not `per_row`: one call on all of `h`, for
+    blocks that take a batch). With a `key` (one per row if `key_rows`), each
     layer gets its key as the `Stacked` would give it: `jax.random.split(key,
     num_layers)[layer]`. With `unroll`, a Python loop over the layers, not a
     scan (`loop_blocks`)."""
@@ -462,6 +523,8 @@ def run_layers(
             in_axes.append(None)
 
     def body(h: Any, layer_leaves: list[Any]) -> tuple[Any, None]:
+        if not per_row:
+            return layer(layer_leaves, h), None
         return jax.vmap(layer, in_axes=(in_axes, 0))(layer_leaves, h), None
 
     h, _ = loop_blocks(body, h, chunk, remat=remat, unroll=unroll, length=count)

@@ -189,7 +189,13 @@ class DeviceGradients:
             stages = inputs.plan.stages
             if stages is not None and stages.pipeline.schedule == "1f1b":
                 one_f_one_b = OneFOneB(
-                    loss, self._stage(full_frozen), stages, inputs.plan.specs, self.loss
+                    loss,
+                    self._stage(full_frozen),
+                    stages,
+                    inputs.plan.specs,
+                    self.loss,
+                    # The global view's loss is the whole batch's.
+                    inputs.layout.data_axes if self.options.view == "global" else None,
                 )
                 return one_f_one_b(params, inputs.model_state(state), local, key, n)
             return accumulate(loss, self.loss, params, state, local, key, n, scan)
@@ -213,15 +219,15 @@ class DeviceGradients:
         )
 
     def _stage(self, frozen: Any) -> Callable[..., Any]:
-        """Inside the step's `shard_map`: `stage(params, h, key, key_rows)`, this
-        stage's layers of the pipelined `Stacked` on the rows `h` (the 1F1B
-        schedule's stage; `params`: the trained leaves)."""
+        """Inside the step's `shard_map`: `stage(params, h, key, key_rows,
+        per_row)`, this stage's layers of the pipelined `Stacked` on the rows
+        `h` (the 1F1B schedule's stage; `params`: the trained leaves)."""
         inputs = self.inputs
         stages = inputs.plan.stages
         assert stages is not None
         remat = inputs.layout.options.remat
 
-        def stage(params: Any, h: Any, key: Any, key_rows: bool) -> Any:
+        def stage(params: Any, h: Any, key: Any, key_rows: bool, per_row: bool) -> Any:
             params = cast_floating(params, self.options.compute_dtype)
             model = inputs.model(params, frozen, pipelined=False)
             stacked = stages.where(model)
@@ -237,6 +243,7 @@ class DeviceGradients:
                 num_layers=stacked.num_layers,
                 remat=stacked.remat if remat is UNSET else remat,
                 unroll=stacked.unroll,
+                per_row=per_row,
             )
 
         return stage

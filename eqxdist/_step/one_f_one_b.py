@@ -48,6 +48,7 @@ from .._layout.stages import MARKER, Seen
 from .._metrics.tree import merge_metrics
 from .._utils import is_array
 from .accumulate import Accumulated, CheckedLoss
+from .hoist import shares
 
 IDLE, FORWARD, BACKWARD = 0, 1, 2
 
@@ -146,7 +147,10 @@ class CutLoss:
     """`loss(args)` cut at the stack: `pre(args) -> stack input leaves` and
     `post(args, stack output leaves) -> loss output leaves` (`out_tree`), both
     on the flattened `args`; `x_tree` the stack input's structure, `key` its
-    key's (`None` without one), `key_rows` whether that key is per row."""
+    key's (`None` without one), `key_rows` whether that key is per row,
+    `per_row` whether the blocks take one row (the loss's `vmap`) or a batch;
+    `jaxpr` is `post`'s program and `kinds` says what each of its inputs is
+    (`"param"`, `"batch"`, `"key"`, `"stack"`: `hoist.analyse`)."""
 
     pre: Callable[..., Any]
     post: Callable[..., Any]
@@ -154,6 +158,9 @@ class CutLoss:
     x_tree: Any
     key_tree: Any
     key_rows: bool
+    per_row: bool
+    jaxpr: Any = None
+    kinds: tuple[str, ...] = ()
 
 
 def cut(loss: Callable[..., Any], args: Any, seen: dict[str, Any]) -> CutLoss:
@@ -169,16 +176,21 @@ def cut(loss: Callable[..., Any], args: Any, seen: dict[str, Any]) -> CutLoss:
     if len(marks) != 1:
         raise ValueError(
             "pipeline (schedule='1f1b'): the loss must call the pipelined Stacked "
-            f"exactly once, on its rows under jax.vmap (as `jax.vmap(model)(x)` "
-            f"does), outside any jax.jit, jax.checkpoint or loop of its own; it is "
-            f"called {len(marks)} times so. Use schedule='gpipe', which has no such "
-            "limit, or call the model so."
+            "exactly once (on its rows under jax.vmap, as `jax.vmap(model)(x)` "
+            "does, or on a batch), outside any jax.jit, jax.checkpoint or loop of "
+            f"its own; it is called {len(marks)} times so. Use schedule='gpipe', "
+            "which has no such limit, or call the model so."
         )
     mark = jaxpr.eqns[marks[0]]
     others = [e for i, e in enumerate(jaxpr.eqns) if i != marks[0]]
     pre = _closed(closed, jaxpr.invars, list(mark.invars), _needed(others, mark.invars))
     post_eqns = _needed(others, jaxpr.outvars)
     post = _closed(closed, [*jaxpr.invars, *mark.outvars], jaxpr.outvars, post_eqns)
+    kinds = [
+        kind
+        for kind, arg in zip(("param", "batch", "key"), args, strict=True)
+        for _ in jax.tree.leaves(arg)
+    ]
     return CutLoss(
         jex.jaxpr_as_fun(pre),
         jex.jaxpr_as_fun(post),
@@ -186,6 +198,9 @@ def cut(loss: Callable[..., Any], args: Any, seen: dict[str, Any]) -> CutLoss:
         seen["x"],
         seen["key"],
         seen["key_rows"],
+        seen["per_row"],
+        post,
+        (*kinds, *["stack"] * len(mark.outvars)),
     )
 
 
@@ -226,12 +241,16 @@ class OneFOneB:
     - `marked`: `marked(params, model_state, minibatch, key, seen)`, the checked
       loss (`CheckedLoss`'s output) on a model whose pipelined stack is a
       `MarkedStack` recording into `seen`.
-    - `stage`: `stage(params, h, key, key_rows) -> h`, this stage's layers on
-      the rows `h` (`key`: the rows' keys (`key_rows`) or the stack's key, or
-      `None`).
+    - `stage`: `stage(params, h, key, key_rows, per_row) -> h`, this stage's
+      layers on the rows `h` (`key`: the rows' keys (`key_rows`) or the stack's
+      key, or `None`; `per_row`: each block called per row, else on all of
+      `h`).
     - `plan`: the pipeline; `specs`: the model's specs (`ModelPlan.specs`),
       which say which leaves are a stage's own layers.
     - `checked`: the user's loss, checked (`weighted` is read after tracing).
+    - `whole_batch`: in the global view, the data axes: the loss is the whole
+      batch's, each microbatch's `post` giving its share (`hoist`); `None` in
+      the device view.
     """
 
     marked: Callable[..., Any]
@@ -239,6 +258,7 @@ class OneFOneB:
     plan: StagePlan
     specs: Any
     checked: CheckedLoss
+    whole_batch: tuple[str, ...] | None = None
 
     def __call__(
         self, params: Any, model_state: Any, batch: Any, key: Any, n: int
@@ -291,6 +311,8 @@ class OneFOneB:
             (params, parts[0], mkeys[0]),
             seen.values,
         )
+        if self.whole_batch is not None:
+            loss = self._shares(loss, params, batch, mkeys[0], micro)
         # The microbatches' own arguments, stacked; the parameters are shared.
         rest = [
             jnp.stack(xs)
@@ -304,7 +326,9 @@ class OneFOneB:
 
         def stage(p: list[Any], h: list[Any], key: Any) -> list[Any]:
             x = jax.tree.unflatten(loss.x_tree, h)
-            out = self.stage(jax.tree.unflatten(p_tree, p), x, key, loss.key_rows)
+            out = self.stage(
+                jax.tree.unflatten(p_tree, p), x, key, loss.key_rows, loss.per_row
+            )
             return list(jax.tree.leaves(out))
 
         slots = _Slots(
@@ -316,7 +340,7 @@ class OneFOneB:
         def pre_grads(total: list[Any], a: Any) -> tuple[list[Any], None]:
             r, d = a
             _, vjp = jax.vjp(lambda p: loss.pre(*p, *r)[:n_x], p_leaves)
-            (dp,) = vjp(list(d))
+            (dp,) = vjp([_cotangent(a, a) for a in d])
             return [x + y for x, y in zip(total, dp, strict=True)], None
 
         zero = [jnp.zeros_like(x) for x in p_leaves]
@@ -336,6 +360,47 @@ class OneFOneB:
             total, weight = total + value, weight + w
             metrics = merge_metrics(metrics, more)
         return grads, total.astype(jnp.float32), weight, metrics
+
+    def _shares(
+        self, loss: CutLoss, params: Any, batch: Any, key: Any, micro: int
+    ) -> CutLoss:
+        """The global view: `loss` whose `post` gives the microbatch's share of
+        the loss of the whole minibatch (`batch` on every device: `hoist`), for
+        a mean loss times the number of shares (the schedule averages them)."""
+        axes = self.whole_batch
+        assert axes is not None
+        mesh = jax.sharding.get_abstract_mesh()
+        devices = int(np.prod([mesh.shape[a] for a in axes]))
+        slices = devices * micro
+
+        def whole_rows(x: Any) -> Any:
+            if not is_array(x) or jnp.ndim(x) == 0:
+                return x
+            return jax.ShapeDtypeStruct((x.shape[0] * devices, *x.shape[1:]), x.dtype)
+
+        seen = Seen()
+        whole = cut(
+            lambda p, b, k: self.marked(p, None, b, k, seen),
+            (params, jax.tree.map(whole_rows, batch), key),
+            seen.values,
+        )
+        weighted = bool(self.checked.weighted)
+        found = shares(loss.jaxpr, whole.jaxpr, list(loss.kinds), weighted)
+        # The whole minibatch: each device's block of it, in device order.
+        gathered = [
+            jax.lax.all_gather(x, axes, axis=0, tiled=True) if jnp.ndim(x) else x
+            for x in jax.tree.leaves(batch)
+        ]
+        hoisted = found.whole(*gathered)
+        post = loss.post
+
+        def shared(*args: Any) -> list[Any]:
+            parts = found.evaluate(hoisted, slices, *args)
+            if not weighted:
+                parts = [parts[0] * slices]
+            return [*parts, *list(post(*args))[len(parts) :]]
+
+        return dataclasses.replace(loss, post=shared)
 
     def _over_stages(self, grads: Any) -> Any:
         """The gradients of the leaves that are not a stage's own layers (those
@@ -358,6 +423,24 @@ def _seed(out: Any, loss: bool) -> Any:
     if not jnp.issubdtype(out.dtype, jnp.inexact):
         return np.zeros(out.shape, jax.dtypes.float0)
     return jnp.ones_like(out) if loss else jnp.zeros_like(out)
+
+
+def _cotangent(ct: Any, primal: Any) -> Any:
+    """A cotangent as `jax.vjp` takes it for `primal`: `float0` zeros where
+    `primal` is not floating (an integer leaf carried beside the activations:
+    a mask, positions)."""
+    if jnp.issubdtype(primal.dtype, jnp.inexact):
+        return ct
+    return np.zeros(primal.shape, jax.dtypes.float0)
+
+
+def _held(ct: Any, primal: Any) -> Any:
+    """A cotangent as the schedule's buffers and messages hold it: zeros of
+    `primal`'s dtype for a `float0` one (buffers are of the activations'
+    dtypes)."""
+    if ct.dtype == jax.dtypes.float0:
+        return jnp.zeros(primal.shape, primal.dtype)
+    return ct
 
 
 def _block(x: Any, i: int, n: int) -> Any:
@@ -426,8 +509,9 @@ class _Slots:
         return grads, dx, outs
 
     def _post(self, p: list[Any], r: list[Any], y: list[Any]) -> list[Any]:
-        out: list[Any] = self.loss.post(*p, *r, *y)
-        return out
+        # Arrays: a Python number in the metrics (a `(sum, count)` pair's
+        # count) is a literal of the traced program.
+        return [jnp.asarray(o) for o in self.loss.post(*p, *r, *y)]
 
     def _key(self, m: Any) -> Any:
         if self.loss.key_tree is None:
@@ -453,6 +537,7 @@ class _Slots:
             out, vjp = jax.vjp(lambda p, y: self._post(p, r, y), self.params, y)
             dp, dy = vjp([_seed(o, i == 0) for i, o in enumerate(out)])
             grads = [a + b for a, b in zip(grads, dp, strict=True)]
+            dy = [_held(d, v) for d, v in zip(dy, y, strict=True)]
             inbox_b = [_set(b, m % stages, v) for b, v in zip(inbox_b, dy, strict=True)]
             outs = [_set(b, m, v) for b, v in zip(outs, out, strict=True)]
             return inbox_b, grads, outs
@@ -468,8 +553,9 @@ class _Slots:
         h = [_index(b, m % stages) for b in stash]
         dy = [_index(b, m % stages) for b in inbox_b]
         key = self._key(m)
-        _, vjp = jax.vjp(lambda p, h: self.stage(p, h, key), self.params, h)
-        dp, dh = vjp(dy)
+        y, vjp = jax.vjp(lambda p, h: self.stage(p, h, key), self.params, h)
+        dp, dh = vjp([_cotangent(d, v) for d, v in zip(dy, y, strict=True)])
+        dh = [_held(d, v) for d, v in zip(dh, h, strict=True)]
         grads = [a + b for a, b in zip(grads, dp, strict=True)]
         dx = [_set_if(b, m, v, s == 0) for b, v in zip(dx, dh, strict=True)]
         return (stash, inbox_f, inbox_b, grads, dx, outs), self._zeros(), dh

@@ -57,14 +57,15 @@ class TrainMath(eqx.Module):
         wants_value = reads_value(self.optimizer, trained, opt_state)
         plan = inputs.plan
         key = jax.random.fold_in(state.key, state.step)
+        whole = _global_gradients(layout, options)
         # No mesh axis is bound where a global view's loss runs (`CheckedLoss`
         # says so); its metrics' arrays are counted (`check_summed` below).
-        axes = () if options.view == "global" else layout.reduce_axes
+        axes = () if whole else layout.reduce_axes
         loss = CheckedLoss(self.loss_fn, inputs.with_state, axes, counted=True)
         # The device view's gradients leave the map as sums; the update divides
         # them (see `ModelPlan.sum_gradients`).
         counts = plan.mean_counts(layout.mesh, axes)
-        if options.view == "global":
+        if whole:
             grads = GlobalGradients(loss, inputs, options).compute(key)
         else:
             grads = DeviceGradients(
@@ -122,16 +123,21 @@ class TrainMath(eqx.Module):
         )
         if not options.step_info:
             return new_state, (grads.metrics, None)
-        param_sums = global_sums(
-            new_params,
-            plan.specs,
-            plan.manual,
-            layout.manual_axes,
-            inputs.mesh,
-            (SQUARES,),
-        )
+        where = (plan.specs, plan.manual, layout.manual_axes, inputs.mesh)
+        param_sums = global_sums(new_params, *where, (SQUARES,))
         info = step_statistics(grads.statistics, update_sums, param_sums, skipped)
         return new_state, (grads.metrics, info)
+
+
+def _global_gradients(layout: Layout, options: StepOptions) -> bool:
+    """Whether the loss runs once on the global batch (`GlobalGradients`).
+    Not under 1F1B, which runs the loss once per microbatch on each device's
+    rows whichever the view: in the global view each microbatch's loss is its
+    share of the whole batch's (`hoist`), which the device view's sums over
+    the microbatches and devices add up."""
+    pipeline = layout.options.pipeline
+    one_f_one_b = pipeline is not None and pipeline.schedule == "1f1b"
+    return options.view == "global" and not one_f_one_b
 
 
 def _nonfinite(grads: Gradients) -> Array:

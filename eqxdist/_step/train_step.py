@@ -428,8 +428,9 @@ def make_train_step(
     - `pipeline`: an `ed.Pipeline`: the model's `ed.Stacked` split over the
       pipeline's stage axis, microbatches flowing through the stages
       (docs/guides/pipeline.md); composes with every strategy over the data
-      axes, `param_rules` over the others, and either view (`"1f1b"`: the
-      device view).
+      axes, `param_rules` over the others, and either view. The loss calls
+      the `Stacked` on its rows under `jax.vmap`, or on a batch (blocks that
+      take `(rows, ...)`): the input's leading axis is then the rows.
     - `remat`: what the backward pass keeps of every `ed.Stacked`'s blocks,
       overriding their own `remat`: `"none"`, `"full"`, `"dots"`, `"offload"` or
       a `jax.checkpoint` policy (`ed.Stacked`).
@@ -514,12 +515,6 @@ def make_train_step(
         context_axis=context_axis,
         unroll=unroll,
     )
-    if pipeline is not None and pipeline.schedule == "1f1b" and view == "global":
-        raise ValueError(
-            f"{caller}: schedule='1f1b' runs in the device view: it runs the loss "
-            "once per microbatch, out of order, on each device's rows. Use "
-            "view='device', or schedule='gpipe' (or 'circular') in the global view."
-        )
     options = StepOptions.parse(
         caller,
         view=view,

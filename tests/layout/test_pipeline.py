@@ -410,11 +410,6 @@ def test_pipeline_mistakes_are_clear_errors():
         )(state, batch)
     with pytest.raises(ValueError, match=r"unknown `remat`='some'"):
         ed.make_train_step(loss_fn, SGD, mesh, remat="some")
-    with pytest.raises(ValueError, match=r"1f1b.*device view"):
-        ed.make_train_step(
-            loss_fn, SGD, mesh, view="global",
-            pipeline=ed.Pipeline("stage", 2, schedule="1f1b"),
-        )  # fmt: skip
 
 
 @pytest.mark.slow
