@@ -97,7 +97,7 @@ from ._step.train_step import (
     make_train_step as make_train_step,
 )
 
-__version__ = "0.4.0.dev0"
+__version__ = "0.5.0.dev0"
 
 # Names that moved into a namespace in 0.4: the top-level name still works, with a
 # DeprecationWarning, for this one release.
