@@ -494,10 +494,12 @@ def _one_device_part_losses(steps: int) -> list[dict[str, float]]:
         logged = {}
         for name, where in PART_OF.items():
 
-            def part_loss(part: Any, where: Any = where, s: int = s) -> Any:
-                return loss_fn(eqx.tree_at(where, model, part), batch(s), None)[0]
+            def part_loss(part: Any, model: Any, b: Any, where: Any = where) -> Any:
+                return loss_fn(eqx.tree_at(where, model, part), b, None)[0]
 
-            value, grads = eqx.filter_value_and_grad(part_loss)(where(model))
+            value, grads = eqx.filter_value_and_grad(part_loss)(
+                where(model), model, batch(s)
+            )
             updates, opt_states[name] = PART_OPTIMIZERS[name].update(
                 grads, opt_states[name]
             )
