@@ -197,7 +197,8 @@ def parse_args() -> argparse.Namespace:
         "--compare-steps",
         type=int,
         default=8,
-        help="steps of the plain data-parallel run checked against FSDP x TP "
+        help="steps trained again from the fresh state, in the main layout and "
+        "under plain data parallelism, to check that they agree "
         "(0 skips the check)",
     )
     add(
