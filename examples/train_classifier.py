@@ -1,9 +1,11 @@
 """Train a small CNN on scikit-learn's digits with eqxdist, on 8 simulated CPU devices.
 
 The main job of eqxdist's README. The same Equinox CNN (two convolutions with
-BatchNorm, dropout, a linear head) is trained three ways, each with
+BatchNorm, dropout, a linear head) is trained four ways, each with
 `eqxdist.make_train_step`: on one device (the reference), data parallel (`dp`) and
-fully sharded (`fsdp`) over 8 devices, with gradient accumulation and, optionally,
+fully sharded (`fsdp`) over 8 devices, and once more on one device with the rows
+of each minibatch in another order (`reorder`: the floating-point noise floor the
+others are measured against), with gradient accumulation and, optionally,
 bfloat16 compute. It reads the training rows through `eqxdist.BatchLoader` (the
 batch of a step depends only on the seed and the step). Every epoch it evaluates on
 a held-out set of 359 examples (not a multiple of 8) with `eqxdist.make_eval_step` —

@@ -37,7 +37,9 @@ With `--context-parallel N` every sequence is split over the N devices of a
 of each of its rows (balanced for causal attention), finds their positions with
 `ed.context_positions`, and attention (`ed.attention`, on one device
 `jax.nn.dot_product_attention`) passes keys and values round the ring, so no
-device holds a whole sequence. `--chunked-loss C` computes the head's logits C
+device holds a whole sequence. It composes with `--pipeline-parallel` (`{"stage",
+"data", "context"}`: each stage's blocks run ring attention over its own
+`"context"` devices). `--chunked-loss C` computes the head's logits C
 rows at a time (`ed.linear_cross_entropy`), never all of them.
 
 The loss function is written for one device and full-size arrays; eqxdist places
@@ -46,20 +48,22 @@ the script prints the layout, a progress bar with the loss, perplexity, gradient
 norm (`step_info=True`), tokens/s (and MFU on a GPU or TPU), writes them with the
 real-token count of each logged step to OUT/metrics.jsonl and TensorBoard, then
 prints held-out perplexity and a sample of generated text. Last, it trains the
-same model under plain data parallelism (8 devices, so every device sees other
-rows and other numbers of real tokens) for a few steps on the same batches and
-checks that both give the same parameters: an equal-weight mean of per-device
-losses would not.
+same model for `--compare-steps` steps from the fresh state twice, in the main
+run's layout and under plain data parallelism (8 devices, so every device sees
+other rows and other numbers of real tokens), on the same batches, and checks
+that both give the same parameters: an equal-weight mean of per-device losses
+would not.
 
     python examples/transformer_lm.py [--steps 600] [--d-model 64] [--layers 2] [--bf16]
     python examples/transformer_lm.py --pipeline-parallel 2 --microbatches 4 \
         --schedule 1f1b --layers 4 [--remat full]
     python examples/transformer_lm.py --context-parallel 8 --seq-len 16384 \
         --batch-size 1 --min-len 8192 --chunked-loss 4096 --compare-steps 0
+    python examples/transformer_lm.py --pipeline-parallel 2 --context-parallel 2 \
+        --layers 4
 """
 
 import argparse
-import math
 import shutil
 import sys
 import time
@@ -193,7 +197,8 @@ def parse_args() -> argparse.Namespace:
         "--compare-steps",
         type=int,
         default=8,
-        help="steps of the plain data-parallel run checked against FSDP x TP "
+        help="steps trained again from the fresh state, in the main layout and "
+        "under plain data parallelism, to check that they agree "
         "(0 skips the check)",
     )
     add(
@@ -228,8 +233,6 @@ def resolve_parallelism(
     stages, context = args.pipeline_parallel, args.context_parallel
     if stages < 1 or context < 1:
         parser.error("--pipeline-parallel and --context-parallel must be >= 1")
-    if stages > 1 and context > 1:
-        parser.error("this example splits either the blocks or the sequence")
     if args.seq_len % (2 * context):
         parser.error(
             f"--seq-len {args.seq_len} must be a multiple of 2 x --context-parallel "
@@ -318,7 +321,12 @@ def token_metrics(
         )  # fmt: skip
         # The token mean as a weighted mean of one value per device.
         mean = jnp.where(count > 0, loss_sum / jnp.maximum(count, 1.0), 0.0)
-        metrics = {"loss": ed.metrics.Mean().update(mean[None], count[None])}
+        loss = ed.metrics.Mean().update(mean[None], count[None])
+        # Perplexity is exp of the token-weighted mean NLL, the state it keeps
+        # (`nll`): that mean is the loss here, as the logits it reads are never
+        # whole.
+        perplexity = eqx.tree_at(lambda p: p.nll, ed.metrics.Perplexity(), loss)
+        metrics = {"loss": loss, "perplexity": perplexity}
     else:
         # The softmax in float32 whatever the compute dtype (`--bf16`).
         logits = jax.vmap(lambda t: model(t, positions))(inputs).astype(jnp.float32)
@@ -511,12 +519,13 @@ def describe_layout(step: ed.TrainStep, state: ed.TrainState) -> None:
 
 def layout_name() -> str:
     """The main run's layout, in words."""
+    names = [] if ARGS.pipeline is None else [f"{ARGS.schedule} pipeline"]
     if CONTEXT is not None:
-        return "context-parallel x FSDP"
-    if ARGS.pipeline is None:
-        return "FSDP x TP"
-    tp = " x TP" if ARGS.tensor_parallel > 1 else ""
-    return f"{ARGS.schedule} pipeline x FSDP{tp}"
+        names.append("context-parallel")
+    names.append("FSDP")
+    if ARGS.tensor_parallel > 1:
+        names.append("TP")
+    return " x ".join(names)
 
 
 def main_layout() -> tuple[Any, dict[str, Any]]:
@@ -563,9 +572,9 @@ def describe_pipeline() -> None:
 
 def train_main(
     source: Windows, vocab: str, held_out: dict[str, np.ndarray]
-) -> list[np.ndarray] | None:
-    """The main run; returns the parameters after `--compare-steps` steps (or
-    `None` when resuming past them)."""
+) -> tuple[ed.TrainStep, Any]:
+    """The main run, one `train_loop` from step 0 (or with --resume from the
+    latest checkpoint); returns its step and mesh."""
     mesh, layout = main_layout()
     optimizer = make_optimizer()
     step = ed.make_train_step(
@@ -592,7 +601,7 @@ def train_main(
     out = Path(ARGS.out)
     if not ARGS.resume:
         shutil.rmtree(out / "checkpoints", ignore_errors=True)
-    snapshot, start = None, time.perf_counter()
+    start = time.perf_counter()
     with (
         ed.BatchLoader(
             source, ARGS.batch_size, mesh, seed=ARGS.seed, context_axis=CONTEXT
@@ -607,37 +616,24 @@ def train_main(
             ]
         ) as writer,
     ):
-        run = {
-            "writer": writer,
-            "checkpoints": manager,
-            "log_every": ARGS.log_every,
-            # Positions computed, padding included (what the devices work on).
-            "tokens_per_step": ARGS.batch_size * ARGS.seq_len,
-            "show": ("loss", "perplexity", "grad_norm", "tokens_per_sec", "mfu"),
-        }
-        if manager.latest_step() is None and ARGS.compare_steps > 0:
-            # Stop once to keep the parameters for the data-parallel check.
-            first = ed.train_loop(
-                step, state, loader, ARGS.steps, **run, stop_at=ARGS.compare_steps
-            )
-            snapshot = host_params(first.state.model)
-            state = first.state  # the step donated the buffers of the first
         result = ed.train_loop(
-            step, state, loader, ARGS.steps, **run, stop_at=ARGS.stop_at
-        )
+            step, state, loader, ARGS.steps, writer=writer, checkpoints=manager,
+            log_every=ARGS.log_every, stop_at=ARGS.stop_at,
+            # Positions computed, padding included (what the devices work on).
+            tokens_per_step=ARGS.batch_size * ARGS.seq_len,
+            show=("loss", "perplexity", "grad_norm", "tokens_per_sec", "mfu"),
+        )  # fmt: skip
     report(result, evaluate(result.state, held_out).compute(), held_out, start)
     if ARGS.sample_chars > 0:
         print("sample: " + repr(generate(result.state.model, vocab, "Shall I ")))
-    return snapshot
+    return step, mesh
 
 
 def report(
     result: ed.LoopResult, held: Any, held_out: dict[str, Any], start: float
 ) -> None:
     """Held-out loss and perplexity, and the throughput of the last log point."""
-    loss = float(held["loss"])
-    # The chunked loss never holds the logits Perplexity reads: exp of the mean.
-    perplexity = float(held["perplexity"]) if "perplexity" in held else math.exp(loss)
+    loss, perplexity = float(held["loss"]), float(held["perplexity"])
     print(
         f"trained to step {result.step} in {time.perf_counter() - start:.1f}s; "
         f"held-out loss {loss:.4f}, perplexity "
@@ -681,6 +677,20 @@ def generate(model: TransformerLM, vocab: str, prompt: str) -> str:
         tokens.append(token)
         text += vocab[token]
     return text
+
+
+def first_steps(step: ed.TrainStep, mesh: Any, source: Windows, vocab: str) -> Any:
+    """The parameters of `--compare-steps` steps of `step` from the fresh state,
+    on `mesh`'s loader's batches: a short run of its own, so that the main run
+    stays one `train_loop` (a fresh --out trains from step 0 and a resumed run is
+    checked too)."""
+    state = initial_state(step, len(vocab) + 1, make_optimizer())
+    loader = ed.BatchLoader(
+        source, ARGS.batch_size, mesh, seed=ARGS.seed, context_axis=CONTEXT
+    )
+    for i in range(ARGS.compare_steps):
+        state, _ = step(state, loader.batch(i))
+    return host_params(state.model)
 
 
 def compare_with_dp(source: Windows, vocab: str, expected: list[np.ndarray]) -> bool:
@@ -736,11 +746,11 @@ def main() -> None:
         ARGS.min_len,
         pad_id=len(vocab),
     )
-    snapshot = train_main(source, vocab, held_out_batch(held_out))
-    if snapshot is None and ARGS.compare_steps > 0:
-        print("resumed past --compare-steps: no data-parallel check in this run")
-    if snapshot is not None and not compare_with_dp(source, vocab, snapshot):
-        sys.exit(1)
+    step, mesh = train_main(source, vocab, held_out_batch(held_out))
+    if ARGS.compare_steps > 0:
+        snapshot = first_steps(step, mesh, source, vocab)
+        if not compare_with_dp(source, vocab, snapshot):
+            sys.exit(1)
 
 
 if __name__ == "__main__":

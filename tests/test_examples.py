@@ -144,11 +144,15 @@ def test_dcgan_parts_equal_one_device(
     )  # fmt: skip
     assert out.returncode == 0, out.stdout + out.stderr
     found = re.search(
-        r"largest parameter difference from one device: (\S+)", out.stdout
+        r"largest parameter difference from one device: (\S+) "
+        r"\(tolerance 5e-04, sgd\): parameters agree",
+        out.stdout,
     )
     assert found is not None, out.stdout
     assert float(found.group(1)) < 1e-5
     assert "after 3 steps (6 part steps)" in out.stdout
+    # The loop's default `show` prints both parts' losses.
+    assert re.search(r"^step 3/3  disc/loss \S+  gen/loss \S+$", out.stdout, re.M)
     assert (tmp_path / "checkpoints").is_dir()
 
 

@@ -147,12 +147,22 @@ class _Logger:
         self.logs.append((s, values))
         if self.run.writer is not None:
             self.run.writer.write(s, values)
-        shown = {k: v for k, v in values.items() if k in self.run.show}
-        self.run.progress.update(s, shown)
+        self.run.progress.update(s, _shown(values, self.run.show))
 
     def seconds_per_step(self) -> float:
         times = self.intervals
         return statistics.median(times) if times else float("nan")
+
+
+def _shown(values: dict[str, float], show: tuple[str, ...]) -> dict[str, float]:
+    """The values `show` names, in logged order: a name matches a value of that
+    name under any prefix, so that `"loss"` shows each part's loss (`disc/loss`,
+    `gen/loss`) of a loop over a model's parts, as it shows a single step's."""
+    return {
+        k: v
+        for k, v in values.items()
+        if any(k == name or k.endswith(f"/{name}") for name in show)
+    }
 
 
 @dataclasses.dataclass
@@ -326,7 +336,9 @@ def train_loop(
       the step's matrix products (`TrainStep.cost`'s `"model_flops"`) when the
       devices' peak is known; `None`: no MFU.
     - `progress`, `name`, `show`: the `Progress` display (`None`: a bar on a
-      terminal), its label and the logged values it shows.
+      terminal), its label and the logged values it shows; a name in `show`
+      also matches that name under any prefix, so the default `("loss",)` shows
+      every part's loss of a dict of steps (`disc/loss`, `gen/loss`).
     - `watchdog_timeout`: end the process with every thread's stack and status 1
       when no step completes for this many seconds (armed after the first step,
       which compiles). `None`: no watchdog.

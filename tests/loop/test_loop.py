@@ -474,3 +474,82 @@ def test_logs_step_info_grad_norm(mesh8: Any, tmp_path: Path) -> None:
     np.testing.assert_allclose(
         row["param_norm"], float(optax.tree.norm(new)), rtol=1e-5
     )
+
+
+PART_OPTIMIZERS = {"first": optax.sgd(0.1), "last": optax.sgd(0.05)}
+PART_OF = {"first": lambda m: m.layers[0], "last": lambda m: m.layers[1]}
+
+
+def _one_device_part_losses(steps: int) -> list[dict[str, float]]:
+    """Plain Equinox and Optax: each loop step, the part `first`'s SGD step then
+    `last`'s on the same batch; the loss each step computed (before its
+    update), as the part steps' `loss` metric holds it."""
+    model = make_state().model
+    opt_states = {
+        name: PART_OPTIMIZERS[name].init(eqx.filter(where(model), eqx.is_array))
+        for name, where in PART_OF.items()
+    }
+    losses = []
+    for s in range(steps):
+        logged = {}
+        for name, where in PART_OF.items():
+
+            def part_loss(part: Any, model: Any, b: Any, where: Any = where) -> Any:
+                return loss_fn(eqx.tree_at(where, model, part), b, None)[0]
+
+            value, grads = eqx.filter_value_and_grad(part_loss)(
+                where(model), model, batch(s)
+            )
+            updates, opt_states[name] = PART_OPTIMIZERS[name].update(
+                grads, opt_states[name]
+            )
+            model = eqx.tree_at(where, model, eqx.apply_updates(where(model), updates))
+            logged[f"{name}/loss"] = float(value)
+        losses.append(logged)
+    return losses
+
+
+def test_default_show_prints_every_parts_loss(
+    mesh8: Any, tmp_path: Path, capsys: Any
+) -> None:
+    """A loop over part steps logs `first/loss` and `last/loss`: the default
+    `show=("loss",)` prints both (each the single-device loss of its part step),
+    and an explicit `show` still prints only what it names."""
+    steps = {
+        name: ed.make_train_step(loss_fn, PART_OPTIMIZERS, mesh8, part=name)
+        for name in PART_OF
+    }
+
+    def state() -> ed.TrainState:
+        model = make_state().model
+        return ed.TrainState.create(
+            model, PART_OPTIMIZERS, jax.random.key(1), parts=PART_OF
+        )
+
+    with ed.JsonlWriter(tmp_path / "m.jsonl") as writer:
+        ed.train_loop(steps, state(), batch, 2, writer=writer, log_every=1,
+                      progress=False)  # fmt: skip
+    lines = capsys.readouterr().out.splitlines()
+    expected = _one_device_part_losses(2)
+    assert len(lines) == 2
+    for s, (line, want) in enumerate(zip(lines, expected, strict=True)):
+        shown = re.fullmatch(
+            rf"step {s + 1}/2  first/loss (\S+)  last/loss (\S+)", line
+        )
+        assert shown is not None, line
+        # Printed to 4 significant digits.
+        np.testing.assert_allclose(
+            [float(v) for v in shown.groups()], list(want.values()), rtol=1e-3
+        )
+    for row, want in zip(logged(tmp_path / "m.jsonl"), expected, strict=True):
+        np.testing.assert_allclose(
+            [row["first/loss"], row["last/loss"]], list(want.values()), rtol=1e-5
+        )
+
+    ed.train_loop(steps, state(), batch, 2, log_every=1, progress=False,
+                  show=("last/loss",))  # fmt: skip
+    lines = capsys.readouterr().out.splitlines()
+    assert [re.sub(r"last/loss \S+", "last/loss X", x) for x in lines] == [
+        "step 1/2  last/loss X",
+        "step 2/2  last/loss X",
+    ]
