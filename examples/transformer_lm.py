@@ -262,6 +262,13 @@ def resolve_parallelism(
             )
         except ValueError as e:
             parser.error(str(e))
+        if context > 1 and args.schedule == "1f1b":
+            # make_train_step refuses the pair: 1F1B's stages run forward and
+            # backward passes at once, whose ring collectives do not pair up.
+            parser.error(
+                "--schedule 1f1b does not go with --context-parallel > 1: use "
+                "--schedule gpipe or circular (with --repeats > 1)"
+            )
         rows = args.batch_size // (args.data_parallel * args.minibatches)
         if rows % micro:
             parser.error(

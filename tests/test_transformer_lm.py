@@ -97,6 +97,12 @@ def test_help_describes_every_option(script_env: dict[str, str]) -> None:
     bad = _run(script_env, "--schedule", "1f1b")
     assert bad.returncode != 0
     assert "add --pipeline-parallel N" in bad.stderr
+    bad = _run(
+        script_env,
+        *("--pipeline-parallel", "2", "--context-parallel", "2", "--schedule", "1f1b"),
+    )
+    assert bad.returncode != 0
+    assert "--schedule 1f1b does not go with --context-parallel" in bad.stderr
 
 
 @pytest.mark.slow

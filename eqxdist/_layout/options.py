@@ -237,3 +237,28 @@ def _check_rules_spare(
                 f"{caller}: param_rules ({pattern!r}: {spec}) name the {what} "
                 f"{axis!r}; {_WHY_SPARE[what]}"
             )
+
+
+def check_schedule_context(
+    caller: str, pipeline: Pipeline | None, context_axis: str | None
+) -> None:
+    """A `ValueError` for the 1F1B schedule with a context axis (a training step;
+    an evaluation runs the pipeline's forward pass, with no such limit).
+
+    1F1B runs, in the same slot, a forward pass on one stage and a backward pass
+    on another (`lax.switch` on the stage): their ring attention's `ppermute`s
+    over the context axis are collectives that only some devices reach, and XLA
+    pairs them with the schedule's own `ppermute` over the stage axis, so a
+    stage receives the wrong activations and training is silently wrong. GPipe
+    and the circular schedule run the same program on every stage."""
+    if pipeline is None or context_axis is None or pipeline.schedule != "1f1b":
+        return
+    raise ValueError(
+        f"{caller}: pipeline=ed.Pipeline(..., schedule='1f1b') with "
+        f"context_axis={context_axis!r} is not supported: 1F1B runs forward and "
+        "backward passes on different stages at once, and the ring attention's "
+        f"collectives over {context_axis!r} inside them do not pair up across "
+        "stages (the gradients would be wrong). Use schedule='gpipe' or "
+        "schedule='circular' (with repeats > 1) with a context axis, or drop "
+        "context_axis to keep 1F1B."
+    )

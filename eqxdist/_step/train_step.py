@@ -14,7 +14,7 @@ from .._data_parallel import place
 from .._hlo import compiled_cost
 from .._jaxpr import matmul_flops
 from .._layout.layout import Layout, describe_state
-from .._layout.options import LayoutOptions
+from .._layout.options import LayoutOptions, check_schedule_context
 from .._layout.pipeline import Pipeline, with_data_axis
 from .._layout.remat import UNSET
 from .._metrics.tree import without_counts
@@ -446,7 +446,8 @@ def make_train_step(
       bound, and the loss, gradients and metrics add up over it as over the data
       axes. In the global view the loss sees whole sequences in their order
       (positions `jnp.arange`); `ed.attention(..., context_axis=...)` shards
-      itself. docs/guides/long_context.md.
+      itself. Not with `schedule="1f1b"` (a `ValueError`): use GPipe or the
+      circular schedule. docs/guides/long_context.md.
 
     **Weighted losses.** `loss_fn` may return, in place of the scalar loss, a
     pair `(loss_sum, weight)` of scalars: e.g. the summed loss of a minibatch's
@@ -515,6 +516,7 @@ def make_train_step(
         context_axis=context_axis,
         unroll=unroll,
     )
+    check_schedule_context(caller, pipeline, context_axis)
     options = StepOptions.parse(
         caller,
         view=view,

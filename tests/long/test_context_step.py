@@ -280,3 +280,103 @@ def test_an_evaluation_with_a_context_axis(view):
     if view == "device":
         with pytest.raises(ValueError, match="per_row=True with context_axis"):
             ed.make_eval_step(eval_fn, mesh, context_axis="context", per_row=True)
+
+
+class AttentionBlock(eqx.Module):
+    """One causal attention layer with a residual, on one row `(length, D)`:
+    ring attention over `context_axis`, or on one device (`None`) JAX's."""
+
+    qkv: jax.Array
+    out: jax.Array
+    context_axis: str | None = eqx.field(static=True)
+
+    def __init__(self, key: jax.Array, context_axis: str | None) -> None:
+        k = jax.random.split(key)
+        self.qkv = jax.random.normal(k[0], (D, 3 * D)) / math.sqrt(D)
+        self.out = jax.random.normal(k[1], (D, D)) / math.sqrt(D)
+        self.context_axis = context_axis
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        q, k, v = (
+            a.reshape(x.shape[0], H, D // H) for a in jnp.split(x @ self.qkv, 3, -1)
+        )
+        if self.context_axis is None:
+            mixed = jax.nn.dot_product_attention(q, k, v, is_causal=True)
+        else:
+            mixed = ed.attention(q, k, v, causal=True, context_axis=self.context_axis)
+        return x + mixed.reshape(x.shape) @ self.out
+
+
+class StackedLM(eqx.Module):
+    """Embeddings, an `ed.Stacked` of attention blocks (the pipelined part), a
+    linear head."""
+
+    embed: jax.Array
+    pos: jax.Array
+    blocks: ed.Stacked
+    head: jax.Array
+
+    def __init__(self, context_axis: str | None, layers: int = 2) -> None:
+        k = jax.random.split(jax.random.key(3), 4)
+        self.embed = jax.random.normal(k[0], (V, D)) * 0.5
+        self.pos = jax.random.normal(k[1], (T, D)) * 0.5
+        keys = jax.random.split(k[2], layers)
+        self.blocks = ed.Stacked([AttentionBlock(j, context_axis) for j in keys])
+        self.head = jax.random.normal(k[3], (V, D)) / math.sqrt(D)
+
+    def logits(self, tokens: jax.Array, positions: jax.Array) -> jax.Array:
+        x = self.embed[tokens] + self.pos[positions]
+        return jax.vmap(self.blocks)(x) @ self.head.T
+
+
+def stacked_device_loss(model: StackedLM, batch: dict, key) -> tuple:
+    positions = ed.context_positions(batch["tokens"].shape[1], "context")
+    logits = model.logits(batch["tokens"], positions)
+    return ed.cross_entropy(logits, batch["targets"], weights=batch["mask"]), {}
+
+
+def stacked_reference_loss(model: StackedLM, batch: dict, key) -> jax.Array:
+    logits = model.logits(batch["tokens"], jnp.arange(batch["tokens"].shape[1]))
+    losses = optax.softmax_cross_entropy_with_integer_labels(logits, batch["targets"])
+    return jnp.sum(losses * batch["mask"]) / jnp.sum(batch["mask"])
+
+
+PIPELINE_MESH = {"stage": 2, "data": 2, "context": 2}
+
+
+def test_pipeline_stages_with_ring_attention_train_as_on_one_device():
+    """GPipe over a "stage" axis, each stage's blocks running ring attention over
+    its own "context" devices: the parameters of the same training on one
+    device."""
+    mesh = ed.create_device_mesh(PIPELINE_MESH)
+    optimizer = optax.sgd(0.5)
+    step = ed.make_train_step(
+        stacked_device_loss, optimizer, mesh, context_axis="context",
+        pipeline=ed.Pipeline("stage", 2, schedule="gpipe"), min_weight_size=0,
+    )  # fmt: skip
+    state = ed.TrainState.create(StackedLM("context"), optimizer, jax.random.key(2))
+    data = batches(2)
+    for batch in data:
+        state, _ = step(state, batch)
+    want = train_one_device(StackedLM(None), data, optimizer, stacked_reference_loss)
+    _close(eqx.filter(state.model, eqx.is_array), eqx.filter(want.model, eqx.is_array))
+
+
+@pytest.mark.parametrize("view", ["device", "global"])
+def test_1f1b_with_a_context_axis_is_a_clear_error(view):
+    """1F1B runs a forward pass on one stage while another runs a backward
+    pass; their ring attention's collectives over the context axis then pair up
+    with the wrong ones across stages (the trained parameters were silently
+    wrong): `make_train_step` refuses the pair and names the schedules that
+    work."""
+    mesh = ed.create_device_mesh(PIPELINE_MESH)
+    pipeline = ed.Pipeline("stage", 2, schedule="1f1b")
+    with pytest.raises(ValueError) as info:
+        ed.make_train_step(
+            stacked_device_loss, optax.sgd(0.5), mesh, context_axis="context",
+            pipeline=pipeline, view=view,
+        )  # fmt: skip
+    message = str(info.value)
+    for part in ("make_train_step", "schedule='1f1b'", "'context'", "'gpipe'"):
+        assert part in message, part
+    assert "'circular'" in message
