@@ -335,6 +335,7 @@ def test_a_writer_of_ones_own(mesh8: Any) -> None:
 def test_profile_and_compilation_cache(mesh8: Any, tmp_path: Path) -> None:
     step = ed.make_train_step(loss_fn, OPTIMIZER, mesh8)
     before = jax.config.jax_compilation_cache_dir
+    min_seconds = jax.config.jax_persistent_cache_min_compile_time_secs
     try:
         ed.train_loop(
             step, make_state(), batch, 4, profile_steps=(1, 3),
@@ -342,8 +343,9 @@ def test_profile_and_compilation_cache(mesh8: Any, tmp_path: Path) -> None:
             progress=False,
         )  # fmt: skip
         assert jax.config.jax_compilation_cache_dir == str(tmp_path / "cache")
-    finally:
+    finally:  # conftest's cache, as it was
         jax.config.update("jax_compilation_cache_dir", before)
+        jax.config.update("jax_persistent_cache_min_compile_time_secs", min_seconds)
     assert list((tmp_path / "trace").rglob("*.xplane.pb"))
 
 
