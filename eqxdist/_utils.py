@@ -165,13 +165,14 @@ def checked_first(
         def checked(*args: Any, **kwargs: Any) -> Any:
             for check in whole:
                 check(*args, **kwargs)
-            try:
-                given = signature.bind(*args, **kwargs).arguments
-            except TypeError:  # Python's own error, from the call below
-                given = {}
-            for name, check_one in checks.items():
-                if name in given:
-                    check_one(given[name], caller, name)
+            if checks:  # binding costs a signature walk; only when one is named
+                try:
+                    given = signature.bind(*args, **kwargs).arguments
+                except TypeError:  # Python's own error, from the call below
+                    given = {}
+                for name, check_one in checks.items():
+                    if name in given:
+                        check_one(given[name], caller, name)
             return fn(*args, **kwargs)
 
         return cast(_F, checked)
