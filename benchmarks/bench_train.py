@@ -177,7 +177,8 @@ def _eqxdist(
         num_minibatches=case["minibatches"],
         min_weight_size=MIN_WEIGHT_SIZE,
         max_steps_in_flight=IN_FLIGHT,
-        fsdp_linears=linears,
+        # Only FSDP takes the option (given under "dp", it is an error).
+        fsdp_linears=linears if strategy == "fsdp" else None,
     )
     state = ed.TrainState.create(case["model"], optimizer, jax.random.key(3))
     batch = ed.shard_batch(case["batch"], ed.create_data_parallel_sharding(mesh))
