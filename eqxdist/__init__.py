@@ -36,6 +36,7 @@ from ._layout.fsdp import (
     shard_params as shard_params,
     sync_gradients as sync_gradients,
 )
+from ._layout.layout import Layout as Layout
 from ._layout.pipeline import Pipeline as Pipeline
 from ._layout.rules import fsdp_specs as fsdp_specs
 from ._layout.sequential import FSDPSequential as FSDPSequential

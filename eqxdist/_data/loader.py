@@ -2,23 +2,18 @@
 `(seed, step)`, read by each process for its own devices only."""
 
 import itertools
-import math
 import threading
 from collections.abc import Iterator
 from typing import Any
 
 import jax
 import numpy as np
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from jax.sharding import Mesh, NamedSharding
 from jaxtyping import PyTree
 
-from .._data_parallel import create_data_parallel_sharding
+from .._layout.layout import Layout, check_layout, resolve_layout
 from .._utils import (
-    AxisName,
     Closing,
-    axis_names,
-    check_axis_in_mesh,
-    check_mesh,
     checked_first,
     plural,
     typecheck,
@@ -76,8 +71,8 @@ def _check_step(step: Any, caller: str) -> None:
 
 
 class BatchLoader(Closing):
-    """Batches of a map-style data set for a step on `mesh`, each process reading
-    only the rows its own devices hold.
+    """Batches of a map-style data set for a step of `layout`, each process
+    reading only the rows its own devices hold.
 
     The global batch of step `s` is a pure function of `(seed, s)`: step `s` is
     batch `s % steps_per_epoch` of epoch `s // steps_per_epoch`, whose rows are
@@ -95,19 +90,17 @@ class BatchLoader(Closing):
       `__getitem__(indices: np.ndarray) -> pytree of arrays` with `len(indices)`
       rows.
     - `global_batch_size`: rows per step over all devices; a multiple of the
-      number of devices along `data_axis`.
-    - `mesh`: the step's mesh.
-    - `data_axis`: the mesh axis (or tuple of axes, in mesh order, e.g.
-      `("replica", "data")`) the rows are split over, as in the step.
+      number of devices along the layout's data axes.
+    - `layout`: the step's `ed.Layout`: every leaf is placed as the step takes
+      it, its rows over the data axes and, with a context axis, leaves of rank
+      >= 2 sharded over it along dimension 1 (in their natural order; a
+      device-view step puts its block in the balanced order itself). Or, as in
+      v0.4, a mesh with the layout's keywords beside it (`data_axis`,
+      `context_axis`, ...).
     - `seed`: the shuffling seed (>= 0).
     - `shuffle`: `False` reads the rows in order, epoch after epoch.
     - `prefetch`: how many batches `iterate` reads and places ahead of the
       consumer in a background thread; `0` reads each batch when it is asked for.
-    - `context_axis`: a mesh axis (not a data axis) that sequences are split
-      over, as `make_train_step(..., context_axis=...)` splits them: leaves of
-      rank >= 2 are placed sharded over it along dimension 1 (in their natural
-      order; a device-view step puts its block in the balanced order itself),
-      leaves of rank 1 over the data axes only. `None`: rows only.
     - `drop_remainder`: `True` drops the last `len(source) % global_batch_size`
       rows of each epoch's order (a different set every epoch when shuffled).
       `False` keeps them: the epoch's last batch is filled up to
@@ -120,15 +113,15 @@ class BatchLoader(Closing):
 
     `ValueError` for an empty source, leaves of unequal length, a
     `global_batch_size` below 1, not divisible by the devices along `data_axis`
-    or (with `drop_remainder`) larger than the data set, a `data_axis` not in the
-    mesh, or a negative `seed` or `prefetch`; `TypeError` for a source that is
-    neither a pytree of arrays nor indexable.
+    or (with `drop_remainder`) larger than the data set, or a negative `seed` or
+    `prefetch`; the `ed.Layout` errors for its keywords; `TypeError` for a
+    source that is neither a pytree of arrays nor indexable.
 
     !!! Example
 
         ```python
         data = {"x": np.ones((1000, 8), np.float32), "y": np.zeros(1000, np.int32)}
-        with ed.BatchLoader(data, 64, mesh, seed=0) as loader:
+        with ed.BatchLoader(data, 64, layout, seed=0) as loader:
             for step, batch in loader.iterate(int(state.step)):
                 if step == num_steps:
                     break
@@ -136,38 +129,30 @@ class BatchLoader(Closing):
         ```
     """
 
-    @checked_first(mesh=check_mesh)
+    @checked_first(layout=check_layout)
     @typecheck
     def __init__(
         self,
         source: Any,
         global_batch_size: int,
-        mesh: Mesh,
+        layout: Layout | Mesh | None = None,
         *,
-        data_axis: AxisName = "data",
         seed: int = 0,
         shuffle: bool = True,
         prefetch: int = 2,
         drop_remainder: bool = True,
-        context_axis: str | None = None,
+        **layout_keywords: Any,
     ) -> None:
         caller = "BatchLoader"
+        self.layout = resolve_layout(caller, layout, layout_keywords)
         self.source = as_source(source, caller)
         size = len(self.source)
         self.global_batch_size = global_batch_size
-        self.sharding = create_data_parallel_sharding(mesh, data_axis)
-        self.sequence_sharding = self.sharding
-        if context_axis is not None:
-            check_axis_in_mesh(mesh, context_axis, caller, "context_axis")
-            if context_axis in axis_names(data_axis):
-                raise ValueError(
-                    f"{caller}: `context_axis`={context_axis!r} is also a data axis "
-                    f"({data_axis!r}); rows are split over the data axes, sequences "
-                    "over the context axis: name different axes."
-                )
-            rows = self.sharding.spec[0]
-            self.sequence_sharding = NamedSharding(mesh, P(rows, context_axis))
-        devices = math.prod(mesh.shape[a] for a in axis_names(data_axis))
+        self.sharding = self.layout.batch_sharding
+        devices = self.layout.num_shards
+        data_axis = self.layout.batch_spec[0]
+        # Every leaf placed alike (no context axis): one call places the tree.
+        self._uniform = self.layout.leaf_spec(2) == self.layout.batch_spec
         if size < 1:
             raise ValueError(f"{caller}: `source` is empty; it needs at least 1 row.")
         if global_batch_size < 1 or global_batch_size % devices:
@@ -227,15 +212,12 @@ class BatchLoader(Closing):
             error.add_note(f"BatchLoader: raised reading the rows of step {step}.")
             raise
         local = check_read(local, len(rows), step, "BatchLoader")
-        if (
-            self.sharding.is_fully_addressable
-            and self.sequence_sharding is self.sharding
-        ):
+        if self.sharding.is_fully_addressable and self._uniform:
             # Every row is local: one call places the whole tree at once.
             return jax.make_array_from_process_local_data(self.sharding, local)
         return jax.tree.map(
             lambda x: jax.make_array_from_process_local_data(
-                self.sequence_sharding if np.ndim(x) >= 2 else self.sharding,
+                self.layout.leaf_sharding(max(1, np.ndim(x))),
                 x,
                 (self.global_batch_size, *np.shape(x)[1:]),
             ),

@@ -2,7 +2,6 @@
 axis, run with `jax.lax.scan` (or, with `unroll=True`, a Python loop over the
 layers), whose FSDP all-gathers run one layer ahead."""
 
-import copy
 import dataclasses
 import functools
 from collections.abc import Callable, Sequence
@@ -17,7 +16,7 @@ from jaxtyping import PyTree
 
 from .._utils import is_array, is_array_like
 from .fsdp import axis_is_bound, gather_leaf
-from .remat import LEGACY, UNSET, check_remat, check_unroll, loop_blocks
+from .remat import LEGACY, check_remat, check_unroll, loop_blocks
 from .rules import FsdpRule, SelfGathering, has_fsdp_modules
 
 
@@ -236,20 +235,6 @@ class Stacked(SelfGathering):
             return block(x, key=layer_leaves[num_params])
 
         return leaves, layer
-
-    def _with_options(self, *, remat: Any = UNSET, unroll: Any = None) -> "Stacked":
-        """This stack with another `remat` (normal form, `check_remat`; `UNSET`:
-        its own) and `unroll` (`None`: its own): what `make_train_step(...,
-        remat=..., unroll=...)` gives the loss. Only static fields change, so
-        the layers are the same arrays."""
-        new = copy.copy(self)
-        if remat is not UNSET:
-            object.__setattr__(new, "remat", remat)
-            if remat not in (None, LEGACY, "full"):
-                object.__setattr__(new, "prefetch", False)
-        if unroll is not None:
-            object.__setattr__(new, "unroll", unroll)
-        return new
 
     def __call__(self, x: PyTree[Any], *, key: Any = None) -> PyTree[Any]:
         """Run the layers in order on `x`; with a `key`, layer `i` is called as

@@ -169,10 +169,10 @@ class CompiledStep:
 
     - `describe(state)`: the `Placement` of a state of this structure, asked
       once per new structure.
-    - `batch_sharding`: the sharding of batch leaves of rank >= 1 (0-d leaves are
-      replicated); a batch already on the mesh in another layout is moved.
-    - `sequence_sharding`: that of leaves of rank >= 2 where it differs (a
-      context axis splits their sequences too; `None`: `batch_sharding`).
+    - `batch_sharding`: the sharding of the rows (a batch already on the mesh in
+      another layout is moved).
+    - `leaf_sharding(ndim)`: that of a batch leaf of rank `ndim` >= 1 (0-d
+      leaves are replicated): `Layout.leaf_sharding`.
     - `check_batch(batch)`: raises for a batch `fn` cannot take (called whenever
       the batch's shapes change: `jit` would otherwise reject rows that do not
       split evenly before `fn` is traced, with an error of its own).
@@ -195,7 +195,7 @@ class CompiledStep:
         *,
         describe: Callable[[Any], Placement],
         batch_sharding: NamedSharding,
-        sequence_sharding: NamedSharding | None = None,
+        leaf_sharding: Callable[[int], NamedSharding],
         donate: bool,
         max_in_flight: int | None,
         check_batch: Callable[[Any], None] | None = None,
@@ -207,7 +207,7 @@ class CompiledStep:
         self.mesh = mesh
         self.describe = describe
         self.batch_sharding = batch_sharding
-        self.sequence_sharding = sequence_sharding or batch_sharding
+        self.leaf_sharding = leaf_sharding
         self.donate = donate
         self.max_in_flight = max_in_flight
         self.check_batch = check_batch
@@ -309,7 +309,7 @@ class CompiledStep:
     def _leaf_sharding(self, ndim: int, replicated: NamedSharding) -> NamedSharding:
         if ndim == 0:
             return replicated
-        return self.sequence_sharding if ndim >= 2 else self.batch_sharding
+        return self.leaf_sharding(ndim)
 
     @staticmethod
     def _state_arrays(entry: _Entry, state: Any) -> tuple[list[Any], list[Any]]:

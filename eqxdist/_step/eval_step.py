@@ -3,7 +3,7 @@ number of rows, padded and masked inside, reduced across devices like a training
 step's."""
 
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import Any
 
 import equinox as eqx
@@ -13,9 +13,8 @@ import numpy as np
 from jax.sharding import Mesh, PartitionSpec as P
 
 from .._data_parallel import local_shard_count
-from .._layout.layout import Layout, balanced, check_lengths
-from .._layout.options import LayoutOptions
-from .._layout.pipeline import Pipeline, with_data_axis
+from .._layout.layout import Layout, check_layout, resolve_layout
+from .._layout.parts.context import ContextPart
 from .._mesh import retyped
 from .._metrics.tree import (
     check_metrics,
@@ -25,7 +24,6 @@ from .._metrics.tree import (
     reduce_metrics,
 )
 from .._utils import (
-    AxisName,
     batch_rows,
     call_with_axes,
     cast_floating,
@@ -33,7 +31,6 @@ from .._utils import (
     check_callable_takes,
     check_compute_dtype,
     check_function,
-    check_mesh,
     checked_first,
     flatten_up_to,
     is_array,
@@ -96,7 +93,7 @@ class EvalMath(eqx.Module):
             trained = gather(cast_floating(trained, self.compute_dtype))
             model = split.model(trained, gather(frozen), view=self.view)
             if axes:
-                batch = balanced(batch, layout.context_axis)
+                batch = layout.device_batch(batch)
             batch = split.batch(batch)
             if split.with_state:
                 args: tuple[Any, ...] = (model, split.model_state(state), batch, mask)
@@ -209,7 +206,7 @@ class EvalStep:
             self.layout.mesh,
             describe=self._placement,
             batch_sharding=self.layout.batch_sharding,
-            sequence_sharding=self.layout.sequence_sharding,
+            leaf_sharding=self.layout.leaf_sharding,
             donate=False,
             max_in_flight=8,
             name="eval step",
@@ -227,7 +224,7 @@ class EvalStep:
         )
 
     def _specs(self, inputs: EvalInput) -> Any:
-        model = self.layout.plan(inputs.model).specs
+        model = self.layout.model_specs(inputs.model)
         model_state = jax.tree.map(
             lambda x: P() if is_array(x) else None, inputs.model_state
         )
@@ -256,19 +253,15 @@ class EvalStep:
     def padded(self, batch: Any) -> tuple[Any, Any]:
         """`batch` padded along axis 0 as the step pads it, and its mask."""
         rows = self._rows(batch)
-        if self.layout.context_axis is not None:
-            check_lengths(
-                batch, self.layout.mesh, self.layout.context_axis, "eval step"
-            )
+        self.layout.check_batch(batch, "eval step")
         sharding = self.layout.batch_sharding
         shards = self.layout.num_shards
         if not sharding.is_fully_addressable:
             shards = local_shard_count(sharding, shards)
         target = padded_rows(rows, shards)
-        if self.layout.pipeline is not None:
-            # Each device's rows split into the pipeline's microbatches.
-            multiple = shards * self.layout.pipeline.microbatches
-            target = math.ceil(target / multiple) * multiple
+        # Each device's rows split as the parts need (a pipeline's microbatches).
+        multiple = shards * self.layout.row_multiple()
+        target = math.ceil(target / multiple) * multiple
         padded = jax.tree.map(
             lambda x: _pad(x, target) if is_array(x) and np.ndim(x) else x, batch
         )
@@ -291,23 +284,16 @@ class EvalStep:
         return metrics, jax.tree.map(lambda x: np.asarray(x)[real], rows)
 
 
-@checked_first(eval_fn=check_eval_fn, mesh=check_mesh)
+@checked_first(eval_fn=check_eval_fn, layout=check_layout)
 @typecheck
 def make_eval_step(
     eval_fn: Callable[..., Any],
-    mesh: Mesh,
+    layout: Layout | Mesh | None = None,
     *,
-    strategy: str = "dp",
-    data_axis: AxisName = "data",
-    min_weight_size: int = 2**18,
     compute_dtype: Any = None,
-    fsdp_axis: str | None = None,
-    param_rules: Sequence[tuple[str, P]] = (),
-    fsdp_layout: str | None = None,
     view: str = "device",
     per_row: bool = False,
-    pipeline: Pipeline | None = None,
-    context_axis: str | None = None,
+    **layout_keywords: Any,
 ) -> EvalStep:
     """Build a compiled, sharded evaluation step `eval_step(state_or_model, batch)
     -> metrics` for batches of any number of rows.
@@ -328,14 +314,14 @@ def make_eval_step(
       whose `model_state` is not `None`. `mask` is a bool vector over the rows
       `eval_fn` sees. Metrics as a training step's: `Metric`s, arrays, numbers,
       `(sum, count)` tuples (sum them with the mask).
-    - `mesh`, `strategy`, `data_axis`, `min_weight_size`, `fsdp_axis`,
-      `param_rules`, `fsdp_layout`: the layout, as for `make_train_step` (use the
-      same as the training step's, so that its state needs no copy). `"zero1"`
-      lays out the model as `"dp"` (an evaluation has no optimizer state).
+    - `layout`: an `ed.Layout`, the training step's (so that its state needs no
+      copy); or, as in v0.4, a mesh with the layout's keywords beside it.
+      `"zero1"` lays out the model as `"dp"` (an evaluation has no optimizer
+      state); FSDP's `fsdp_gather` and `fsdp_linears` are the training step's
+      (an evaluation gathers every sharded leaf). With a context axis in the
+      device view, metrics add up over it too, and `per_row` needs the global
+      view.
     - `compute_dtype`: the dtype trained parameters are cast to, as in training.
-    - `pipeline`, `context_axis`: as for `make_train_step` (the same as the
-      training step's); with `context_axis` in the device view, metrics add up
-      over the context axis too, and `per_row` needs the global view.
     - `view`: `"device"` (the default): `eval_fn` runs once per device on that
       device's rows, the mesh axes bound. `"global"`: once on the whole padded
       batch (and its mask), as on one device, no mesh axis bound; its outputs
@@ -358,7 +344,8 @@ def make_eval_step(
 
     **Raises:**
 
-    `ValueError` for the layout mistakes of `make_train_step`; when called, for
+    The `ed.Layout` errors for its keywords, a `ValueError` for a `Layout` given
+    with layout keywords, a `TypeError` for an unknown keyword; when called, for
     batch leaves with different numbers of rows, a batch without rows, or a state
     consumed by a training step; `TypeError` for metrics that are not arrays,
     numbers or `Metric`s.
@@ -370,34 +357,20 @@ def make_eval_step(
             logits = jax.vmap(model)(batch["x"])
             return {"accuracy": ed.metrics.Accuracy().update(logits, batch["y"], mask)}
 
-        eval_step = ed.make_eval_step(eval_fn, mesh)
+        eval_step = ed.make_eval_step(eval_fn, layout)  # the train step's
         metrics = eval_step(state, {"x": x_test, "y": y_test})  # any number of rows
         ```
     """
     caller = "make_eval_step"
-    mesh = with_data_axis(
-        mesh, data_axis, pipeline is not None or context_axis is not None
-    )
-    if per_row and context_axis is not None and view == "device":
+    chosen = resolve_layout(caller, layout, layout_keywords)
+    context = chosen.part(ContextPart)
+    if per_row and context is not None and view == "device":
         raise ValueError(
-            f"{caller}: per_row=True with context_axis={context_axis!r} in the "
+            f"{caller}: per_row=True with context_axis={context.axis!r} in the "
             "device view: a device sees a share of each row's sequence, so its "
             "per-row outputs are not the rows'. Use view='global' (eval_fn sees "
             "whole sequences; ed.attention shards itself)."
         )
-    options = LayoutOptions.parse(
-        caller,
-        mesh,
-        strategy=strategy,
-        data_axis=data_axis,
-        param_rules=param_rules,
-        min_weight_size=min_weight_size,
-        fsdp_axis=fsdp_axis,
-        fsdp_layout=fsdp_layout,
-        pipeline=pipeline,
-        context_axis=context_axis,
-    )
     check_view(view, caller)
-    layout = Layout(mesh, options, caller=caller)
     dtype = check_compute_dtype(compute_dtype, caller)
-    return EvalStep(EvalMath(eval_fn, layout, dtype, view=view, per_row=per_row))
+    return EvalStep(EvalMath(eval_fn, chosen, dtype, view=view, per_row=per_row))

@@ -21,9 +21,8 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 from jaxtyping import Array, PRNGKeyArray
 
-from .._layout.layout import balanced
-from .._layout.options import FsdpOptions
 from .._layout.partitioned import KeyPath, choose
+from .._layout.parts.fsdp import FsdpOptions
 from .._layout.plan import WEIGHT
 from .._layout.remat import UNSET
 from .._layout.stages import run_layers
@@ -158,7 +157,7 @@ class DeviceGradients:
         self, trained: Any, frozen: Any, state: Any, batch: Any, key: Any
     ) -> Gradients:
         inputs, axes = self.inputs, self.inputs.layout.reduce_axes
-        batch = balanced(batch, inputs.layout.context_axis)
+        batch = inputs.layout.device_batch(batch)
         full_frozen = inputs.plan.gathered(frozen)
         partitioned = self._partitioned(trained, state, batch, key)
         compute_dtype = self.options.compute_dtype
@@ -225,7 +224,7 @@ class DeviceGradients:
         inputs = self.inputs
         stages = inputs.plan.stages
         assert stages is not None
-        remat = inputs.layout.options.remat
+        remat = self.options.remat
 
         def stage(params: Any, h: Any, key: Any, key_rows: bool, per_row: bool) -> Any:
             params = cast_floating(params, self.options.compute_dtype)

@@ -14,7 +14,10 @@ from jax.sharding import Mesh, PartitionSpec as P
 
 from .._layout.layout import Layout
 from .._layout.partitioned import KeyPath, partitioned as partitioned_layers
+from .._layout.parts.base import LossView
 from .._layout.plan import ModelPlan
+from .._layout.remat import UNSET
+from .._layout.stack_options import with_stack_options
 from .._layout.stages import Seen
 from .._utils import is_array
 
@@ -36,12 +39,22 @@ class StepInputs:
     batch_arrays: Any
     batch_static: Any
     with_state: bool
+    stack: tuple[Any, Any] = (UNSET, None)
 
     @classmethod
     def split(
-        cls, layout: Layout, model: Any, mask: Any, model_state: Any, batch: Any
+        cls,
+        layout: Layout,
+        model: Any,
+        mask: Any,
+        model_state: Any,
+        batch: Any,
+        *,
+        stack: tuple[Any, Any] = (UNSET, None),
     ) -> "StepInputs":
-        """`mask` chooses the trained leaves of `model` (the others are frozen)."""
+        """`mask` chooses the trained leaves of `model` (the others are frozen);
+        `stack`: the `remat` and `unroll` the step sets on every `Stacked`
+        (`make_train_step`'s; `UNSET`, `None`: none)."""
         arrays, static = eqx.partition(model, is_array)
         trained, frozen = eqx.partition(arrays, mask)
         state_arrays, state_static = eqx.partition(model_state, is_array)
@@ -57,6 +70,7 @@ class StepInputs:
             batch_arrays,
             batch_static,
             model_state is not None,
+            stack,
         )
 
     @property
@@ -76,15 +90,18 @@ class StepInputs:
     ) -> Any:
         """The model as the loss sees it, from its (gathered) array parts: the
         `partitioned` layers (`_layout.partitioned`) computing on their weights'
-        shards, its `Stacked` blocks as the layout runs them (`remat`, a
-        pipeline: `Layout.for_loss`)."""
+        shards, its `Stacked` blocks with the step's `remat` and `unroll` and
+        as the layout runs them (a pipeline: `Layout.for_loss`)."""
         model = eqx.combine(trained, frozen, self.static)
         axis = self.plan.fsdp_axis
         if axis is not None:
             model = partitioned_layers(model, partitioned, axis)
-        return self.layout.for_loss(
-            model, self.plan.stages, view=view, marker=marker, pipelined=pipelined
+        remat, unroll = self.stack
+        model = with_stack_options(model, remat, unroll, "make_train_step")
+        seen = LossView(
+            self.plan.stages, view, remat, marker, pipelined, self.layout.data_axes
         )
+        return self.layout.for_loss(model, seen)
 
     def model_state(self, state_arrays: Any) -> Any:
         return eqx.combine(state_arrays, self.state_static)

@@ -16,6 +16,8 @@ import optax
 from jaxtyping import Array
 
 from .._layout.layout import Layout
+from .._layout.parts.fsdp import FsdpOptions, FsdpPart
+from .._layout.parts.pipeline import PipelinePart
 from .._mesh import retyped
 from .._metrics.tree import check_summed
 from .accumulate import CheckedLoss
@@ -52,7 +54,14 @@ class TrainMath(eqx.Module):
         # parts are frozen for it, their optimizer states kept as they are.
         mask = state.trainable_mask(self.part)
         opt_state = state.opt_state if self.part is None else state.opt_state[self.part]
-        inputs = StepInputs.split(layout, state.model, mask, state.model_state, batch)
+        inputs = StepInputs.split(
+            layout,
+            state.model,
+            mask,
+            state.model_state,
+            batch,
+            stack=(options.remat, options.unroll),
+        )
         trained = eqx.filter(state.model, mask)
         wants_value = reads_value(self.optimizer, trained, opt_state)
         plan = inputs.plan
@@ -72,7 +81,7 @@ class TrainMath(eqx.Module):
                 loss,
                 inputs,
                 options,
-                layout.options.fsdp,
+                _fsdp_options(layout),
                 counts,
                 wants_loss=wants_value or options.skip_nonfinite,
                 model=unplaced_shapes(state.model),
@@ -135,9 +144,16 @@ def _global_gradients(layout: Layout, options: StepOptions) -> bool:
     rows whichever the view: in the global view each microbatch's loss is its
     share of the whole batch's (`hoist`), which the device view's sums over
     the microbatches and devices add up."""
-    pipeline = layout.options.pipeline
-    one_f_one_b = pipeline is not None and pipeline.schedule == "1f1b"
+    pipeline = layout.part(PipelinePart)
+    one_f_one_b = pipeline is not None and pipeline.pipeline.schedule == "1f1b"
     return options.view == "global" and not one_f_one_b
+
+
+def _fsdp_options(layout: Layout) -> FsdpOptions:
+    """How FSDP gathers and runs `Linear`s (the defaults without FSDP: nothing
+    is gathered then)."""
+    fsdp = layout.part(FsdpPart)
+    return FsdpOptions() if fsdp is None else fsdp.options
 
 
 def _nonfinite(grads: Gradients) -> Array:

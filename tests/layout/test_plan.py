@@ -14,7 +14,6 @@ from jax.sharding import PartitionSpec as P
 
 import eqxdist as ed
 from eqxdist._layout.layout import Layout
-from eqxdist._layout.options import LayoutOptions
 
 
 class MLP(eqx.Module):
@@ -43,11 +42,7 @@ def _layout(mesh, strategy="dp", **kw):
     options = dict(data_axis="data", min_weight_size=16)
     options.update(kw)
     caller = "make_train_step"
-    return Layout(
-        mesh,
-        LayoutOptions.parse(caller, mesh, strategy=strategy, **options),
-        caller=caller,
-    )
+    return Layout.of(caller, mesh, {"strategy": strategy, **options})
 
 
 def _weights(tree):
