@@ -8,11 +8,15 @@ source locations stripped (they name lines of eqxdist's files, which a move
 changes without changing the program) and the results' pytree paths.
 
     python benchmarks/dump_programs.py OUT_DIR [--mesh auto|explicit] [--case NAME]
+        [--layout]
     diff -r BEFORE_DIR AFTER_DIR
 
 Run it on the commit before and after the change; an empty `diff -r` says the
 programs are byte-identical. `--mesh explicit` builds every mesh with
 `jax.make_mesh`'s default (Explicit) axes: its programs equal the Auto ones.
+`--layout` passes each case's layout keywords as one `ed.Layout` instead of
+v0.4's mesh and keywords: its programs equal the shorthand's
+(`tests/layout/test_layout_value.py` checks every case).
 """
 
 import argparse
@@ -82,6 +86,12 @@ class _BNNet(eqx.Module):
     def __call__(self, x: Any, state: Any) -> Any:
         h, state = self.bn(jax.nn.relu(self.l1(x)), state)
         return self.l2(h), state
+
+
+def _token_loss(model: Any, batch: Any, key: Any) -> Any:
+    logits = jax.vmap(jax.vmap(model))(batch["x"])
+    losses = optax.softmax_cross_entropy_with_integer_labels(logits, batch["y"])
+    return losses.mean(), {"loss": ed.metrics.Mean().update(losses.reshape(-1))}
 
 
 def _mlp(key: Any) -> Any:
@@ -177,7 +187,32 @@ CASES: dict[str, tuple[dict[str, int], Callable[[Any], Any], Any, dict[str, Any]
         _bn_loss,
         {"strategy": "fsdp", "min_weight_size": 16, "num_minibatches": 2},
     ),
+    "gpipe_fsdp": (
+        {"stage": 2, "data": 4},
+        _StackedNet,
+        _loss,
+        {
+            "strategy": "fsdp",
+            "min_weight_size": 16,
+            "pipeline": ed.Pipeline("stage", microbatches=4),
+        },
+    ),
+    "one_f_one_b": (
+        {"stage": 2, "data": 4},
+        _StackedNet,
+        _loss,
+        {"pipeline": ed.Pipeline("stage", microbatches=4, schedule="1f1b")},
+    ),
+    "context": (
+        {"data": 4, "context": 2},
+        _mlp,
+        _token_loss,
+        {"context_axis": "context"},
+    ),
 }
+
+# Cases whose batch is not `_batch()`'s rows: sequences of 8 tokens.
+SEQUENCE_CASES = ("context",)
 
 
 def _batch() -> dict[str, np.ndarray]:
@@ -186,6 +221,29 @@ def _batch() -> dict[str, np.ndarray]:
         "x": rng.normal(size=(32, 16)).astype(np.float32),
         "y": rng.integers(0, 4, 32).astype(np.int32),
     }
+
+
+def _sequences() -> dict[str, np.ndarray]:
+    rng = np.random.default_rng(0)
+    return {
+        "x": rng.normal(size=(8, 8, 16)).astype(np.float32),
+        "y": rng.integers(0, 4, (8, 8)).astype(np.int32),
+    }
+
+
+# The keywords of `ed.Layout`; a case's other options are the step's.
+LAYOUT_KEYWORDS = (
+    "strategy",
+    "data_axis",
+    "param_rules",
+    "min_weight_size",
+    "fsdp_axis",
+    "fsdp_layout",
+    "fsdp_gather",
+    "fsdp_linears",
+    "pipeline",
+    "context_axis",
+)
 
 
 def _strip(text: str) -> str:
@@ -197,7 +255,7 @@ def _strip(text: str) -> str:
     return re.sub(r" loc\(#loc\d*\)", "", text)
 
 
-def lower_case(name: str, explicit: bool) -> str:
+def lower_case(name: str, explicit: bool, layout: bool = False) -> str:
     shape, make_model, loss, options = CASES[name]
     kind = AxisType.Explicit if explicit else AxisType.Auto
     mesh = jax.make_mesh(
@@ -209,14 +267,24 @@ def lower_case(name: str, explicit: bool) -> str:
     else:
         model, model_state = make_model(key), None
     state = ed.TrainState.create(model, OPTIMIZER, key, model_state=model_state)
-    step = ed.make_train_step(loss, OPTIMIZER, mesh, **options)
-    return _strip(step.lower(state, _batch()).as_text())
+    if layout:
+        where = {k: v for k, v in options.items() if k in LAYOUT_KEYWORDS}
+        rest = {k: v for k, v in options.items() if k not in LAYOUT_KEYWORDS}
+        step = ed.make_train_step(loss, OPTIMIZER, ed.Layout(mesh, **where), **rest)
+    else:
+        step = ed.make_train_step(loss, OPTIMIZER, mesh, **options)
+    batch = _sequences() if name in SEQUENCE_CASES else _batch()
+    return _strip(step.lower(state, batch).as_text())
 
 
-def lower_eval(explicit: bool) -> str:
+def lower_eval(explicit: bool, layout: bool = False) -> str:
     kind = AxisType.Explicit if explicit else AxisType.Auto
     mesh = jax.make_mesh((8,), ("data",), axis_types=(kind,))
-    step = ed.make_eval_step(_eval_fn, mesh, strategy="fsdp", min_weight_size=16)
+    where = {"strategy": "fsdp", "min_weight_size": 16}
+    if layout:
+        step = ed.make_eval_step(_eval_fn, ed.Layout(mesh, **where))
+    else:
+        step = ed.make_eval_step(_eval_fn, mesh, **where)
     return _strip(step.lower(_mlp(jax.random.key(0)), _batch()).as_text())
 
 
@@ -225,11 +293,15 @@ def main(argv: list[str]) -> None:
     parser.add_argument("out", type=Path)
     parser.add_argument("--mesh", choices=["auto", "explicit"], default="auto")
     parser.add_argument("--case", action="append", choices=[*CASES, "eval"])
+    parser.add_argument("--layout", action="store_true")
     args = parser.parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
     explicit = args.mesh == "explicit"
     for name in args.case or [*CASES, "eval"]:
-        text = lower_eval(explicit) if name == "eval" else lower_case(name, explicit)
+        if name == "eval":
+            text = lower_eval(explicit, args.layout)
+        else:
+            text = lower_case(name, explicit, args.layout)
         (args.out / f"{name}.txt").write_text(text)
         print(f"{name}: {len(text.splitlines())} lines")
 

@@ -110,8 +110,9 @@ CASES = [
         "an axis name for the train step's mesh",
         lambda t: ed.make_train_step(no_loss, SGD, "data"),
         TypeError,
-        r"make_train_step: `mesh` must be a jax.sharding.Mesh; got str 'data'\. "
-        r"Build one, e.g. `ed.create_device_mesh\(\{'data': 8\}\)`",
+        r"make_train_step: `layout` must be an ed.Layout or a jax.sharding.Mesh; got "
+        r"str 'data'\. Build one, e.g. `ed.Layout\(ed.create_device_mesh\(\{'data': "
+        r"8\}\)",
     ),
     (
         "a number for an optimizer",
@@ -137,20 +138,23 @@ CASES = [
         "an axis name for the eval step's mesh",
         lambda t: ed.make_eval_step(no_loss, "data"),
         TypeError,
-        r"make_eval_step: `mesh` must be a jax.sharding.Mesh; got str 'data'\.",
+        r"make_eval_step: `layout` must be an ed.Layout or a jax.sharding.Mesh; got "
+        r"str 'data'\.",
     ),
     (
         "a mesh given by keyword as None",
         lambda t: ed.make_eval_step(no_loss, mesh=None),
         TypeError,
-        r"make_eval_step: `mesh` must be a jax.sharding.Mesh; got NoneType None",
+        r"make_eval_step: `mesh` must be an ed.Layout or a jax.sharding.Mesh; got "
+        r"NoneType None",
     ),
     (
         "an axis name for the loader's mesh",
         lambda t: ed.BatchLoader({"x": np.zeros((8, 2))}, 8, "rows"),
         TypeError,
-        r"BatchLoader: `mesh` must be a jax.sharding.Mesh; got str 'rows'\. Build "
-        r"one, e.g. `ed.create_device_mesh\(\{'rows': 8\}\)`",
+        r"BatchLoader: `layout` must be an ed.Layout or a jax.sharding.Mesh; got str "
+        r"'rows'\. Build one, e.g. `ed.Layout\(ed.create_device_mesh\(\{'rows': "
+        r"8\}\)",
     ),
     (
         "a typo of the data axis",

@@ -23,7 +23,7 @@ from .fsdp import CPU_FSDP_OPTIONS
 from .options import LAYOUT_DEFAULTS, parse_parts
 from .parts.base import LossView, Part
 from .parts.data import DataPart
-from .pipeline import Pipeline, StagePlan, with_data_axis
+from .pipeline import with_data_axis
 from .plan import ModelPlan, plan_model, structure_key
 from .rules import ParamRules, has_fsdp_modules
 from .state_specs import StateSpecs
@@ -137,8 +137,8 @@ class Layout:
         fsdp_layout: str | None = None,
         fsdp_gather: str | None = None,
         fsdp_linears: str | None = None,
-        pipeline: Pipeline | None = None,
-        context_axis: str | None = None,
+        pipeline: Any = None,  # an ed.Pipeline, checked to say so plainly
+        context_axis: Any = None,  # a str, checked to say so plainly
     ) -> None:
         keywords = dict(
             strategy=strategy,
@@ -347,11 +347,6 @@ class Layout:
         """Every part's `check_batch`."""
         for part in self.parts:
             part.check_batch(batch, caller)
-
-
-def stage_plan_of(layout: Layout, model: Any) -> StagePlan | None:
-    """The stage plan of `model` under `layout` (`None` without a pipeline)."""
-    return layout.plan(model).stages
 
 
 def check_layout(value: Any, caller: str, argument: str) -> None:
