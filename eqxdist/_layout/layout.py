@@ -29,7 +29,7 @@ from .._utils import (
     plural,
     state_like,
 )
-from .fsdp import CPU_FSDP_OPTIONS
+from .flags import CPU_FSDP_OPTIONS
 from .options import LayoutOptions
 from .pipeline import StagePlan, stage_plan
 from .plan import ModelPlan, plan_model, structure_key, warn_if_unsharded
