@@ -56,27 +56,7 @@ class TrainMath(eqx.Module):
         trained = eqx.filter(state.model, mask)
         wants_value = reads_value(self.optimizer, trained, opt_state)
         plan = inputs.plan
-        key = jax.random.fold_in(state.key, state.step)
-        whole = _global_gradients(layout, options)
-        # No mesh axis is bound where a global view's loss runs (`CheckedLoss`
-        # says so); its metrics' arrays are counted (`check_summed` below).
-        axes = () if whole else layout.reduce_axes
-        loss = CheckedLoss(self.loss_fn, inputs.with_state, axes, counted=True)
-        # The device view's gradients leave the map as sums; the update divides
-        # them (see `ModelPlan.sum_gradients`).
-        counts = plan.mean_counts(layout.mesh, axes)
-        if whole:
-            grads = GlobalGradients(loss, inputs, options).compute(key)
-        else:
-            grads = DeviceGradients(
-                loss,
-                inputs,
-                options,
-                layout.options.fsdp,
-                counts,
-                wants_loss=wants_value or options.skip_nonfinite,
-                model=unplaced_shapes(state.model),
-            ).compute(key)
+        grads, counts = self._gradients(state, inputs, wants_value)
         # The `Summed` counts leave the step (static) for `TrainStep`'s warning.
         check_summed(grads.metrics, "loss_fn")
         _, update_kinds = statistics_kinds(options)
@@ -127,6 +107,35 @@ class TrainMath(eqx.Module):
         param_sums = global_sums(new_params, *where, (SQUARES,))
         info = step_statistics(grads.statistics, update_sums, param_sums, skipped)
         return new_state, (grads.metrics, info)
+
+    def _gradients(
+        self, state: TrainState, inputs: StepInputs, wants_value: bool
+    ) -> tuple[Gradients, Any]:
+        """Phase 1: the gradients in the view the options choose, and the device
+        counts the update divides their sums by (`wants_value`: the optimizer
+        reads the loss)."""
+        layout, options = self.layout, self.options
+        key = jax.random.fold_in(state.key, state.step)
+        whole = _global_gradients(layout, options)
+        # No mesh axis is bound where a global view's loss runs (`CheckedLoss`
+        # says so); its metrics' arrays are counted (`check_summed` after).
+        axes = () if whole else layout.reduce_axes
+        loss = CheckedLoss(self.loss_fn, inputs.with_state, axes, counted=True)
+        # The device view's gradients leave the map as sums; the update divides
+        # them (see `ModelPlan.sum_gradients`).
+        counts = inputs.plan.mean_counts(layout.mesh, axes)
+        if whole:
+            return GlobalGradients(loss, inputs, options).compute(key), counts
+        grads = DeviceGradients(
+            loss,
+            inputs,
+            options,
+            layout.options.fsdp,
+            counts,
+            wants_loss=wants_value or options.skip_nonfinite,
+            model=unplaced_shapes(state.model),
+        ).compute(key)
+        return grads, counts
 
 
 def _global_gradients(layout: Layout, options: StepOptions) -> bool:
