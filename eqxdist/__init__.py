@@ -20,22 +20,22 @@ from ._data import BatchLoader as BatchLoader
 from ._data_parallel import (
     all_reduce_gradients as all_reduce_gradients,
     create_data_parallel_sharding as create_data_parallel_sharding,
+    fold_rng_over_axis as fold_rng_over_axis,
     replicate_params as replicate_params,
     shard_batch as shard_batch,
-    shard_model_state as shard_model_state,
 )
 from ._distributed import initialize_distributed as initialize_distributed
 from ._hlo import count_collectives as count_collectives
-from ._layout.flags import (
-    enable_gpu_collective_overlap as enable_gpu_collective_overlap,
-    gpu_xla_flags as gpu_xla_flags,
-)
-from ._layout.fsdp import (
-    FSDP as FSDP,
+from ._layout.collectives import (
     gather_params as gather_params,
     shard_params as shard_params,
     sync_gradients as sync_gradients,
 )
+from ._layout.flags import (
+    enable_gpu_collective_overlap as enable_gpu_collective_overlap,
+    gpu_xla_flags as gpu_xla_flags,
+)
+from ._layout.fsdp import FSDP as FSDP, shard_model_state as shard_model_state
 from ._layout.layout import Layout as Layout
 from ._layout.pipeline import Pipeline as Pipeline
 from ._layout.rules import fsdp_specs as fsdp_specs
@@ -90,7 +90,6 @@ from ._reductions import (
 )
 from ._step.accumulate import accumulate_gradients as accumulate_gradients
 from ._step.eval_step import EvalStep as EvalStep, make_eval_step as make_eval_step
-from ._step.gradients import fold_rng_over_axis as fold_rng_over_axis
 from ._step.output import StepOutput as StepOutput
 from ._step.state import TrainState as TrainState
 from ._step.train_step import (

@@ -1,4 +1,5 @@
-"""Placing batches and model state on a mesh, and all-reducing gradients."""
+"""Data parallelism's helpers: placing batches and model state on a mesh, a
+different random key per device, and all-reducing gradients."""
 
 import functools
 import math
@@ -9,9 +10,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
-from jaxtyping import PyTree
+from jaxtyping import Array, PRNGKeyArray, PyTree
 
-from ._layout.rules import fsdp_specs
 from ._utils import (
     AxisName,
     axis_names,
@@ -172,51 +172,29 @@ def replicate_params(params: PyTree[Any], mesh: Mesh) -> PyTree[Any]:
 
 
 @typecheck
-def shard_model_state(
-    state: PyTree[Any],
-    mesh: Mesh,
-    param_sharding: str = "replicate",
-    *,
-    axis_name: str | None = None,
-    min_weight_size: int = 2**18,
-) -> PyTree[Any]:
-    """Place model state (parameters, optimizer state, a whole `TrainState`) on `mesh`.
+def fold_rng_over_axis(key: PRNGKeyArray, axis_name: AxisName) -> Array:
+    """A different key on each device along `axis_name`, inside `jax.shard_map`.
+
+    Folds the device's index along `axis_name` into `key`, so that e.g. dropout
+    masks differ between the devices that hold different parts of a batch, while
+    devices that differ only along other axes (say, a model axis) agree.
 
     **Arguments:**
 
-    - `state`: any pytree; non-array leaves are kept, so an `eqx.Module` in is the
-      same `eqx.Module` type out.
-    - `mesh`: the device mesh.
-    - `param_sharding`: `"replicate"` gives every array leaf `P()` (data
-      parallelism); `"shard"` applies the FSDP rule of `fsdp_specs` over `axis_name`
-      (ZeRO-3 style state sharding).
-    - `axis_name`: the axis to shard over with `"shard"`; default the mesh's first.
-    - `min_weight_size`: with `"shard"`, leaves this small or smaller are replicated.
-
-    **Raises:**
-
-    `ValueError` for any other `param_sharding`, or an `axis_name` not in the mesh.
+    - `key`: a PRNG key (typed `jax.random.key` or raw `uint32[2]`), the same on
+      every device.
+    - `axis_name`: the mesh axis (or axes) to vary over.
 
     !!! Example
 
         ```python
-        model = ed.shard_model_state(model, mesh, "shard", min_weight_size=2**10)
+        def loss_fn(model, batch, key):
+            key = ed.fold_rng_over_axis(key, "data")  # per-device dropout key
+            ...
         ```
     """
-    check_array_leaves(state, "shard_model_state", "state")
-    if param_sharding == "replicate":
-        return replicate_params(state, mesh)
-    if param_sharding != "shard":
-        raise ValueError(
-            f"shard_model_state: unknown param_sharding {param_sharding!r}; use "
-            "'replicate' (data parallel) or 'shard' (FSDP)."
-        )
-    axis = mesh.axis_names[0] if axis_name is None else axis_name
-    check_axis_in_mesh(mesh, axis, "shard_model_state", "axis_name")
-    specs = fsdp_specs(
-        state, mesh.shape[axis], axis_name=axis, min_weight_size=min_weight_size
-    )
-    return place(state, specs, mesh)
+    names = check_axis_bound(axis_name, "fold_rng_over_axis")
+    return jax.random.fold_in(key, jax.lax.axis_index(names))
 
 
 _GRADIENT_REDUCTIONS = {"mean": jax.lax.pmean, "sum": jax.lax.psum}

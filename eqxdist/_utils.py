@@ -88,9 +88,7 @@ def check_axis_bound(
     if not names:
         raise ValueError(f"{caller}: `axis_name` is an empty tuple; name a mesh axis.")
     for name in names:
-        try:
-            jax.lax.axis_size(name)
-        except NameError:
+        if not axis_is_bound(name):
             alternative = (
                 ", or pass `axis_name=None` to reduce global (sharded) arrays instead"
                 if has_global_mode
@@ -99,8 +97,17 @@ def check_axis_bound(
             raise ValueError(
                 f"{caller}: mesh axis {name!r} is not bound here. Call it inside "
                 f"`jax.shard_map` over a mesh that has an axis {name!r}{alternative}."
-            ) from None
+            )
     return names
+
+
+def axis_is_bound(axis_name: str) -> bool:
+    """Whether `axis_name` is bound here (inside `shard_map` over it)."""
+    try:
+        jax.lax.axis_size(axis_name)
+    except NameError:
+        return False
+    return True
 
 
 def not_in_mesh(axis: Any, mesh: Mesh) -> str:

@@ -19,8 +19,8 @@ from ._data_parallel import (
     create_data_parallel_sharding,
     replicate_params,
     shard_batch,
-    shard_model_state,
 )
+from ._layout.fsdp import shard_model_state
 from ._mesh import (
     AxisTypes,
     MeshShape,

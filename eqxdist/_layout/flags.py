@@ -1,4 +1,5 @@
-"""Opt-in XLA flags that let GPUs overlap FSDP's collectives with compute."""
+"""XLA settings for FSDP: the opt-in flags that let GPUs overlap its collectives
+with compute, and the compiler option that keeps its barriers on CPU."""
 
 import importlib.metadata
 import os
@@ -8,6 +9,13 @@ import jax
 
 from .._jax import backends_are_initialized
 from .._utils import typecheck
+
+# XLA:CPU removes optimization barriers early (before its last CSE pass and before
+# scheduling), which would let it hoist every `FSDP` module's all-gather to the
+# start of the step and merge rematerialised all-gathers back into the forward
+# ones. Keeping the barriers makes `FSDP` modules behave on CPU as on GPU and TPU.
+CPU_FSDP_OPTIONS = {"xla_disable_hlo_passes": "cse_barrier_expander"}
+
 
 # Async collectives are XLA:GPU's default; these let the scheduler use them.
 GPU_XLA_FLAGS = (

@@ -19,7 +19,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from .._data_parallel import local_shard_count
 from .._mesh import compute_mesh
 from .._utils import check_mesh, check_rows, is_array, plural
-from .fsdp import CPU_FSDP_OPTIONS
+from .flags import CPU_FSDP_OPTIONS
 from .options import LAYOUT_DEFAULTS, parse_parts
 from .parts.base import LossView, Part
 from .parts.data import DataPart

@@ -31,7 +31,7 @@ import jax.numpy as jnp
 
 from .._jaxpr import sub_jaxprs
 from .._utils import is_array_like
-from .fsdp import gather_leaf
+from .collectives import gather_leaf
 
 KeyPath = tuple[Any, ...]
 

@@ -16,7 +16,7 @@ import jax
 from jax.sharding import Mesh, PartitionSpec as P
 
 from .._utils import is_array, is_array_like, path_str
-from .fsdp import gather_tree, scatter_mean, unsynced_axes
+from .collectives import gather_tree, scatter_mean, unsynced_axes
 from .partitioned import KeyPath, linear_paths
 from .pipeline import StagePlan, stage_spec
 from .rules import (

@@ -9,8 +9,8 @@ import jax
 from jax.sharding import Mesh
 from jaxtyping import PyTree
 
-from .._utils import check_mesh, is_array
-from .fsdp import FSDP, axis_is_bound
+from .._utils import axis_is_bound, check_mesh, is_array
+from .fsdp import FSDP
 from .rules import DEFAULT_LAYOUT
 
 

@@ -14,8 +14,8 @@ import numpy as np
 from jax.sharding import PartitionSpec as P
 from jaxtyping import PyTree
 
-from .._utils import is_array, is_array_like
-from .fsdp import axis_is_bound, gather_leaf
+from .._utils import axis_is_bound, is_array, is_array_like
+from .collectives import gather_leaf
 from .remat import LEGACY, check_remat, check_unroll, loop_blocks
 from .rules import FsdpRule, SelfGathering, has_fsdp_modules
 

@@ -21,6 +21,13 @@ import numpy as np
 from jaxtyping import Array, ArrayLike, DTypeLike
 
 from .._utils import AxisName, check_axis_bound
+from .accumulator_checks import (
+    check_axis_name,
+    checked_state_dict,
+    compensated_representation,
+    initial_state,
+    parse_reduce_op,
+)
 from .inputs import as_array, cast_into, check_broadcast, host_integers
 from .numerics import (
     CARRY_BITS as CARRY_BITS,
@@ -32,7 +39,6 @@ from .numerics import (
     Representation,
     Words,
     add_pairs as add_pairs,
-    can_carry,
     carried_total,
     two_sum as two_sum,
 )
@@ -135,11 +141,11 @@ class MetricAccumulator(eqx.Module):
         *,
         compensated: bool = False,
     ):
-        op = _reduce_op(reduce_op)
-        initial = _initial_state(initial_value)
+        op = parse_reduce_op(reduce_op)
+        initial = initial_state(initial_value)
         representation: Representation = Plain(op)
         if compensated:
-            representation = _compensated(initial, op, initial_value)
+            representation = compensated_representation(initial, op, initial_value)
         self.initial = initial
         self.representation = representation
         self.words = representation.start(initial)
@@ -328,7 +334,7 @@ class MetricAccumulator(eqx.Module):
         dtype differs from this accumulator's state.
         """
         caller = f"{type(self).__name__}.load_state_dict"
-        arrays = _checked_state_dict(
+        arrays = checked_state_dict(
             state_dict, self.representation.second, self.local, caller
         )
         second, rep = self.representation.second, self.representation
@@ -420,7 +426,7 @@ class FoldAccumulator(MetricAccumulator):
     """
 
     def __init__(self, initial_value: ArrayLike, fold: Callable[[Array, Array], Array]):
-        initial = _initial_state(initial_value)
+        initial = initial_state(initial_value)
         self.initial = initial
         self.representation = Folded(fold=fold)
         self.words = (initial,)
@@ -433,116 +439,11 @@ class FoldAccumulator(MetricAccumulator):
         return self.representation.fold
 
 
-# ------------------------------------------------------------ construction
-
-
-def _initial_state(initial_value: Any) -> Array:
-    initial = as_array(initial_value, "MetricAccumulator", "initial_value")
-    if initial.dtype == jnp.bool_:
-        raise TypeError(
-            "MetricAccumulator: `initial_value` must have a numeric dtype, got "
-            "bool; use an integer state to count."
-        )
-    # A Python scalar gives a weakly typed array, whose dtype would drift to that
-    # of the first update (e.g. bfloat16); the state keeps the dtype it has now.
-    return initial.astype(initial.dtype)
-
-
-def _compensated(initial: Array, op: ReduceOp, initial_value: Any) -> Representation:
-    if op is not ReduceOp.SUM:
-        raise ValueError(
-            "MetricAccumulator: `compensated=True` is for sums, got reduce_op "
-            f"{op.value!r}."
-        )
-    if jnp.issubdtype(initial.dtype, jnp.floating):
-        return Compensated()
-    if isinstance(initial_value, int):
-        # `0` may mean a float sum as much as a count: make the caller say which.
-        raise TypeError(
-            f"MetricAccumulator: `compensated=True` with the Python int "
-            f"{initial_value!r} as `initial_value` is ambiguous; pass a float (e.g. "
-            "0.0) for a compensated float sum, or an int32 array (e.g. "
-            "jnp.int32(0)) for a carried integer count."
-        )
-    if not can_carry(initial.dtype):
-        raise TypeError(
-            "MetricAccumulator: a carried integer sum (`compensated=True`) needs "
-            f"signed 32- or 64-bit words, got dtype {initial.dtype}; use jnp.int32."
-        )
-    return Carried()
-
-
-def _checked_state_dict(
-    state_dict: Any, second: str, like: Array, caller: str
-) -> dict[str, Array]:
-    """The arrays of a state dict, checked against the keys a state with second
-    word `second` has and against `like`'s shape and dtype."""
-    if not isinstance(state_dict, Mapping):
-        raise TypeError(
-            f"{caller}: `state_dict` must be a mapping such as "
-            f"{{'local': array}}, got {type(state_dict).__name__}."
-        )
-    allowed = {"local", "synchronized"}
-    if second:
-        allowed |= {f"local_{second}", f"synchronized_{second}"}
-    if "local" not in state_dict or set(state_dict) - allowed:
-        optional = ", ".join(repr(key) for key in sorted(allowed - {"local"}))
-        raise ValueError(
-            f"{caller}: expected the key 'local' and optionally {optional}, got "
-            f"{sorted(state_dict)}."
-        )
-    if f"synchronized_{second}" in state_dict and "synchronized" not in state_dict:
-        raise ValueError(
-            f"{caller}: 'synchronized_{second}' is the second word of "
-            f"'synchronized', which is missing; got {sorted(state_dict)}."
-        )
-    arrays = {}
-    for key, raw in state_dict.items():
-        arr = as_array(raw, caller, f"state_dict[{key!r}]")
-        if arr.shape != like.shape or arr.dtype != like.dtype:
-            raise ValueError(
-                f"{caller}: {key!r} has shape {arr.shape} and dtype {arr.dtype}, "
-                f"expected shape {like.shape} and dtype {like.dtype}."
-            )
-        arrays[key] = arr.astype(arr.dtype)  # not weakly typed
-    return arrays
-
-
 # ----------------------------------------------------------------------- sync
-
-
-def _reduce_op(reduce_op: Any) -> ReduceOp:
-    if not isinstance(reduce_op, str):
-        raise TypeError(
-            "MetricAccumulator: `reduce_op` must be a ReduceOp or one of the strings "
-            f"{[op.value for op in ReduceOp]}, got {reduce_op!r} of type "
-            f"{type(reduce_op).__name__}."
-        )
-    try:
-        return ReduceOp(reduce_op)
-    except ValueError:
-        raise ValueError(
-            f"MetricAccumulator: Unknown `reduce_op` {reduce_op!r}; valid "
-            f"operations are {[op.value for op in ReduceOp]}."
-        ) from None
 
 
 def _varying_axes(x: Array) -> frozenset[str]:
     return frozenset(jax.typeof(x).manual_axis_type.varying)
-
-
-def check_axis_name(axis_name: Any, caller: str) -> None:
-    """A `TypeError` for an `axis_name` that is not a string, a tuple of strings or
-    `None`."""
-    ok = axis_name is None or isinstance(axis_name, str)
-    ok = ok or (
-        isinstance(axis_name, tuple) and all(isinstance(n, str) for n in axis_name)
-    )
-    if not ok:
-        raise TypeError(
-            f"{caller}: `axis_name` must be a mesh axis name (a string such as "
-            f"'data'), a tuple of names, or None for global mode; got {axis_name!r}."
-        )
 
 
 def sync_accumulators(

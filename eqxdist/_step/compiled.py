@@ -316,33 +316,6 @@ class CompiledStep:
         leaves = jax.tree.leaves(state)
         return [leaves[i] for i in entry.updated], [leaves[i] for i in entry.kept]
 
-    def _placed_batch(self, entry: _Entry, arrays: list[Any], batch: Any) -> list[Any]:
-        """The batch's arrays where the compiled function takes them. Host arrays
-        are left to `jit`, which moves them; arrays already on the mesh in another
-        layout are moved here (`jit` would reject them); in a multi-process run
-        each process's host rows are assembled by `shard_batch`."""
-        if not self.batch_sharding.is_fully_addressable:
-            if all(isinstance(x, jax.Array) for x in arrays):
-                return arrays
-            placed = jax.tree.leaves(shard_batch(batch, self.batch_sharding))
-            # Rows placed; a context axis then splits the sequences (the
-            # compiled step's `in_shardings` would reject them as they are).
-            return [
-                _resharded(placed[i], want)
-                for i, want in zip(entry.batch_arrays, entry.shardings[2], strict=True)
-            ]
-        out = arrays
-        for j, (x, want) in enumerate(zip(arrays, entry.shardings[2], strict=True)):
-            if (
-                isinstance(x, jax.Array)
-                and x.committed
-                and x.sharding != want
-                and not x.sharding.is_equivalent_to(want, x.ndim)
-            ):
-                out = list(out) if out is arrays else out
-                out[j] = jax.device_put(x, want)
-        return out
-
     # -- calling -------------------------------------------------------------------
 
     def trace(self, state: Any, batch: Any) -> Any:
@@ -395,7 +368,9 @@ class CompiledStep:
             if shapes != self._checked_shapes:
                 self.check_batch(batch)
                 self._checked_shapes = shapes
-        batch_arrays = self._placed_batch(entry, batch_arrays, batch)
+        batch_arrays = _placed_batch(
+            entry, batch_arrays, batch, rows=self.batch_sharding
+        )
         with _context(entry.mesh):
             new_arrays, aux, token = entry.fn(updated, kept, batch_arrays)
         new_state = entry.state(new_arrays, kept)
@@ -413,6 +388,37 @@ class CompiledStep:
             if len(self._in_flight) > self.max_in_flight:
                 self._in_flight.popleft().block_until_ready()
         return new_state, aux
+
+
+def _placed_batch(
+    entry: _Entry, arrays: list[Any], batch: Any, *, rows: NamedSharding
+) -> list[Any]:
+    """The batch's arrays where `entry`'s compiled function takes them (`rows`:
+    the sharding of the batch's rows). Host arrays are left to `jit`, which
+    moves them; arrays already on the mesh in another layout are moved here
+    (`jit` would reject them); in a multi-process run each process's host rows
+    are assembled by `shard_batch`."""
+    if not rows.is_fully_addressable:
+        if all(isinstance(x, jax.Array) for x in arrays):
+            return arrays
+        placed = jax.tree.leaves(shard_batch(batch, rows))
+        # Rows placed; a context axis then splits the sequences (the
+        # compiled step's `in_shardings` would reject them as they are).
+        return [
+            _resharded(placed[i], want)
+            for i, want in zip(entry.batch_arrays, entry.shardings[2], strict=True)
+        ]
+    out = arrays
+    for j, (x, want) in enumerate(zip(arrays, entry.shardings[2], strict=True)):
+        if (
+            isinstance(x, jax.Array)
+            and x.committed
+            and x.sharding != want
+            and not x.sharding.is_equivalent_to(want, x.ndim)
+        ):
+            out = list(out) if out is arrays else out
+            out[j] = jax.device_put(x, want)
+    return out
 
 
 def _resharded(x: Any, want: NamedSharding) -> Any:

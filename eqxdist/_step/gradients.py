@@ -19,15 +19,16 @@ import equinox as eqx
 import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
-from jaxtyping import Array, PRNGKeyArray
+from jaxtyping import Array
 
+from .._data_parallel import fold_rng_over_axis
 from .._layout.partitioned import KeyPath, choose
 from .._layout.parts.fsdp import FsdpOptions
 from .._layout.plan import WEIGHT
 from .._layout.remat import UNSET
 from .._layout.stages import run_layers
 from .._metrics.tree import reduce_metrics
-from .._utils import AxisName, cast_floating, check_axis_bound, is_array, typecheck
+from .._utils import cast_floating, is_array
 from .accumulate import (
     Accumulated,
     CheckedLoss,
@@ -73,32 +74,6 @@ def statistics_kinds(options: StepOptions) -> tuple[tuple[str, ...], tuple[str, 
     if options.skip_nonfinite:
         grads += (NONFINITE,)
     return grads, (SQUARES,) if options.step_info else ()
-
-
-@typecheck
-def fold_rng_over_axis(key: PRNGKeyArray, axis_name: AxisName) -> Array:
-    """A different key on each device along `axis_name`, inside `jax.shard_map`.
-
-    Folds the device's index along `axis_name` into `key`, so that e.g. dropout
-    masks differ between the devices that hold different parts of a batch, while
-    devices that differ only along other axes (say, a model axis) agree.
-
-    **Arguments:**
-
-    - `key`: a PRNG key (typed `jax.random.key` or raw `uint32[2]`), the same on
-      every device.
-    - `axis_name`: the mesh axis (or axes) to vary over.
-
-    !!! Example
-
-        ```python
-        def loss_fn(model, batch, key):
-            key = ed.fold_rng_over_axis(key, "data")  # per-device dropout key
-            ...
-        ```
-    """
-    names = check_axis_bound(axis_name, "fold_rng_over_axis")
-    return jax.random.fold_in(key, jax.lax.axis_index(names))
 
 
 def unplaced_shapes(tree: Any) -> Any:

@@ -98,7 +98,7 @@ def test_combined_gather_reduce_scatters_once_per_dtype(mesh8, rng):
     """The step's gather (`combined=True`): leaves sharded on any dimension, of two
     dtypes, get the mean gradient of the per-leaf gather in one reduce-scatter per
     dtype."""
-    from eqxdist._layout.fsdp import gather_tree
+    from eqxdist._layout.collectives import gather_tree
 
     params = _params(rng)
     params["half"] = jnp.asarray(rng.normal(size=(8, 5)), jnp.bfloat16)

@@ -15,7 +15,7 @@ from jax.sharding import PartitionSpec as P
 from reference import train_one_device
 
 import eqxdist as ed
-from eqxdist._layout.fsdp import CPU_FSDP_OPTIONS
+from eqxdist._layout.flags import CPU_FSDP_OPTIONS
 
 WIDTH = 16
 

@@ -14,7 +14,7 @@ from jax.sharding import PartitionSpec as P
 
 import eqxdist as ed
 from eqxdist._jaxpr import matmul_flops
-from eqxdist._loop.loop import _auto_flops
+from eqxdist._loop.run import auto_flops
 
 
 @dataclasses.dataclass
@@ -111,9 +111,9 @@ def test_the_loop_takes_mfu_from_the_model_flops() -> None:
     state = ed.TrainState.create(model, optax.sgd(0.1), jax.random.key(1))
     batch = {"x": jnp.ones((64, 64)), "y": jnp.ones((64, 16))}
     h100 = [FakeDevice("NVIDIA H100 80GB HBM3")] * 8
-    flops = _auto_flops(step, state, batch, h100)
+    flops = auto_flops(step, state, batch, h100)
     assert flops == _mlp_flops([64, 256, 256, 16], 64)
-    assert _auto_flops(step, state, batch, jax.devices()) is None  # CPU
+    assert auto_flops(step, state, batch, jax.devices()) is None  # CPU
 
 
 class _Block(eqx.Module):
