@@ -535,9 +535,11 @@ def layout_name() -> str:
     return " x ".join(names)
 
 
-def main_layout() -> tuple[Any, dict[str, Any]]:
-    """The main run's mesh and layout options: FSDP x TP on `{"data", "model"}`,
-    or with a pipeline `{"stage", "data"}` (and "model" if --tensor-parallel)."""
+def main_layout() -> ed.Layout:
+    """The main run's layout: FSDP x TP on `{"data", "model"}`, or with a
+    pipeline `{"stage", "data"}` (and "model" if --tensor-parallel), and a
+    context axis with --context-parallel. One value, shared by the train step,
+    the evaluation step and the loaders."""
     axes = {"data": ARGS.data_parallel, "model": ARGS.tensor_parallel}
     if ARGS.pipeline is not None:
         axes = {"stage": ARGS.pipeline_parallel, **axes}
@@ -548,7 +550,6 @@ def main_layout() -> tuple[Any, dict[str, Any]]:
     layout: dict[str, Any] = {
         "strategy": "fsdp",
         "min_weight_size": ARGS.min_weight_size,
-        "compute_dtype": COMPUTE_DTYPE,
     }
     if "model" in axes:
         layout["param_rules"] = (
@@ -558,7 +559,7 @@ def main_layout() -> tuple[Any, dict[str, Any]]:
         layout["pipeline"] = ARGS.pipeline
     if CONTEXT is not None:
         layout["context_axis"] = CONTEXT
-    return ed.create_device_mesh(axes), layout
+    return ed.Layout(ed.create_device_mesh(axes), **layout)
 
 
 def describe_pipeline() -> None:
@@ -581,19 +582,20 @@ def train_main(
     source: Windows, vocab: str, held_out: dict[str, np.ndarray]
 ) -> tuple[ed.TrainStep, Any]:
     """The main run, one `train_loop` from step 0 (or with --resume from the
-    latest checkpoint); returns its step and mesh."""
-    mesh, layout = main_layout()
+    latest checkpoint); returns its step."""
+    layout = main_layout()
+    mesh = layout.mesh
     optimizer = make_optimizer()
     step = ed.make_train_step(
         loss_fn,
         optimizer,
-        mesh,
+        layout,
         num_minibatches=ARGS.minibatches,
+        compute_dtype=COMPUTE_DTYPE,
         step_info=True,  # logs grad_norm, update_norm and param_norm
         remat=None if ARGS.remat == "none" else ARGS.remat,
-        **layout,
     )
-    evaluate = ed.make_eval_step(eval_fn, mesh, **layout)
+    evaluate = ed.make_eval_step(eval_fn, layout, compute_dtype=COMPUTE_DTYPE)
     state = initial_state(step, len(vocab) + 1, optimizer)  # + the pad token
     num_params = sum(
         x.size for x in jax.tree.leaves(eqx.filter(state.model, eqx.is_array))
@@ -602,6 +604,7 @@ def train_main(
         f"model: {ARGS.layers} blocks, d_model {ARGS.d_model}, {ARGS.heads} heads, "
         f"{num_params:,} parameters; mesh {dict(mesh.shape)}"
     )
+    print(layout)  # every mesh axis and its roles
     describe_pipeline()
     describe_layout(step, state)
     print(f"train state bytes per device: {state_bytes(state):,}")
@@ -610,9 +613,7 @@ def train_main(
         shutil.rmtree(out / "checkpoints", ignore_errors=True)
     start = time.perf_counter()
     with (
-        ed.BatchLoader(
-            source, ARGS.batch_size, mesh, seed=ARGS.seed, context_axis=CONTEXT
-        ) as loader,
+        ed.BatchLoader(source, ARGS.batch_size, layout, seed=ARGS.seed) as loader,
         ed.CheckpointManager(
             out / "checkpoints", max_to_keep=2, save_interval_steps=ARGS.save_every
         ) as manager,
@@ -633,7 +634,7 @@ def train_main(
     report(result, evaluate(result.state, held_out).compute(), held_out, start)
     if ARGS.sample_chars > 0:
         print("sample: " + repr(generate(result.state.model, vocab, "Shall I ")))
-    return step, mesh
+    return step
 
 
 def report(
@@ -686,15 +687,13 @@ def generate(model: TransformerLM, vocab: str, prompt: str) -> str:
     return text
 
 
-def first_steps(step: ed.TrainStep, mesh: Any, source: Windows, vocab: str) -> Any:
+def first_steps(step: ed.TrainStep, source: Windows, vocab: str) -> Any:
     """The parameters of `--compare-steps` steps of `step` from the fresh state,
-    on `mesh`'s loader's batches: a short run of its own, so that the main run
+    on a loader of its layout's batches: a short run of its own, so that the main run
     stays one `train_loop` (a fresh --out trains from step 0 and a resumed run is
     checked too)."""
     state = initial_state(step, len(vocab) + 1, make_optimizer())
-    loader = ed.BatchLoader(
-        source, ARGS.batch_size, mesh, seed=ARGS.seed, context_axis=CONTEXT
-    )
+    loader = ed.BatchLoader(source, ARGS.batch_size, step.layout, seed=ARGS.seed)
     for i in range(ARGS.compare_steps):
         state, _ = step(state, loader.batch(i))
     return host_params(state.model)
@@ -753,9 +752,9 @@ def main() -> None:
         ARGS.min_len,
         pad_id=len(vocab),
     )
-    step, mesh = train_main(source, vocab, held_out_batch(held_out))
+    step = train_main(source, vocab, held_out_batch(held_out))
     if ARGS.compare_steps > 0:
-        snapshot = first_steps(step, mesh, source, vocab)
+        snapshot = first_steps(step, source, vocab)
         if not compare_with_dp(source, vocab, snapshot):
             sys.exit(1)
 
