@@ -5,10 +5,12 @@ its own entry (action, microbatch, chunk, the messages arriving) and runs it.
 Two slot bodies drive it. `ForwardEngine` runs the forward half of GPipe and
 the circular schedule (only F entries: the stage runs its chunk on every slot,
 an idle slot's result unused, so that the loop stays one straight program JAX
-differentiates; autodiff runs the table's backward half). The 1F1B schedule's
-body (`_step.one_f_one_b`) runs F and BW entries, its backward written out
-with `jax.vjp` because it needs the loss. `run_layers` and `run_stage` are the
-layers of one stage, which both run.
+differentiates; autodiff runs the table's backward half). 1F1B's body
+(`stage_slots.StageSlots`) runs F and BW entries, its backward written out
+with `jax.vjp`, the loss after the stack a callback of the step's. One body
+for both would put an inbox indexed by microbatch into GPipe's differentiated
+loop (an update and a read more per slot, kept for its backward pass).
+`run_layers` and `run_stage` are the layers of one stage, which both run.
 """
 
 import dataclasses

@@ -13,18 +13,13 @@ schedule is written out rather than left to JAX's autodiff of a forward loop:
   inputs, to the loss and its metrics: the head), both ordinary functions JAX
   differentiates.
 - **The slots.** The table is `_layout.schedules.one_f_one_b` (PipeDream-flush's
-  order per stage on a clock of slots), in the array form the engine reads
-  (`_layout.engine.run_slots`): per slot and stage what to run and where the
-  messages of the slot land. Every slot, every stage runs its entry
-  (`lax.switch`), then sends its activation to the next stage and its
-  cotangent to the previous one (`ppermute`).
-- **A forward step** stores the stage's input (a stash of P entries) and
-  passes the stage's output on; on the last stage it also runs `post` and its
-  VJP, which gives the loss, the metrics, `post`'s parameter gradients and the
-  cotangent of the stage's output. **A backward step** recomputes the stage
-  from its stored input under `jax.vjp` (the stack's `remat` policy says what
-  that recomputation keeps) and passes the input's cotangent back; on stage 0
-  it is stored, and `pre`'s VJP runs on all of them after the loop.
+  order per stage on a clock of slots); the layout's engine runs it
+  (`_layout.stage_slots.StageSlots` on `_layout.engine.run_slots`): every slot,
+  every stage runs its entry, a forward (on the last stage with `post`'s VJP,
+  which gives the loss, the metrics and the output's cotangent) or a backward
+  (the stage recomputed from its stored input under `jax.vjp`), then sends its
+  activation to the next stage and its cotangent to the previous one.
+- **After the loop**, `pre`'s VJP runs on stage 0's input cotangents.
 
 The stages' layer gradients stay on their stage; the other gradients (`pre`'s
 on stage 0, `post`'s on the last stage) are summed over the stage axis.
@@ -39,10 +34,10 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import PartitionSpec as P
 
-from .._layout.engine import run_slots
 from .._layout.pipeline import StagePlan
 from .._layout.rules import is_spec_leaf
-from .._layout.schedules import SlotArrays, one_f_one_b, slot_arrays
+from .._layout.schedules import one_f_one_b, slot_arrays
+from .._layout.stage_slots import StageSlots, cotangent
 from .._layout.stages import Seen
 from .._metrics.tree import merge_metrics
 from .._utils import is_array
@@ -151,8 +146,16 @@ class OneFOneB:
             )
             return list(jax.tree.leaves(out))
 
-        slots = _Slots(
-            loss, stage, p_leaves, rest, inputs[:n_x], inputs[n_x:], axis, stages
+        slots = StageSlots(
+            post=loss.post,
+            key_tree=loss.key_tree,
+            stage=stage,
+            params=p_leaves,
+            rest=rest,
+            xs=inputs[:n_x],
+            keys=inputs[n_x:],
+            axis=axis,
+            stages=stages,
         )
         g_leaves, dx, outs = slots.run(slot_arrays(one_f_one_b(stages, micro)))
 
@@ -160,7 +163,7 @@ class OneFOneB:
         def pre_grads(total: list[Any], a: Any) -> tuple[list[Any], None]:
             r, d = a
             _, vjp = jax.vjp(lambda p: loss.pre(*p, *r)[:n_x], p_leaves)
-            (dp,) = vjp([_cotangent(a, a) for a in d])
+            (dp,) = vjp([cotangent(a, a) for a in d])
             return [x + y for x, y in zip(total, dp, strict=True)], None
 
         zero = [jnp.zeros_like(x) for x in p_leaves]
@@ -237,176 +240,8 @@ class OneFOneB:
         return jax.tree.map(total, self.specs, grads, is_leaf=is_spec_leaf)
 
 
-def _seed(out: Any, loss: bool) -> Any:
-    """The cotangent of one of `post`'s outputs: 1 for the loss, zero for the
-    rest (`float0` for integers)."""
-    if not jnp.issubdtype(out.dtype, jnp.inexact):
-        return np.zeros(out.shape, jax.dtypes.float0)
-    return jnp.ones_like(out) if loss else jnp.zeros_like(out)
-
-
-def _cotangent(ct: Any, primal: Any) -> Any:
-    """A cotangent as `jax.vjp` takes it for `primal`: `float0` zeros where
-    `primal` is not floating (an integer leaf carried beside the activations:
-    a mask, positions)."""
-    if jnp.issubdtype(primal.dtype, jnp.inexact):
-        return ct
-    return np.zeros(primal.shape, jax.dtypes.float0)
-
-
-def _held(ct: Any, primal: Any) -> Any:
-    """A cotangent as the schedule's buffers and messages hold it: zeros of
-    `primal`'s dtype for a `float0` one (buffers are of the activations'
-    dtypes)."""
-    if ct.dtype == jax.dtypes.float0:
-        return jnp.zeros(primal.shape, primal.dtype)
-    return ct
-
-
 def _block(x: Any, i: int, n: int) -> Any:
     if not is_array(x) or jnp.ndim(x) == 0:
         return x
     rows = x.shape[0] // n
     return x[i * rows : (i + 1) * rows]
-
-
-def _index(x: Any, i: Any) -> Any:
-    return jax.lax.dynamic_index_in_dim(x, i, 0, keepdims=False)
-
-
-def _set(x: Any, i: Any, v: Any) -> Any:
-    return jax.lax.dynamic_update_index_in_dim(x, v, i, 0)
-
-
-def _set_if(x: Any, i: Any, v: Any, when: Any) -> Any:
-    return _set(x, i, jnp.where(when, v, _index(x, i)))
-
-
-_TABLES = ("action", "micro", "from_prev", "prev_micro", "from_next", "next_micro")
-
-
-@dataclasses.dataclass(frozen=True)
-class _Slots:
-    """One minibatch's schedule on this stage: `run(table)` runs its slots and
-    gives the stage's parameter gradients (leaves), stage 0's input cotangents
-    per microbatch, and the last stage's outputs of `post` per microbatch.
-
-    The loop's carry: `stash` (this stage's inputs of the microbatches in
-    flight), `inbox_f` (activations received, not yet run), `inbox_b`
-    (cotangents received, or made by `post` on the last stage), the gradient
-    leaves, `dx` (stage 0's input cotangents) and `outs` (`post`'s outputs);
-    buffers of P entries are indexed by microbatch modulo P."""
-
-    loss: CutLoss
-    stage: Callable[..., Any]
-    params: list[Any]
-    rest: list[Any]
-    xs: list[Any]
-    keys: list[Any]
-    axis: str
-    stages: int
-
-    def run(self, table: SlotArrays) -> tuple[list[Any], list[Any], list[Any]]:
-        micro = int(self.xs[0].shape[0])
-        buf = [jnp.zeros((self.stages, *x.shape[1:]), x.dtype) for x in self.xs]
-        out_shapes = jax.eval_shape(
-            self._post, self.params, [r[0] for r in self.rest], [x[0] for x in self.xs]
-        )
-        init = (
-            buf,
-            buf,
-            buf,
-            [jnp.zeros_like(x) for x in self.params],
-            [jnp.zeros_like(x) for x in self.xs],
-            [jnp.zeros((micro, *o.shape), o.dtype) for o in out_shapes],
-        )
-        _, _, _, grads, dx, outs = run_slots(
-            table, _TABLES, axis=self.axis, step=self._slot, init=init
-        )
-        return grads, dx, outs
-
-    def _post(self, p: list[Any], r: list[Any], y: list[Any]) -> list[Any]:
-        # Arrays: a Python number in the metrics (a `(sum, count)` pair's
-        # count) is a literal of the traced program.
-        return [jnp.asarray(o) for o in self.loss.post(*p, *r, *y)]
-
-    def _key(self, m: Any) -> Any:
-        if self.loss.key_tree is None:
-            return None
-        return jax.tree.unflatten(self.loss.key_tree, [_index(k, m) for k in self.keys])
-
-    def _zeros(self) -> list[Any]:
-        return [jnp.zeros_like(x[0]) for x in self.xs]
-
-    def _forward(self, c: Any, m: Any) -> Any:
-        stash, inbox_f, inbox_b, grads, dx, outs = c
-        s, stages = jax.lax.axis_index(self.axis), self.stages
-        h = [
-            jnp.where(s == 0, _index(x, m), _index(f, m % stages))
-            for x, f in zip(self.xs, inbox_f, strict=True)
-        ]
-        stash = [_set(b, m % stages, v) for b, v in zip(stash, h, strict=True)]
-        y = self.stage(self.params, h, self._key(m))
-
-        def last(args: Any) -> Any:
-            inbox_b, grads, outs = args
-            r = [_index(x, m) for x in self.rest]
-            out, vjp = jax.vjp(lambda p, y: self._post(p, r, y), self.params, y)
-            dp, dy = vjp([_seed(o, i == 0) for i, o in enumerate(out)])
-            grads = [a + b for a, b in zip(grads, dp, strict=True)]
-            dy = [_held(d, v) for d, v in zip(dy, y, strict=True)]
-            inbox_b = [_set(b, m % stages, v) for b, v in zip(inbox_b, dy, strict=True)]
-            outs = [_set(b, m, v) for b, v in zip(outs, out, strict=True)]
-            return inbox_b, grads, outs
-
-        inbox_b, grads, outs = jax.lax.cond(
-            s == stages - 1, last, lambda a: a, (inbox_b, grads, outs)
-        )
-        return (stash, inbox_f, inbox_b, grads, dx, outs), y, self._zeros()
-
-    def _backward(self, c: Any, m: Any) -> Any:
-        stash, inbox_f, inbox_b, grads, dx, outs = c
-        s, stages = jax.lax.axis_index(self.axis), self.stages
-        h = [_index(b, m % stages) for b in stash]
-        dy = [_index(b, m % stages) for b in inbox_b]
-        key = self._key(m)
-        y, vjp = jax.vjp(lambda p, h: self.stage(p, h, key), self.params, h)
-        dp, dh = vjp([_cotangent(d, v) for d, v in zip(dy, y, strict=True)])
-        dh = [_held(d, v) for d, v in zip(dh, h, strict=True)]
-        grads = [a + b for a, b in zip(grads, dp, strict=True)]
-        dx = [_set_if(b, m, v, s == 0) for b, v in zip(dx, dh, strict=True)]
-        return (stash, inbox_f, inbox_b, grads, dx, outs), self._zeros(), dh
-
-    def _idle(self, c: Any, m: Any) -> Any:
-        return c, self._zeros(), self._zeros()
-
-    def _slot(
-        self,
-        c: Any,
-        action: Any,
-        mb: Any,
-        from_prev: Any,
-        prev_micro: Any,
-        from_next: Any,
-        next_micro: Any,
-    ) -> Any:
-        """One slot: this stage's entry (`run_slots`), then the messages."""
-        stages, axis = self.stages, self.axis
-        actions = [self._idle, self._forward, self._backward]
-        c, send_f, send_b = jax.lax.switch(action, actions, c, mb)
-        if stages == 1:
-            return c
-        stash, inbox_f, inbox_b, grads, dx, outs = c
-        ahead = [(i, i + 1) for i in range(stages - 1)]
-        back = [(i + 1, i) for i in range(stages - 1)]
-        got_f = [jax.lax.ppermute(v, axis, ahead) for v in send_f]
-        got_b = [jax.lax.ppermute(v, axis, back) for v in send_b]
-        inbox_f = [
-            _set_if(b, prev_micro % stages, v, from_prev == 1)
-            for b, v in zip(inbox_f, got_f, strict=True)
-        ]
-        inbox_b = [
-            _set_if(b, next_micro % stages, v, from_next == 1)
-            for b, v in zip(inbox_b, got_b, strict=True)
-        ]
-        return (stash, inbox_f, inbox_b, grads, dx, outs)
