@@ -35,15 +35,16 @@ def run_slots(
     step: Callable[..., Any],
     init: Any,
 ) -> Any:
-    """The carry after every slot of `arrays`: at slot t, `step(carry, *entry)`
-    with `entry` this stage's (the stage axis `axis`) values of the tables
-    named by `fields` at t, in that order."""
+    """The carry after every slot of `arrays`: at slot t, `step(carry, entry)`
+    with `entry` this stage's (the stage axis `axis`) values at t of the
+    tables named by `fields` (a dict by name; only those are read)."""
     tables = [jnp.asarray(getattr(arrays, f)) for f in fields]
 
     def slot(carry: Any, t: Any) -> tuple[Any, None]:
         rows = [_take(x, t) for x in tables]
         s = jax.lax.axis_index(axis)
-        return step(carry, *[_take(x, s) for x in rows]), None
+        entry = {f: _take(x, s) for f, x in zip(fields, rows, strict=True)}
+        return step(carry, entry), None
 
     carry, _ = jax.lax.scan(slot, init, jnp.arange(arrays.slots))
     return carry
@@ -122,20 +123,23 @@ class ForwardEngine:
         else:
             perm = [(i, i + 1) for i in range(stages - 1)]
 
-        def slot(carry: Any, action: Any, m: Any, r: Any, back: Any, m2: Any) -> Any:
+        def slot(carry: Any, entry: dict[str, Any]) -> Any:
             buf, loop, out = carry
+            m, r = entry["micro"], entry["chunk"]
             first = _take(xm, m)
             if repeats > 1:
                 first = _where(r == 0, first, _take(loop, m))
             h = _where(s == 0, first, buf)
             y = self._chunk(leaves, h, r, None if key is None else (key, keys, m))
-            done = (action == FORWARD) & (s == stages - 1) & (r == repeats - 1)
+            done = (entry["action"] == FORWARD) & (s == stages - 1) & (r == repeats - 1)
             out = _put(out, m, y, done)
             nxt = y
             if perm:
                 nxt = jax.tree.map(lambda a: jax.lax.ppermute(a, self.axis, perm), y)
             if repeats > 1:
-                loop = _put(loop, m2, nxt, (s == 0) & (back == 1))
+                # What comes round the ring waits in stage 0's loop-back buffer.
+                back = (s == 0) & (entry["from_prev"] == 1)
+                loop = _put(loop, entry["prev_micro"], nxt, back)
             return nxt, loop, out
 
         init = (

@@ -172,20 +172,11 @@ class StageSlots:
     def _idle(self, c: Any, m: Any) -> Any:
         return c, self._zeros(), self._zeros()
 
-    def _slot(
-        self,
-        c: Any,
-        action: Any,
-        mb: Any,
-        from_prev: Any,
-        prev_micro: Any,
-        from_next: Any,
-        next_micro: Any,
-    ) -> Any:
+    def _slot(self, c: Any, entry: dict[str, Any]) -> Any:
         """One slot: this stage's entry (`run_slots`), then the messages."""
         stages, axis = self.stages, self.axis
         actions = [self._idle, self._forward, self._backward]
-        c, send_f, send_b = jax.lax.switch(action, actions, c, mb)
+        c, send_f, send_b = jax.lax.switch(entry["action"], actions, c, entry["micro"])
         if stages == 1:
             return c
         stash, inbox_f, inbox_b, grads, dx, outs = c
@@ -194,11 +185,11 @@ class StageSlots:
         got_f = [jax.lax.ppermute(v, axis, ahead) for v in send_f]
         got_b = [jax.lax.ppermute(v, axis, back) for v in send_b]
         inbox_f = [
-            _set_if(b, prev_micro % stages, v, from_prev == 1)
+            _set_if(b, entry["prev_micro"] % stages, v, entry["from_prev"] == 1)
             for b, v in zip(inbox_f, got_f, strict=True)
         ]
         inbox_b = [
-            _set_if(b, next_micro % stages, v, from_next == 1)
+            _set_if(b, entry["next_micro"] % stages, v, entry["from_next"] == 1)
             for b, v in zip(inbox_b, got_b, strict=True)
         ]
         return (stash, inbox_f, inbox_b, grads, dx, outs)
