@@ -23,18 +23,6 @@ NEAR_MODULE_LINES = 570
 NEAR_CLASS_CODE_LINES = 190
 NEAR_FUNCTION_CODE_LINES = 76
 
-# Files being split or rewritten on other branches (issue 38): the lead removes
-# this on merge, when their splits have landed.
-_BEING_SPLIT = {
-    "eqxdist/_layout/stages.py",  # 572 lines
-    "eqxdist/_step/one_f_one_b.py",  # 589 lines
-}
-# Private names reached across folders on the same branches, as (file, name): the
-# lead removes this on merge.
-_CROSSING_BEING_FIXED = {
-    ("eqxdist/_step/gradients.py", "_layer_fn"),  # `Stacked._layer_fn`
-}
-
 
 def _name(path: Path) -> str:
     return str(path.relative_to(PACKAGE.parent))
@@ -157,17 +145,8 @@ def _near_ceilings(path: Path) -> list[str]:
 
 @pytest.mark.parametrize("path", MODULES, ids=_name)
 def test_no_unit_within_five_percent_of_its_ceiling(path):
-    if _name(path) in _BEING_SPLIT:
-        pytest.skip("being split on another branch (issue 38)")
     near = _near_ceilings(path)
     assert not near, f"{_name(path)}: {near}; split it by what its parts do"
-
-
-def test_units_being_split_are_still_near_their_ceilings():
-    """`_BEING_SPLIT` names only files that need it: one split already is
-    dropped from it, so that the allowance never outlives the split."""
-    stale = sorted(n for n in _BEING_SPLIT if not _near_ceilings(PACKAGE.parent / n))
-    assert not stale, f"remove {stale} from _BEING_SPLIT"
 
 
 SUBPACKAGES = sorted(p.name for p in PACKAGE.iterdir() if (p / "__init__.py").exists())
@@ -267,10 +246,8 @@ def test_no_private_name_is_reached_across_folders():
     """A folder's classes keep their private methods and attributes to the
     folder: another folder calls what they make public (as `Gradients` does)."""
     crossings = _private_crossings()
-    wrong = [c for c in crossings if (c[0], c[2]) not in _CROSSING_BEING_FIXED]
+    wrong = crossings
     assert not wrong, "\n".join(
         f"{path}:{line} reaches {name}, private to {sorted(where)}"
         for path, line, name, where in wrong
     )
-    stale = _CROSSING_BEING_FIXED - {(c[0], c[2]) for c in crossings}
-    assert not stale, f"remove {sorted(stale)} from _CROSSING_BEING_FIXED"

@@ -1,7 +1,8 @@
 """Pipeline parallelism over the layers of a `Stacked`: `Pipeline` (the public
 configuration) and the layout of which leaves are split over the stage axis
-(`StagePlan`, `stage_spec`); `stages` runs them, `_step.one_f_one_b` the 1F1B
-schedule.
+(`StagePlan`, `stage_spec`); `schedules` holds every schedule's table, `engine`
+runs it (GPipe and circular through `stages`, 1F1B through
+`_step.one_f_one_b`).
 
 **Layout.** The `Stacked`'s leaves keep their natural shape `(L, ...)`; their
 layer axis is sharded over the stage axis (P stages of L/P consecutive layers),

@@ -219,27 +219,10 @@ class Stacked(SelfGathering):
             plan.append(differ[0])
         return plan
 
-    def _layer_fn(self, *, with_key: bool) -> tuple[list[Any], Callable[..., Any]]:
-        """The layers' array leaves (each with the layer axis first) and
-        `layer(layer_leaves, x)`, one block on one layer's leaves; with a key, the
-        layer's key is the last of `layer_leaves`."""
-        arrays, static = eqx.partition(self.layers, is_array)
-        leaves, treedef = jax.tree.flatten(arrays)
-        num_params = len(leaves)
-
-        def layer(layer_leaves: list[Any], x: Any) -> Any:
-            params = jax.tree.unflatten(treedef, layer_leaves[:num_params])
-            block = eqx.combine(params, static)
-            if not with_key:
-                return block(x)
-            return block(x, key=layer_leaves[num_params])
-
-        return leaves, layer
-
     def __call__(self, x: PyTree[Any], *, key: Any = None) -> PyTree[Any]:
         """Run the layers in order on `x`; with a `key`, layer `i` is called as
         `block(x, key=jax.random.split(key, n)[i])` (e.g. for dropout)."""
-        leaves, layer = self._layer_fn(with_key=key is not None)
+        leaves, layer = layer_function(self, with_key=key is not None)
 
         # Shapes as built (static); the traced leaves may be local shards.
         shapes = [shape[1:] for shape in self.shapes]
@@ -272,6 +255,27 @@ class Stacked(SelfGathering):
 # layer on its (full) leaves; `plan` gives, per leaf, the dimension to gather over
 # `axis_name`, or `None` for a leaf used as it arrives; `loop(body, x, leaves)`
 # is `loop_blocks` with the stack's `remat` and `unroll`.
+
+
+def layer_function(
+    stacked: Stacked, *, with_key: bool
+) -> tuple[list[Any], Callable[..., Any]]:
+    """`stacked`'s layers' array leaves (each with the layer axis first) and
+    `layer(layer_leaves, x)`, one block on one layer's leaves; with a key, the
+    layer's key is the last of `layer_leaves`. The stages of a pipeline run
+    their layers with it."""
+    arrays, static = eqx.partition(stacked.layers, is_array)
+    leaves, treedef = jax.tree.flatten(arrays)
+    num_params = len(leaves)
+
+    def layer(layer_leaves: list[Any], x: Any) -> Any:
+        params = jax.tree.unflatten(treedef, layer_leaves[:num_params])
+        block = eqx.combine(params, static)
+        if not with_key:
+            return block(x)
+        return block(x, key=layer_leaves[num_params])
+
+    return leaves, layer
 
 
 def _scan_plain(

@@ -1,8 +1,9 @@
-"""How a pipelined `Stacked` runs in a step: the stack the loss sees
-(`PipelinedStack`, which runs the GPipe and circular schedules, and
-`MarkedStack`, which marks where the 1F1B schedule cuts the loss), the layers
-of one stage (`run_layers`), and the per-step move of a circular pipeline's
-chunks (`to_chunk_order`). `pipeline` holds the configuration and the layout.
+"""How a pipelined `Stacked` is called in a step: the stack the loss sees
+(`PipelinedStack`, which runs the GPipe and circular schedules on the engine,
+and `MarkedStack`, which marks where the 1F1B schedule cuts the loss), and the
+per-step move of a circular pipeline's chunks (`to_chunk_order`). `pipeline`
+holds the configuration and the layout, `schedules` every schedule's table,
+`engine` the loop that runs a table and the layers of one stage.
 
 **Where the stages run.** The loss is written as for one device (or one data
 shard). When it calls the pipelined `Stacked` on its rows under `jax.vmap` (as
@@ -21,12 +22,11 @@ schedule's loop is the GPipe backward pass (all forwards, then all backwards).
 **Circular** (`repeats = R > 1`): stage p holds the chunks of c = L/(P R)
 layers p, p + P, ...; a microbatch goes round the ring R times. The state keeps
 L/P consecutive layers per stage, so each step moves the chunks that change
-stage there (`to_chunk_order`) and their gradients back. The loop runs R M +
-P - 1 iterations for M microbatches: bubble (P - 1)/(R M + P - 1).
+stage there (`to_chunk_order`) and their gradients back. The loop runs the
+table's R M + P - 1 forward slots for M microbatches: bubble (P - 1)/(R M + P -
+1).
 """
 
-import dataclasses
-import functools
 from collections.abc import Callable
 from typing import Any
 
@@ -36,9 +36,10 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import PartitionSpec as P
 
+from .engine import ForwardEngine
 from .pipeline import StagePlan, where_fn
-from .remat import UNSET, loop_blocks
-from .stacked import Stacked
+from .remat import UNSET
+from .stacked import Stacked, layer_function
 
 
 class PipelinedStack(eqx.Module):
@@ -65,7 +66,7 @@ class PipelinedStack(eqx.Module):
     remat: Any = eqx.field(static=True)
 
     def __call__(self, x: Any, *, key: Any = None) -> Any:
-        leaves, layer = self.stacked._layer_fn(with_key=key is not None)
+        leaves, layer = layer_function(self.stacked, with_key=key is not None)
 
         if not under_vmap((x, key)):
             # Blocks that take a batch: `x`'s leading axis is the device's rows
@@ -139,7 +140,7 @@ class PipelinedStack(eqx.Module):
                 f"microbatches as stages ({micro} < {stages}): a microbatch coming "
                 "round the ring must find its stage free."
             )
-        engine = _Engine(
+        engine = ForwardEngine(
             layer=layer,
             axis=plan.axis,
             stages=stages,
@@ -333,223 +334,6 @@ def to_chunk_order(x: Any, plan: StagePlan, *, inverse: bool = False) -> Any:
         axis_names=frozenset({axis}),
         check_vma=False,
     )(x, tables)
-
-
-# The two places the stages exchange more than activations, with the gradients
-# a pipeline needs whatever `shard_map`'s `check_vma`: every stage holds the
-# step's input rows and runs what follows the stack on its output, identically.
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(1,))
-def _from_first(x: Any, axis: str) -> Any:
-    """`x`, which only the first stage reads: its gradient is the sum of the
-    stages' (the first stage's; zero elsewhere), the same on every stage."""
-    return x
-
-
-def _from_first_fwd(x: Any, axis: str) -> tuple[Any, None]:
-    return x, None
-
-
-def _from_first_bwd(axis: str, _: None, g: Any) -> tuple[Any]:
-    return (jax.tree.map(lambda a: jax.lax.psum(a, axis), g),)
-
-
-_from_first.defvjp(_from_first_fwd, _from_first_bwd)
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2))
-def _from_last(x: Any, axis: str, parts: bool) -> Any:
-    """The last stage's `x` on every stage (one all-reduce). Every stage runs
-    what follows on it identically, so the gradient is the last stage's own;
-    where each stage's cotangent is a part of it (`parts`: the transpose of a
-    `shard_map` output replicated over the stage axis), their sum."""
-    last = jax.lax.axis_index(axis) == jax.lax.axis_size(axis) - 1
-    return jax.tree.map(
-        lambda a: jax.lax.psum(jnp.where(last, a, jnp.zeros_like(a)), axis), x
-    )
-
-
-def _from_last_fwd(x: Any, axis: str, parts: bool) -> tuple[Any, None]:
-    return _from_last(x, axis, parts), None
-
-
-def _from_last_bwd(axis: str, parts: bool, _: None, g: Any) -> tuple[Any]:
-    last = jax.lax.axis_index(axis) == jax.lax.axis_size(axis) - 1
-    if parts:
-        g = jax.tree.map(lambda a: jax.lax.psum(a, axis), g)
-    return (jax.tree.map(lambda a: jnp.where(last, a, jnp.zeros_like(a)), g),)
-
-
-_from_last.defvjp(_from_last_fwd, _from_last_bwd)
-
-
-@dataclasses.dataclass(frozen=True)
-class _Engine:
-    """One stage's program (the stage axis bound): the forward schedule of GPipe
-    (`repeats == 1`) and the circular schedule; JAX differentiates it.
-
-    Iteration t, stage s: k = t - s; if 0 <= k < R M, the stage runs chunk
-    r = k // M of its layers on microbatch m = k % M; stage 0 takes microbatch m
-    from the input (r = 0) or from the loop-back buffer (r > 0), the others the
-    activation the previous stage passed on. The last stage's outputs of the
-    last repeat are collected, then given to every stage."""
-
-    layer: Callable[..., Any]
-    axis: str
-    stages: int
-    microbatches: int
-    repeats: int
-    num_layers: int
-    key_rows: bool
-    remat: Any
-    per_row: bool
-    sum_input: bool
-    unroll: bool = False
-
-    def __call__(self, leaves: list[Any], x: Any, key: Any) -> Any:
-        stages, m_total, repeats = self.stages, self.microbatches, self.repeats
-        s = jax.lax.axis_index(self.axis)
-        xm = jax.tree.map(
-            lambda a: a.reshape(m_total, a.shape[0] // m_total, *a.shape[1:]), x
-        )
-        if self.sum_input:
-            xm = _from_first(xm, self.axis)
-        keys = None
-        if key is not None and self.key_rows:
-            keys = key.reshape(m_total, key.shape[0] // m_total)
-        if stages == 1:
-            perm: list[tuple[int, int]] = []
-        elif repeats > 1:
-            perm = [(i, (i + 1) % stages) for i in range(stages)]
-        else:
-            perm = [(i, i + 1) for i in range(stages - 1)]
-        work = repeats * m_total
-
-        def iteration(carry: Any, t: Any) -> tuple[Any, None]:
-            buf, loop, out = carry
-            k = t - s
-            kk = jnp.clip(k, 0, work - 1)
-            r, m = kk // m_total, kk % m_total
-            first = _take(xm, m)
-            if repeats > 1:
-                first = _where(r == 0, first, _take(loop, m))
-            h = _where(s == 0, first, buf)
-            y = self._chunk(leaves, h, r, None if key is None else (key, keys, m))
-            done = (k >= 0) & (k < work) & (s == stages - 1) & (r == repeats - 1)
-            out = _put(out, m, y, done)
-            nxt = y
-            if perm:
-                nxt = jax.tree.map(lambda a: jax.lax.ppermute(a, self.axis, perm), y)
-            if repeats > 1:
-                k2 = t - (stages - 1)
-                back = (s == 0) & (k2 >= 0) & (k2 < work - m_total)
-                loop = _put(loop, jnp.clip(k2, 0, work - 1) % m_total, nxt, back)
-            return (nxt, loop, out), None
-
-        init = (
-            _take(xm, 0),
-            xm if repeats > 1 else None,
-            jax.tree.map(jnp.zeros_like, xm),
-        )
-        (_, _, out), _ = jax.lax.scan(iteration, init, jnp.arange(work + stages - 1))
-        out = _from_last(out, self.axis, not self.sum_input)
-        return jax.tree.map(lambda a: a.reshape(-1, *a.shape[2:]), out)
-
-    def _chunk(self, leaves: list[Any], h: Any, r: Any, keys: Any) -> Any:
-        """Chunk `r` of this stage's layers on the microbatch `h`."""
-        c = self.num_layers // (self.stages * self.repeats)
-        # One chunk (GPipe): the layers as they are, loop-invariant. A slice at
-        # the traced `r` would be kept for the backward pass at every iteration:
-        # M + P - 1 copies of the stage's parameters.
-        chunk = leaves
-        if self.repeats > 1:
-            chunk = [jax.lax.dynamic_slice_in_dim(a, r * c, c, axis=0) for a in leaves]
-        first = (r * self.stages + jax.lax.axis_index(self.axis)) * c
-        if keys is not None:
-            key, rows_keys, m = keys
-            if self.key_rows:
-                key = jax.lax.dynamic_index_in_dim(rows_keys, m, 0, keepdims=False)
-            keys = key
-        return run_layers(
-            self.layer,
-            chunk,
-            h,
-            keys,
-            key_rows=self.key_rows,
-            first=first,
-            num_layers=self.num_layers,
-            remat=self.remat,
-            unroll=self.unroll,
-            per_row=self.per_row,
-        )
-
-
-def run_layers(
-    layer: Callable[..., Any],
-    leaves: list[Any],
-    h: Any,
-    key: Any,
-    *,
-    key_rows: bool,
-    first: Any,
-    num_layers: int,
-    remat: Any,
-    unroll: bool = False,
-    per_row: bool = True,
-) -> Any:
-    """`leaves`' layers (global layers `first`, `first + 1`, ... of a stack of
-    `num_layers`) in turn on the rows `h` (each row its own call of the block,
-    as under the loss's `vmap`; not `per_row`: one call on all of `h`, for
-    blocks that take a batch). With a `key` (one per row if `key_rows`), each
-    layer gets its key as the `Stacked` would give it: `jax.random.split(key,
-    num_layers)[layer]`. With `unroll`, a Python loop over the layers, not a
-    scan (`loop_blocks`)."""
-    count = int(jax.tree.leaves(leaves)[0].shape[0])
-    chunk = list(leaves)
-    in_axes: list[int | None] = [None] * len(leaves)
-    if key is not None:
-
-        def per_layer(k: Any) -> Any:
-            return jax.lax.dynamic_slice_in_dim(
-                jax.random.split(k, num_layers), first, count, axis=0
-            )
-
-        if key_rows:
-            chunk.append(jnp.swapaxes(jax.vmap(per_layer)(key), 0, 1))
-            in_axes.append(0)
-        else:
-            chunk.append(per_layer(key))
-            in_axes.append(None)
-
-    def body(h: Any, layer_leaves: list[Any]) -> tuple[Any, None]:
-        if not per_row:
-            return layer(layer_leaves, h), None
-        return jax.vmap(layer, in_axes=(in_axes, 0))(layer_leaves, h), None
-
-    h, _ = loop_blocks(body, h, chunk, remat=remat, unroll=unroll, length=count)
-    return h
-
-
-def _take(tree: Any, i: Any) -> Any:
-    return jax.tree.map(
-        lambda a: jax.lax.dynamic_index_in_dim(a, i, 0, keepdims=False), tree
-    )
-
-
-def _put(tree: Any, i: Any, value: Any, when: Any) -> Any:
-    """`tree[i] = value` where `when`, else unchanged."""
-    return jax.tree.map(
-        lambda a, v: jax.lax.dynamic_update_index_in_dim(
-            a, jnp.where(when, v, jax.lax.dynamic_index_in_dim(a, i, 0, False)), i, 0
-        ),
-        tree,
-        value,
-    )
-
-
-def _where(c: Any, a: Any, b: Any) -> Any:
-    return jax.tree.map(lambda u, v: jnp.where(c, u, v), a, b)
 
 
 def pipelined(

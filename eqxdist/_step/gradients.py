@@ -22,11 +22,10 @@ from jax.sharding import PartitionSpec as P
 from jaxtyping import Array
 
 from .._data_parallel import fold_rng_over_axis
+from .._layout.engine import run_stage
 from .._layout.partitioned import KeyPath, choose
 from .._layout.parts.fsdp import FsdpOptions
 from .._layout.plan import WEIGHT
-from .._layout.remat import UNSET
-from .._layout.stages import run_layers
 from .._metrics.tree import reduce_metrics
 from .._utils import cast_floating, is_array
 from .accumulate import (
@@ -204,20 +203,14 @@ class DeviceGradients:
         def stage(params: Any, h: Any, key: Any, key_rows: bool, per_row: bool) -> Any:
             params = cast_floating(params, self.options.compute_dtype)
             model = inputs.model(params, frozen, pipelined=False)
-            stacked = stages.where(model)
-            leaves, layer = stacked._layer_fn(with_key=key is not None)
-            count = stacked.num_layers // stages.stages
-            return run_layers(
-                layer,
-                leaves,
+            return run_stage(
+                stages.where(model),
+                stages,
                 h,
                 key,
                 key_rows=key_rows,
-                first=jax.lax.axis_index(stages.axis) * count,
-                num_layers=stacked.num_layers,
-                remat=stacked.remat if remat is UNSET else remat,
-                unroll=stacked.unroll,
                 per_row=per_row,
+                remat=remat,
             )
 
         return stage

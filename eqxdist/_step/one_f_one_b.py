@@ -8,25 +8,18 @@ The backward pass of a microbatch starts as soon as its forward pass has left
 the last stage, long before the other microbatches' forward passes end, so the
 schedule is written out rather than left to JAX's autodiff of a forward loop:
 
-- **The loss, cut at the stack.** The loss is traced once on one microbatch
-  with the stack replaced by a marker (`_layout.pipeline.MarkedStack`); the
-  program is cut there into `pre` (the loss's inputs to the stack's input: the
-  embedding) and `post` (the stack's output, with the inputs, to the loss and
-  its metrics: the head). Both are ordinary functions JAX differentiates.
-- **The slots.** `schedule` simulates PipeDream-flush's order per stage (P - 1
-  - s warm-up forwards, then one forward and one backward in turn, then the
-  remaining backwards) on a clock of slots, each stage taking its next action
-  as soon as its input has arrived; the table says, per slot and stage, what to
-  run and where the messages of the slot land. Every slot, every stage runs its
-  action (`lax.switch`), then sends its activation to the next stage and its
-  cotangent to the previous one (`ppermute`).
-- **A forward step** stores the stage's input (a stash of P entries) and
-  passes the stage's output on; on the last stage it also runs `post` and its
-  VJP, which gives the loss, the metrics, `post`'s parameter gradients and the
-  cotangent of the stage's output. **A backward step** recomputes the stage
-  from its stored input under `jax.vjp` (the stack's `remat` policy says what
-  that recomputation keeps) and passes the input's cotangent back; on stage 0
-  it is stored, and `pre`'s VJP runs on all of them after the loop.
+- **The loss, cut at the stack** (`cut_loss`): `pre` (the loss's inputs to the
+  stack's input: the embedding) and `post` (the stack's output, with the
+  inputs, to the loss and its metrics: the head), both ordinary functions JAX
+  differentiates.
+- **The slots.** The table is `_layout.schedules.one_f_one_b` (PipeDream-flush's
+  order per stage on a clock of slots); the layout's engine runs it
+  (`_layout.stage_slots.StageSlots` on `_layout.engine.run_slots`): every slot,
+  every stage runs its entry, a forward (on the last stage with `post`'s VJP,
+  which gives the loss, the metrics and the output's cotangent) or a backward
+  (the stage recomputed from its stored input under `jax.vjp`), then sends its
+  activation to the next stage and its cotangent to the previous one.
+- **After the loop**, `pre`'s VJP runs on stage 0's input cotangents.
 
 The stages' layer gradients stay on their stage; the other gradients (`pre`'s
 on stage 0, `post`'s on the last stage) are summed over the stage axis.
@@ -39,196 +32,18 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.extend import core as jex
 from jax.sharding import PartitionSpec as P
 
 from .._layout.pipeline import StagePlan
 from .._layout.rules import is_spec_leaf
-from .._layout.stages import MARKER, Seen
+from .._layout.schedules import one_f_one_b, slot_arrays
+from .._layout.stage_slots import StageSlots, cotangent
+from .._layout.stages import Seen
 from .._metrics.tree import merge_metrics
 from .._utils import is_array
 from .accumulate import Accumulated, CheckedLoss
+from .cut_loss import CutLoss, cut
 from .hoist import shares
-
-IDLE, FORWARD, BACKWARD = 0, 1, 2
-
-
-@dataclasses.dataclass(frozen=True)
-class Schedule:
-    """The slots of a 1F1B schedule for `stages` stages and `micro`
-    microbatches, as `(slots, stages)` int32 tables: `action` (`IDLE`,
-    `FORWARD`, `BACKWARD`), `micro` (the microbatch of the action), and for the
-    messages that arrive at the end of a slot: `from_prev` (the previous stage
-    sent an activation: 1, else 0), `from_next` (the next stage sent a
-    cotangent). Buffers are indexed by microbatch modulo `stages`."""
-
-    action: np.ndarray
-    micro: np.ndarray
-    from_prev: np.ndarray
-    prev_micro: np.ndarray
-    from_next: np.ndarray
-    next_micro: np.ndarray
-
-    @property
-    def slots(self) -> int:
-        return int(self.action.shape[0])
-
-
-def schedule(stages: int, micro: int) -> Schedule:
-    """PipeDream-flush's 1F1B order on a clock of slots (see the module
-    docstring); checked to keep at most `stages` microbatches in flight per
-    stage and never to overwrite a message before it is read."""
-    orders = []
-    for s in range(stages):
-        warm = min(stages - 1 - s, micro)
-        order = [(FORWARD, m) for m in range(warm)]
-        f, b = warm, 0
-        while f < micro:
-            order += [(FORWARD, f), (BACKWARD, b)]
-            f, b = f + 1, b + 1
-        order += [(BACKWARD, m) for m in range(b, micro)]
-        orders.append(order)
-    done: dict[tuple[int, int, int], int] = {}  # (action, m, s) -> slot done
-    position = [0] * stages
-    rows: list[list[tuple[int, int]]] = []
-    t = 0
-    while any(position[s] < len(orders[s]) for s in range(stages)):
-        row = []
-        for s in range(stages):
-            if position[s] == len(orders[s]):
-                row.append((IDLE, 0))
-                continue
-            act, m = orders[s][position[s]]
-            if act == FORWARD:
-                ready = s == 0 or done.get((FORWARD, m, s - 1), t) < t
-            else:
-                ready = done.get((FORWARD, m, s), t) < t and (
-                    s == stages - 1 or done.get((BACKWARD, m, s + 1), t) < t
-                )
-            row.append((act, m) if ready else (IDLE, 0))
-        for s, (act, m) in enumerate(row):
-            if act != IDLE:
-                done[(act, m, s)] = t
-                position[s] += 1
-        rows.append(row)
-        t += 1
-    action = np.array([[a for a, _ in row] for row in rows], np.int32)
-    mb = np.array([[m for _, m in row] for row in rows], np.int32)
-    from_prev = np.zeros_like(action)
-    from_next = np.zeros_like(action)
-    prev_micro = np.zeros_like(action)
-    next_micro = np.zeros_like(action)
-    for t in range(len(rows)):
-        for s in range(stages):
-            if s > 0 and action[t, s - 1] == FORWARD:
-                from_prev[t, s], prev_micro[t, s] = 1, mb[t, s - 1]
-            if s < stages - 1 and action[t, s + 1] == BACKWARD:
-                from_next[t, s], next_micro[t, s] = 1, mb[t, s + 1]
-    _check(action, mb, stages)
-    return Schedule(action, mb, from_prev, prev_micro, from_next, next_micro)
-
-
-def _check(action: np.ndarray, mb: np.ndarray, stages: int) -> None:
-    """At most `stages` microbatches between a stage's forward and backward
-    steps, so buffers of `stages` entries indexed by microbatch modulo
-    `stages` never lose an entry still needed."""
-    for s in range(stages):
-        alive = 0
-        for t in range(action.shape[0]):
-            alive += {FORWARD: 1, BACKWARD: -1}.get(int(action[t, s]), 0)
-            assert 0 <= alive <= stages - s, (s, t, alive)
-
-
-# -- the loss, cut at the stack ---------------------------------------------
-
-
-@dataclasses.dataclass(frozen=True)
-class CutLoss:
-    """`loss(args)` cut at the stack: `pre(args) -> stack input leaves` and
-    `post(args, stack output leaves) -> loss output leaves` (`out_tree`), both
-    on the flattened `args`; `x_tree` the stack input's structure, `key` its
-    key's (`None` without one), `key_rows` whether that key is per row,
-    `per_row` whether the blocks take one row (the loss's `vmap`) or a batch;
-    `jaxpr` is `post`'s program and `kinds` says what each of its inputs is
-    (`"param"`, `"batch"`, `"key"`, `"stack"`: `hoist.analyse`)."""
-
-    pre: Callable[..., Any]
-    post: Callable[..., Any]
-    out_tree: Any
-    x_tree: Any
-    key_tree: Any
-    key_rows: bool
-    per_row: bool
-    jaxpr: Any = None
-    kinds: tuple[str, ...] = ()
-
-
-def cut(loss: Callable[..., Any], args: Any, seen: dict[str, Any]) -> CutLoss:
-    """Trace `loss(*args)` (whose model holds a `MarkedStack`, which records
-    what it sees in `seen`) and cut it at the marker."""
-    closed, out_shape = jax.make_jaxpr(loss, return_shape=True)(*args)
-    jaxpr = closed.jaxpr
-    marks = [
-        i
-        for i, e in enumerate(jaxpr.eqns)
-        if e.primitive.name in ("jit", "pjit") and e.params.get("name") == MARKER
-    ]
-    if len(marks) != 1:
-        raise ValueError(
-            "pipeline (schedule='1f1b'): the loss must call the pipelined Stacked "
-            "exactly once (on its rows under jax.vmap, as `jax.vmap(model)(x)` "
-            "does, or on a batch), outside any jax.jit, jax.checkpoint or loop of "
-            f"its own; it is called {len(marks)} times so. Use schedule='gpipe', "
-            "which has no such limit, or call the model so."
-        )
-    mark = jaxpr.eqns[marks[0]]
-    others = [e for i, e in enumerate(jaxpr.eqns) if i != marks[0]]
-    pre = _closed(closed, jaxpr.invars, list(mark.invars), _needed(others, mark.invars))
-    post_eqns = _needed(others, jaxpr.outvars)
-    post = _closed(closed, [*jaxpr.invars, *mark.outvars], jaxpr.outvars, post_eqns)
-    kinds = [
-        kind
-        for kind, arg in zip(("param", "batch", "key"), args, strict=True)
-        for _ in jax.tree.leaves(arg)
-    ]
-    return CutLoss(
-        jex.jaxpr_as_fun(pre),
-        jex.jaxpr_as_fun(post),
-        jax.tree.structure(out_shape),
-        seen["x"],
-        seen["key"],
-        seen["key_rows"],
-        seen["per_row"],
-        post,
-        (*kinds, *["stack"] * len(mark.outvars)),
-    )
-
-
-def _needed(eqns: list[Any], outvars: list[Any]) -> list[Any]:
-    """The equations `outvars` depend on, in order."""
-    need = {v for v in outvars if isinstance(v, jex.Var)}
-    kept = []
-    for eqn in reversed(eqns):
-        if eqn.effects or any(v in need for v in eqn.outvars):
-            kept.append(eqn)
-            need.update(v for v in eqn.invars if isinstance(v, jex.Var))
-    return kept[::-1]
-
-
-def _closed(closed: Any, invars: list[Any], outvars: list[Any], eqns: list[Any]) -> Any:
-    jaxpr = closed.jaxpr
-    new = jex.Jaxpr(
-        jaxpr.constvars,
-        invars,
-        outvars,
-        eqns,
-        jaxpr.effects,
-        jaxpr.debug_info.with_unknown_names()
-        if hasattr(jaxpr.debug_info, "with_unknown_names")
-        else jaxpr.debug_info,
-    )
-    return jex.ClosedJaxpr(new, closed.consts)
-
 
 # -- the schedule's program ---------------------------------------------------
 
@@ -331,16 +146,24 @@ class OneFOneB:
             )
             return list(jax.tree.leaves(out))
 
-        slots = _Slots(
-            loss, stage, p_leaves, rest, inputs[:n_x], inputs[n_x:], axis, stages
+        slots = StageSlots(
+            post=loss.post,
+            key_tree=loss.key_tree,
+            stage=stage,
+            params=p_leaves,
+            rest=rest,
+            xs=inputs[:n_x],
+            keys=inputs[n_x:],
+            axis=axis,
+            stages=stages,
         )
-        g_leaves, dx, outs = slots.run(schedule(stages, micro))
+        g_leaves, dx, outs = slots.run(slot_arrays(one_f_one_b(stages, micro)))
 
         # `pre`'s VJP on stage 0's input cotangents (zeros on the others).
         def pre_grads(total: list[Any], a: Any) -> tuple[list[Any], None]:
             r, d = a
             _, vjp = jax.vjp(lambda p: loss.pre(*p, *r)[:n_x], p_leaves)
-            (dp,) = vjp([_cotangent(a, a) for a in d])
+            (dp,) = vjp([cotangent(a, a) for a in d])
             return [x + y for x, y in zip(total, dp, strict=True)], None
 
         zero = [jnp.zeros_like(x) for x in p_leaves]
@@ -417,173 +240,8 @@ class OneFOneB:
         return jax.tree.map(total, self.specs, grads, is_leaf=is_spec_leaf)
 
 
-def _seed(out: Any, loss: bool) -> Any:
-    """The cotangent of one of `post`'s outputs: 1 for the loss, zero for the
-    rest (`float0` for integers)."""
-    if not jnp.issubdtype(out.dtype, jnp.inexact):
-        return np.zeros(out.shape, jax.dtypes.float0)
-    return jnp.ones_like(out) if loss else jnp.zeros_like(out)
-
-
-def _cotangent(ct: Any, primal: Any) -> Any:
-    """A cotangent as `jax.vjp` takes it for `primal`: `float0` zeros where
-    `primal` is not floating (an integer leaf carried beside the activations:
-    a mask, positions)."""
-    if jnp.issubdtype(primal.dtype, jnp.inexact):
-        return ct
-    return np.zeros(primal.shape, jax.dtypes.float0)
-
-
-def _held(ct: Any, primal: Any) -> Any:
-    """A cotangent as the schedule's buffers and messages hold it: zeros of
-    `primal`'s dtype for a `float0` one (buffers are of the activations'
-    dtypes)."""
-    if ct.dtype == jax.dtypes.float0:
-        return jnp.zeros(primal.shape, primal.dtype)
-    return ct
-
-
 def _block(x: Any, i: int, n: int) -> Any:
     if not is_array(x) or jnp.ndim(x) == 0:
         return x
     rows = x.shape[0] // n
     return x[i * rows : (i + 1) * rows]
-
-
-def _index(x: Any, i: Any) -> Any:
-    return jax.lax.dynamic_index_in_dim(x, i, 0, keepdims=False)
-
-
-def _set(x: Any, i: Any, v: Any) -> Any:
-    return jax.lax.dynamic_update_index_in_dim(x, v, i, 0)
-
-
-def _set_if(x: Any, i: Any, v: Any, when: Any) -> Any:
-    return _set(x, i, jnp.where(when, v, _index(x, i)))
-
-
-_TABLES = ("action", "micro", "from_prev", "prev_micro", "from_next", "next_micro")
-
-
-@dataclasses.dataclass(frozen=True)
-class _Slots:
-    """One minibatch's schedule on this stage: `run(table)` runs its slots and
-    gives the stage's parameter gradients (leaves), stage 0's input cotangents
-    per microbatch, and the last stage's outputs of `post` per microbatch.
-
-    The loop's carry: `stash` (this stage's inputs of the microbatches in
-    flight), `inbox_f` (activations received, not yet run), `inbox_b`
-    (cotangents received, or made by `post` on the last stage), the gradient
-    leaves, `dx` (stage 0's input cotangents) and `outs` (`post`'s outputs);
-    buffers of P entries are indexed by microbatch modulo P."""
-
-    loss: CutLoss
-    stage: Callable[..., Any]
-    params: list[Any]
-    rest: list[Any]
-    xs: list[Any]
-    keys: list[Any]
-    axis: str
-    stages: int
-
-    def run(self, table: Schedule) -> tuple[list[Any], list[Any], list[Any]]:
-        micro = int(self.xs[0].shape[0])
-        buf = [jnp.zeros((self.stages, *x.shape[1:]), x.dtype) for x in self.xs]
-        out_shapes = jax.eval_shape(
-            self._post, self.params, [r[0] for r in self.rest], [x[0] for x in self.xs]
-        )
-        tables = [jnp.asarray(getattr(table, f)) for f in _TABLES]
-        init = (
-            buf,
-            buf,
-            buf,
-            [jnp.zeros_like(x) for x in self.params],
-            [jnp.zeros_like(x) for x in self.xs],
-            [jnp.zeros((micro, *o.shape), o.dtype) for o in out_shapes],
-        )
-        (_, _, _, grads, dx, outs), _ = jax.lax.scan(
-            lambda c, t: self._slot(c, [_index(x, t) for x in tables]),
-            init,
-            jnp.arange(table.slots),
-        )
-        return grads, dx, outs
-
-    def _post(self, p: list[Any], r: list[Any], y: list[Any]) -> list[Any]:
-        # Arrays: a Python number in the metrics (a `(sum, count)` pair's
-        # count) is a literal of the traced program.
-        return [jnp.asarray(o) for o in self.loss.post(*p, *r, *y)]
-
-    def _key(self, m: Any) -> Any:
-        if self.loss.key_tree is None:
-            return None
-        return jax.tree.unflatten(self.loss.key_tree, [_index(k, m) for k in self.keys])
-
-    def _zeros(self) -> list[Any]:
-        return [jnp.zeros_like(x[0]) for x in self.xs]
-
-    def _forward(self, c: Any, m: Any) -> Any:
-        stash, inbox_f, inbox_b, grads, dx, outs = c
-        s, stages = jax.lax.axis_index(self.axis), self.stages
-        h = [
-            jnp.where(s == 0, _index(x, m), _index(f, m % stages))
-            for x, f in zip(self.xs, inbox_f, strict=True)
-        ]
-        stash = [_set(b, m % stages, v) for b, v in zip(stash, h, strict=True)]
-        y = self.stage(self.params, h, self._key(m))
-
-        def last(args: Any) -> Any:
-            inbox_b, grads, outs = args
-            r = [_index(x, m) for x in self.rest]
-            out, vjp = jax.vjp(lambda p, y: self._post(p, r, y), self.params, y)
-            dp, dy = vjp([_seed(o, i == 0) for i, o in enumerate(out)])
-            grads = [a + b for a, b in zip(grads, dp, strict=True)]
-            dy = [_held(d, v) for d, v in zip(dy, y, strict=True)]
-            inbox_b = [_set(b, m % stages, v) for b, v in zip(inbox_b, dy, strict=True)]
-            outs = [_set(b, m, v) for b, v in zip(outs, out, strict=True)]
-            return inbox_b, grads, outs
-
-        inbox_b, grads, outs = jax.lax.cond(
-            s == stages - 1, last, lambda a: a, (inbox_b, grads, outs)
-        )
-        return (stash, inbox_f, inbox_b, grads, dx, outs), y, self._zeros()
-
-    def _backward(self, c: Any, m: Any) -> Any:
-        stash, inbox_f, inbox_b, grads, dx, outs = c
-        s, stages = jax.lax.axis_index(self.axis), self.stages
-        h = [_index(b, m % stages) for b in stash]
-        dy = [_index(b, m % stages) for b in inbox_b]
-        key = self._key(m)
-        y, vjp = jax.vjp(lambda p, h: self.stage(p, h, key), self.params, h)
-        dp, dh = vjp([_cotangent(d, v) for d, v in zip(dy, y, strict=True)])
-        dh = [_held(d, v) for d, v in zip(dh, h, strict=True)]
-        grads = [a + b for a, b in zip(grads, dp, strict=True)]
-        dx = [_set_if(b, m, v, s == 0) for b, v in zip(dx, dh, strict=True)]
-        return (stash, inbox_f, inbox_b, grads, dx, outs), self._zeros(), dh
-
-    def _idle(self, c: Any, m: Any) -> Any:
-        return c, self._zeros(), self._zeros()
-
-    def _slot(self, c: Any, row: list[Any]) -> tuple[Any, None]:
-        """One slot: this stage's action, then the messages."""
-        s, stages, axis = jax.lax.axis_index(self.axis), self.stages, self.axis
-        action, mb, from_prev, prev_micro, from_next, next_micro = (
-            _index(x, s) for x in row
-        )
-        actions = [self._idle, self._forward, self._backward]
-        c, send_f, send_b = jax.lax.switch(action, actions, c, mb)
-        if stages == 1:
-            return c, None
-        stash, inbox_f, inbox_b, grads, dx, outs = c
-        ahead = [(i, i + 1) for i in range(stages - 1)]
-        back = [(i + 1, i) for i in range(stages - 1)]
-        got_f = [jax.lax.ppermute(v, axis, ahead) for v in send_f]
-        got_b = [jax.lax.ppermute(v, axis, back) for v in send_b]
-        inbox_f = [
-            _set_if(b, prev_micro % stages, v, from_prev == 1)
-            for b, v in zip(inbox_f, got_f, strict=True)
-        ]
-        inbox_b = [
-            _set_if(b, next_micro % stages, v, from_next == 1)
-            for b, v in zip(inbox_b, got_b, strict=True)
-        ]
-        return (stash, inbox_f, inbox_b, grads, dx, outs), None

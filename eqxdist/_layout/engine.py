@@ -1,0 +1,302 @@
+"""The one engine every pipeline schedule runs on: `run_slots`, a loop over the
+slots of a schedule's table (`schedules.SlotArrays`) in which each stage reads
+its own entry (action, microbatch, chunk, the messages arriving) and runs it.
+
+Two slot bodies drive it. `ForwardEngine` runs the forward half of GPipe and
+the circular schedule (only F entries: the stage runs its chunk on every slot,
+an idle slot's result unused, so that the loop stays one straight program JAX
+differentiates; autodiff runs the table's backward half). 1F1B's body
+(`stage_slots.StageSlots`) runs F and BW entries, its backward written out
+with `jax.vjp`, the loss after the stack a callback of the step's. One body
+for both would put an inbox indexed by microbatch into GPipe's differentiated
+loop (an update and a read more per slot, kept for its backward pass).
+`run_layers` and `run_stage` are the layers of one stage, which both run.
+"""
+
+import dataclasses
+import functools
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from .pipeline import StagePlan
+from .remat import UNSET, loop_blocks
+from .schedules import FORWARD, SlotArrays, forward_arrays
+from .stacked import Stacked, layer_function
+
+
+def run_slots(
+    arrays: SlotArrays,
+    fields: tuple[str, ...],
+    *,
+    axis: str,
+    step: Callable[..., Any],
+    init: Any,
+) -> Any:
+    """The carry after every slot of `arrays`: at slot t, `step(carry, entry)`
+    with `entry` this stage's (the stage axis `axis`) values at t of the
+    tables named by `fields` (a dict by name; only those are read)."""
+    tables = [jnp.asarray(getattr(arrays, f)) for f in fields]
+
+    def slot(carry: Any, t: Any) -> tuple[Any, None]:
+        rows = [_take(x, t) for x in tables]
+        s = jax.lax.axis_index(axis)
+        entry = {f: _take(x, s) for f, x in zip(fields, rows, strict=True)}
+        return step(carry, entry), None
+
+    carry, _ = jax.lax.scan(slot, init, jnp.arange(arrays.slots))
+    return carry
+
+
+def run_stage(
+    stacked: Stacked,
+    plan: StagePlan,
+    h: Any,
+    key: Any,
+    *,
+    key_rows: bool,
+    per_row: bool,
+    remat: Any,
+) -> Any:
+    """This stage's layers of the pipelined `stacked` (its leaves this stage's
+    L/P layers; the stage axis bound) on the rows `h`, as `run_layers` runs
+    them; `remat`: the step's (`UNSET`: the stack's own)."""
+    leaves, layer = layer_function(stacked, with_key=key is not None)
+    count = stacked.num_layers // plan.stages
+    return run_layers(
+        layer,
+        leaves,
+        h,
+        key,
+        key_rows=key_rows,
+        first=jax.lax.axis_index(plan.axis) * count,
+        num_layers=stacked.num_layers,
+        remat=stacked.remat if remat is UNSET else remat,
+        unroll=stacked.unroll,
+        per_row=per_row,
+    )
+
+
+@dataclasses.dataclass(frozen=True)
+class ForwardEngine:
+    """One stage's program (the stage axis bound): the forward half of the
+    table of GPipe (`repeats == 1`) or the circular schedule
+    (`schedules.forward_arrays`), run by `run_slots`; JAX differentiates it.
+
+    At each slot the stage runs its entry's chunk r of layers on microbatch m:
+    stage 0 takes the microbatch from the input (r = 0) or from the loop-back
+    buffer (r > 0, filled by the messages from the last stage round the ring),
+    the others the activation the previous stage passed on in the slot before.
+    Idle slots run too (on entry (0, 0)), their results unused, so that the
+    loop is one straight program. The last stage's outputs of the last chunk
+    are collected, then given to every stage."""
+
+    layer: Callable[..., Any]
+    axis: str
+    stages: int
+    microbatches: int
+    repeats: int
+    num_layers: int
+    key_rows: bool
+    remat: Any
+    per_row: bool
+    sum_input: bool
+    unroll: bool = False
+
+    def __call__(self, leaves: list[Any], x: Any, key: Any) -> Any:
+        stages, m_total, repeats = self.stages, self.microbatches, self.repeats
+        s = jax.lax.axis_index(self.axis)
+        xm = jax.tree.map(
+            lambda a: a.reshape(m_total, a.shape[0] // m_total, *a.shape[1:]), x
+        )
+        if self.sum_input:
+            xm = _from_first(xm, self.axis)
+        keys = None
+        if key is not None and self.key_rows:
+            keys = key.reshape(m_total, key.shape[0] // m_total)
+        if stages == 1:
+            perm: list[tuple[int, int]] = []
+        elif repeats > 1:
+            perm = [(i, (i + 1) % stages) for i in range(stages)]
+        else:
+            perm = [(i, i + 1) for i in range(stages - 1)]
+
+        def slot(carry: Any, entry: dict[str, Any]) -> Any:
+            buf, loop, out = carry
+            m, r = entry["micro"], entry["chunk"]
+            first = _take(xm, m)
+            if repeats > 1:
+                first = _where(r == 0, first, _take(loop, m))
+            h = _where(s == 0, first, buf)
+            y = self._chunk(leaves, h, r, None if key is None else (key, keys, m))
+            done = (entry["action"] == FORWARD) & (s == stages - 1) & (r == repeats - 1)
+            out = _put(out, m, y, done)
+            nxt = y
+            if perm:
+                nxt = jax.tree.map(lambda a: jax.lax.ppermute(a, self.axis, perm), y)
+            if repeats > 1:
+                # What comes round the ring waits in stage 0's loop-back buffer.
+                back = (s == 0) & (entry["from_prev"] == 1)
+                loop = _put(loop, entry["prev_micro"], nxt, back)
+            return nxt, loop, out
+
+        init = (
+            _take(xm, 0),
+            xm if repeats > 1 else None,
+            jax.tree.map(jnp.zeros_like, xm),
+        )
+        _, _, out = run_slots(
+            forward_arrays(stages, m_total, repeats),
+            ("action", "micro", "chunk", "from_prev", "prev_micro"),
+            axis=self.axis,
+            step=slot,
+            init=init,
+        )
+        out = _from_last(out, self.axis, not self.sum_input)
+        return jax.tree.map(lambda a: a.reshape(-1, *a.shape[2:]), out)
+
+    def _chunk(self, leaves: list[Any], h: Any, r: Any, keys: Any) -> Any:
+        """Chunk `r` of this stage's layers on the microbatch `h`."""
+        c = self.num_layers // (self.stages * self.repeats)
+        # One chunk (GPipe): the layers as they are, loop-invariant. A slice at
+        # the traced `r` would be kept for the backward pass at every iteration:
+        # M + P - 1 copies of the stage's parameters.
+        chunk = leaves
+        if self.repeats > 1:
+            chunk = [jax.lax.dynamic_slice_in_dim(a, r * c, c, axis=0) for a in leaves]
+        first = (r * self.stages + jax.lax.axis_index(self.axis)) * c
+        if keys is not None:
+            key, rows_keys, m = keys
+            if self.key_rows:
+                key = jax.lax.dynamic_index_in_dim(rows_keys, m, 0, keepdims=False)
+            keys = key
+        return run_layers(
+            self.layer,
+            chunk,
+            h,
+            keys,
+            key_rows=self.key_rows,
+            first=first,
+            num_layers=self.num_layers,
+            remat=self.remat,
+            unroll=self.unroll,
+            per_row=self.per_row,
+        )
+
+
+def run_layers(
+    layer: Callable[..., Any],
+    leaves: list[Any],
+    h: Any,
+    key: Any,
+    *,
+    key_rows: bool,
+    first: Any,
+    num_layers: int,
+    remat: Any,
+    unroll: bool = False,
+    per_row: bool = True,
+) -> Any:
+    """`leaves`' layers (global layers `first`, `first + 1`, ... of a stack of
+    `num_layers`) in turn on the rows `h` (each row its own call of the block,
+    as under the loss's `vmap`; not `per_row`: one call on all of `h`, for
+    blocks that take a batch). With a `key` (one per row if `key_rows`), each
+    layer gets its key as the `Stacked` would give it: `jax.random.split(key,
+    num_layers)[layer]`. With `unroll`, a Python loop over the layers, not a
+    scan (`loop_blocks`)."""
+    count = int(jax.tree.leaves(leaves)[0].shape[0])
+    chunk = list(leaves)
+    in_axes: list[int | None] = [None] * len(leaves)
+    if key is not None:
+
+        def per_layer(k: Any) -> Any:
+            return jax.lax.dynamic_slice_in_dim(
+                jax.random.split(k, num_layers), first, count, axis=0
+            )
+
+        if key_rows:
+            chunk.append(jnp.swapaxes(jax.vmap(per_layer)(key), 0, 1))
+            in_axes.append(0)
+        else:
+            chunk.append(per_layer(key))
+            in_axes.append(None)
+
+    def body(h: Any, layer_leaves: list[Any]) -> tuple[Any, None]:
+        if not per_row:
+            return layer(layer_leaves, h), None
+        return jax.vmap(layer, in_axes=(in_axes, 0))(layer_leaves, h), None
+
+    h, _ = loop_blocks(body, h, chunk, remat=remat, unroll=unroll, length=count)
+    return h
+
+
+def _take(tree: Any, i: Any) -> Any:
+    return jax.tree.map(
+        lambda a: jax.lax.dynamic_index_in_dim(a, i, 0, keepdims=False), tree
+    )
+
+
+def _put(tree: Any, i: Any, value: Any, when: Any) -> Any:
+    """`tree[i] = value` where `when`, else unchanged."""
+    return jax.tree.map(
+        lambda a, v: jax.lax.dynamic_update_index_in_dim(
+            a, jnp.where(when, v, jax.lax.dynamic_index_in_dim(a, i, 0, False)), i, 0
+        ),
+        tree,
+        value,
+    )
+
+
+def _where(c: Any, a: Any, b: Any) -> Any:
+    return jax.tree.map(lambda u, v: jnp.where(c, u, v), a, b)
+
+
+# The two places the stages exchange more than activations, with the gradients
+# a pipeline needs whatever `shard_map`'s `check_vma`: every stage holds the
+# step's input rows and runs what follows the stack on its output, identically.
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1,))
+def _from_first(x: Any, axis: str) -> Any:
+    """`x`, which only the first stage reads: its gradient is the sum of the
+    stages' (the first stage's; zero elsewhere), the same on every stage."""
+    return x
+
+
+def _from_first_fwd(x: Any, axis: str) -> tuple[Any, None]:
+    return x, None
+
+
+def _from_first_bwd(axis: str, _: None, g: Any) -> tuple[Any]:
+    return (jax.tree.map(lambda a: jax.lax.psum(a, axis), g),)
+
+
+_from_first.defvjp(_from_first_fwd, _from_first_bwd)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2))
+def _from_last(x: Any, axis: str, parts: bool) -> Any:
+    """The last stage's `x` on every stage (one all-reduce). Every stage runs
+    what follows on it identically, so the gradient is the last stage's own;
+    where each stage's cotangent is a part of it (`parts`: the transpose of a
+    `shard_map` output replicated over the stage axis), their sum."""
+    last = jax.lax.axis_index(axis) == jax.lax.axis_size(axis) - 1
+    return jax.tree.map(
+        lambda a: jax.lax.psum(jnp.where(last, a, jnp.zeros_like(a)), axis), x
+    )
+
+
+def _from_last_fwd(x: Any, axis: str, parts: bool) -> tuple[Any, None]:
+    return _from_last(x, axis, parts), None
+
+
+def _from_last_bwd(axis: str, parts: bool, _: None, g: Any) -> tuple[Any]:
+    last = jax.lax.axis_index(axis) == jax.lax.axis_size(axis) - 1
+    if parts:
+        g = jax.tree.map(lambda a: jax.lax.psum(a, axis), g)
+    return (jax.tree.map(lambda a: jnp.where(last, a, jnp.zeros_like(a)), g),)
+
+
+_from_last.defvjp(_from_last_fwd, _from_last_bwd)
