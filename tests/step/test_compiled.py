@@ -34,6 +34,7 @@ def _cache(mesh, traces, donate=True, max_in_flight=4):
         mesh,
         describe=lambda s: Placement(Toy(P("data"), P()), Toy(False, True)),
         batch_sharding=NamedSharding(mesh, P("data")),
+        leaf_sharding=lambda ndim: NamedSharding(mesh, P("data")),
         donate=donate,
         max_in_flight=max_in_flight,
         check_batch=lambda b: None,
