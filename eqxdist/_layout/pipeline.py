@@ -30,7 +30,8 @@ SCHEDULES = ("gpipe", "circular", "1f1b")
 
 class Pipeline(eqx.Module):
     """Pipeline parallelism over the layers of a model's `ed.Stacked`, passed as
-    `make_train_step(..., pipeline=ed.Pipeline(...))` (and to `make_eval_step`).
+    `ed.Layout(mesh, pipeline=ed.Pipeline(...))` (or v0.4's
+    `make_train_step(..., pipeline=...)`).
 
     The `Stacked`'s L layers are split over the mesh axis `axis`: P stages of
     L/P consecutive layers (with `repeats` R > 1, the circular schedule: stage p
@@ -69,8 +70,8 @@ class Pipeline(eqx.Module):
 
         ```python
         mesh = ed.create_device_mesh({"stage": 4, "data": 2})
-        step = ed.make_train_step(loss_fn, optimizer, mesh,
-                                  pipeline=ed.Pipeline("stage", microbatches=8))
+        layout = ed.Layout(mesh, pipeline=ed.Pipeline("stage", microbatches=8))
+        step = ed.make_train_step(loss_fn, optimizer, layout)
         ```
     """
 
