@@ -87,6 +87,13 @@ class Layout:
       (`ed.to_context_order`, positions `ed.context_positions`) and adds up over
       the axis too; a global-view loss sees whole sequences
       (docs/guides/long_context.md).
+    - `expert_axis`: a mesh axis every `ed.MoE`'s expert weights (`w_in`,
+      `w_gate`, `w_out`) are split over on their expert dimension (`num_experts`
+      a multiple of its size; the router replicated): each device holds and
+      computes with its experts, the tokens travel to them and back (an
+      all-gather and a reduce-scatter of the tokens per call), no expert weight
+      is gathered. A data axis (the usual case: experts spread over the data
+      devices) or an axis of its own (docs/guides/experts.md).
 
     Every keyword means what it meant on v0.4's `make_train_step`, which still
     takes them (with a mesh) as a shorthand that builds this value.
@@ -139,6 +146,7 @@ class Layout:
         fsdp_linears: str | None = None,
         pipeline: Any = None,  # an ed.Pipeline, checked to say so plainly
         context_axis: Any = None,  # a str, checked to say so plainly
+        expert_axis: Any = None,  # a str, checked to say so plainly
     ) -> None:
         keywords = dict(
             strategy=strategy,
@@ -151,6 +159,7 @@ class Layout:
             fsdp_linears=fsdp_linears,
             pipeline=pipeline,
             context_axis=context_axis,
+            expert_axis=expert_axis,
         )
         self._build("Layout", mesh, keywords)
 

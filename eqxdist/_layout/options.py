@@ -13,6 +13,7 @@ from jax.sharding import Mesh
 from .parts.base import Part
 from .parts.context import ContextPart
 from .parts.data import DataPart
+from .parts.experts import ExpertPart
 from .parts.fsdp import FsdpPart, check_strategy, fsdp_options
 from .parts.pipeline import PipelinePart
 from .parts.tensor import TensorPart
@@ -30,6 +31,7 @@ LAYOUT_DEFAULTS: dict[str, Any] = {
     "fsdp_linears": None,
     "pipeline": None,
     "context_axis": None,
+    "expert_axis": None,
 }
 """Every keyword of `ed.Layout` and its default (`None`: not given)."""
 
@@ -66,7 +68,13 @@ def parse_parts(caller: str, mesh: Mesh, keywords: dict[str, Any]) -> tuple[Part
         parts.append(pipeline)
         taken[pipeline.pipeline.axis] = "the pipeline's stage axis"
     if keywords["context_axis"] is not None:
+        context = ContextPart.parse(caller, mesh, keywords["context_axis"], taken, rules)
+        parts.append(context)
+        taken[context.axis] = "the context axis"
+    if keywords["expert_axis"] is not None:
         parts.append(
-            ContextPart.parse(caller, mesh, keywords["context_axis"], taken, rules)
+            ExpertPart.parse(
+                caller, mesh, keywords["expert_axis"], data.axes, taken, rules
+            )
         )
     return tuple(parts)

@@ -133,7 +133,10 @@ class FsdpRule:
         rule on the dimensions `rule` leaves unsharded (`min_weight_size` compares
         the leaf's full size), added to `rule`."""
         rule = rule or P()
-        if math.prod(shape) <= self.min_weight_size:
+        if math.prod(shape) <= self.min_weight_size or self.axis_name in spec_axes(
+            rule
+        ):
+            # Already split over the axis (an expert weight over its experts).
             return rule
         taken = {d for d, e in enumerate(rule) if e is not None}
         free = tuple(1 if d in taken else n for d, n in enumerate(shape))

@@ -15,6 +15,8 @@ _WHY_SPARE = {
     "within them over other axes.",
     "context axis": "the sequence is split over it and the parameters are "
     "replicated over it. Shard them over other axes.",
+    "expert axis": "the experts are split over it; shard the experts' other "
+    "dimensions over other axes.",
 }
 
 

@@ -1,0 +1,153 @@
+"""Expert parallelism against replicated experts: step time, expert bytes per
+device and the collectives of each compiled step.
+
+A small mixture-of-experts model (an embedding, `--layers` residual `ed.MoE`
+blocks of `--experts` experts, top-2, a head) on 8 simulated CPU devices, one
+process: `ed.Layout(mesh)` (data parallelism, every device holding every
+expert) against `ed.Layout(mesh, expert_axis="data")` (each device holding
+`experts / 8` of them, the tokens sent to them and back). Timing is
+interleaved: every repeat times both for `--steps` steps (the order
+alternating); the table gives median milliseconds per step, the median of the
+per-repeat ratios expert-parallel / replicated with their spread, the bytes of
+expert weights device 0 holds and the collectives of each compiled step. On CPU
+the collectives are memory copies: the ratio says what the dispatch costs here,
+not on a GPU's interconnect.
+
+    python benchmarks/bench_experts.py [--repeats 5] [--steps 20] [--experts 16]
+
+The script sets up 8 simulated CPU devices itself (before importing JAX) unless
+`XLA_FLAGS` already sets a device count. `run()` returns the figures.
+"""
+
+import argparse
+import os
+import statistics
+import sys
+import time
+from typing import Any
+
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+import equinox as eqx
+import jax
+import numpy as np
+import optax
+
+import eqxdist as ed
+
+ed.simulate_cpu_devices(8)  # before JAX starts its backend
+
+D_MODEL, D_HIDDEN, ROWS, LENGTH = 64, 128, 64, 16
+
+
+class Net(eqx.Module):
+    embed: eqx.nn.Linear
+    blocks: list[ed.MoE]
+    head: eqx.nn.Linear
+
+    def __init__(self, layers: int, experts: int, key: Any) -> None:
+        keys = jax.random.split(key, layers + 2)
+        self.embed = eqx.nn.Linear(16, D_MODEL, key=keys[0])
+        self.blocks = [ed.MoE(D_MODEL, D_HIDDEN, experts, key=k) for k in keys[2:]]
+        self.head = eqx.nn.Linear(D_MODEL, 4, key=keys[1])
+
+
+def loss_fn(model: Net, batch: dict[str, Any], key: Any) -> Any:
+    h = jax.vmap(model.embed)(batch["x"].reshape(-1, 16))  # every row's tokens
+    balance = 0.0
+    for block in model.blocks:
+        y, aux = block(h)
+        h, balance = h + y, balance + aux["load_balance_loss"]
+    logits = jax.vmap(model.head)(h)
+    labels = batch["y"].reshape(-1)
+    ce = optax.softmax_cross_entropy_with_integer_labels(logits, labels).mean()
+    return ce + 0.01 * balance, {}
+
+
+def _batch(seed: int) -> dict[str, np.ndarray]:
+    rng = np.random.default_rng(seed)
+    return {
+        "x": rng.normal(size=(ROWS, LENGTH, 16)).astype(np.float32),
+        "y": rng.integers(0, 4, (ROWS, LENGTH)).astype(np.int32),
+    }
+
+
+def _expert_bytes(state: ed.TrainState) -> int:
+    leaves = [
+        leaf
+        for block in state.model.blocks
+        for leaf in (block.w_in, block.w_gate, block.w_out)
+        if leaf is not None
+    ]
+    return sum(x.addressable_shards[0].data.nbytes for x in leaves)
+
+
+def _setup(layout: ed.Layout, args: argparse.Namespace) -> dict[str, Any]:
+    optimizer = optax.adamw(1e-3)
+    step = ed.make_train_step(loss_fn, optimizer, layout)
+    model = Net(args.layers, args.experts, jax.random.key(0))
+    state = step.init_state(
+        lambda k: ed.TrainState.create(model, optimizer, k), jax.random.key(1)
+    )
+    batch = _batch(0)
+    compiled = step.lower(state, batch).compile()
+    counts = {k: n for k, n in ed.count_collectives(compiled).items() if n}
+    state, _ = step(state, batch)
+    jax.block_until_ready(state)
+    return {"step": step, "state": state, "batch": batch, "counts": counts,
+            "bytes": _expert_bytes(state)}  # fmt: skip
+
+
+def _time(run: dict[str, Any], steps: int) -> float:
+    state = run["state"]
+    start = time.perf_counter()
+    for _ in range(steps):
+        state, _ = run["step"](state, run["batch"])
+    jax.block_until_ready(state)
+    run["state"] = state
+    return (time.perf_counter() - start) / steps * 1e3
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    mesh = ed.create_device_mesh({"data": 8})
+    runs = {
+        "replicated": _setup(ed.Layout(mesh), args),
+        "expert_parallel": _setup(ed.Layout(mesh, expert_axis="data"), args),
+    }
+    times: dict[str, list[float]] = {name: [] for name in runs}
+    ratios = []
+    for r in range(args.repeats):
+        order = list(runs) if r % 2 == 0 else list(runs)[::-1]
+        for name in order:
+            times[name].append(_time(runs[name], args.steps))
+        ratios.append(times["expert_parallel"][-1] / times["replicated"][-1])
+    return {
+        name: {
+            "ms": statistics.median(times[name]),
+            "bytes": runs[name]["bytes"],
+            "collectives": runs[name]["counts"],
+        }
+        for name in runs
+    } | {"ratio": (statistics.median(ratios), min(ratios), max(ratios))}
+
+
+def main(argv: list[str]) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--experts", type=int, default=16)
+    parser.add_argument("--layers", type=int, default=2)
+    args = parser.parse_args(argv)
+    out = run(args)
+    print(f"{args.layers} MoE layers of {args.experts} experts, d_model {D_MODEL}, "
+          f"d_hidden {D_HIDDEN}, {ROWS} x {LENGTH} tokens per step, 8 CPU devices")  # fmt: skip
+    print(f"{'layout':<16} {'ms/step':>8} {'expert bytes/dev':>17}  collectives")
+    for name in ("replicated", "expert_parallel"):
+        row = out[name]
+        print(f"{name:<16} {row['ms']:>8.2f} {row['bytes']:>17,}  {row['collectives']}")
+    median, low, high = out["ratio"]
+    print(f"expert_parallel / replicated: {median:.2f}x ({low:.2f}-{high:.2f})")
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

@@ -1,0 +1,217 @@
+"""Expert parallelism as one part of `ed.Layout`: every `ed.MoE`'s expert
+weights split over an axis by expert, the tokens sent to them; training equals
+single-device training of the same model on the same global data (float32,
+1e-5), in both views, under every strategy, with tensor rules, minibatches,
+weighted losses and step statistics."""
+
+import re
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from jax.sharding import PartitionSpec as P
+
+import eqxdist as ed
+
+D, H, E = 8, 16, 8
+
+
+class MoENet(eqx.Module):
+    embed: eqx.nn.Linear
+    moe: ed.MoE
+    head: eqx.nn.Linear
+
+    def __init__(self, key, gated=True):
+        k1, k2, k3 = jax.random.split(key, 3)
+        self.embed = eqx.nn.Linear(6, D, key=k1)
+        self.moe = ed.MoE(D, H, E, top_k=2, key=k2, gated=gated)
+        self.head = eqx.nn.Linear(D, 4, key=k3)
+
+
+def _forward(model, x):
+    h = jax.vmap(model.embed)(x)
+    y, aux = model.moe(h)
+    return jax.vmap(model.head)(h + y), aux
+
+
+def moe_loss(model, batch, key):
+    logits, aux = _forward(model, batch["x"])
+    ce = optax.softmax_cross_entropy_with_integer_labels(logits, batch["y"])
+    loss = ce.mean() + 0.01 * aux["load_balance_loss"] + 1e-3 * aux["router_z_loss"]
+    return loss, {"ce": (ce.sum(), ce.shape[0])}
+
+
+def weighted_loss(model, batch, key):
+    logits, aux = _forward(model, batch["x"])
+    ce = optax.softmax_cross_entropy_with_integer_labels(logits, batch["y"])
+    mask = batch["w"]
+    return (jnp.sum(ce * mask), jnp.sum(mask)), {}
+
+
+def _batches(steps=2, rows=32):
+    rng = np.random.default_rng(0)
+    return [
+        {
+            "x": rng.normal(size=(rows, 6)).astype(np.float32),
+            "y": rng.integers(0, 4, rows).astype(np.int32),
+            "w": (rng.random(rows) < 0.7).astype(np.float32),
+        }
+        for _ in range(steps)
+    ]
+
+
+def _chunks(batch, devices, minibatches):
+    """The rows each (minibatch, device) of a step computes on, minibatch-major."""
+    per = jax.tree.map(
+        lambda x: x.reshape(devices, minibatches, -1, *x.shape[1:]), batch
+    )
+    return [
+        [jax.tree.map(lambda x, d=d, m=m: x[d, m], per) for d in range(devices)]
+        for m in range(minibatches)
+    ]
+
+
+def _reference(model, batches, optimizer, loss, *, devices, minibatches, view):
+    """One device, plain Equinox and Optax: the step's loss is the mean of its
+    minibatches' losses, each (device view) the mean of the devices' losses on
+    their rows, or (global view) the loss of the minibatch's rows together. A
+    weighted loss divides the summed sums by the summed weights."""
+    params, static = eqx.partition(model, eqx.is_inexact_array)
+    state = optimizer.init(params)
+
+    def step_loss(params, batch):
+        full = eqx.combine(params, static)
+        groups = _chunks(batch, devices, minibatches)
+        if view == "global":
+            groups = [
+                [jax.tree.map(lambda *xs: jnp.concatenate(xs), *group)]
+                for group in groups
+            ]
+        outs = [[loss(full, c, None)[0] for c in group] for group in groups]
+        if isinstance(outs[0][0], tuple):
+            sums = sum(o[0] for group in outs for o in group)
+            return sums / sum(o[1] for group in outs for o in group)
+        return jnp.mean(jnp.stack([jnp.mean(jnp.stack(g)) for g in outs]))
+
+    for batch in batches:
+        grads = jax.grad(step_loss)(params, batch)
+        updates, state = optimizer.update(grads, state, params)
+        params = optax.apply_updates(params, updates)
+    return eqx.combine(params, static)
+
+
+def _max_diff(a, b):
+    a = jax.tree.leaves(eqx.filter(a, eqx.is_array))
+    b = jax.tree.leaves(eqx.filter(b, eqx.is_array))
+    return max(float(np.max(np.abs(np.asarray(x) - np.asarray(y)))) for x, y in zip(a, b))
+
+
+TP_RULES = [
+    (r"moe\.w_(in|gate)$", P(None, None, "model")),
+    (r"moe\.w_out$", P(None, "model", None)),
+]
+
+CASES = {
+    "dp_device": ({"data": 8}, dict(expert_axis="data"), {}),
+    "dp_global": ({"data": 8}, dict(expert_axis="data"), dict(view="global")),
+    "fsdp_minibatches": (
+        {"data": 8},
+        dict(strategy="fsdp", min_weight_size=16, expert_axis="data"),
+        dict(num_minibatches=2),
+    ),
+    "zero1": (
+        {"data": 8},
+        dict(strategy="zero1", min_weight_size=16, expert_axis="data"),
+        {},
+    ),
+    "tp_fsdp": (
+        {"data": 4, "model": 2},
+        dict(strategy="fsdp", min_weight_size=16, expert_axis="data", param_rules=TP_RULES),
+        {},
+    ),
+    "own_axis": ({"data": 2, "expert": 4}, dict(expert_axis="expert"), {}),
+    "hsdp": (
+        {"replica": 2, "data": 4},
+        dict(strategy="fsdp", data_axis=("replica", "data"), min_weight_size=16, expert_axis="data"),
+        {},
+    ),
+}
+
+
+@pytest.mark.parametrize("name", CASES)
+def test_expert_parallel_training_equals_one_device(name):
+    shape, where, options = CASES[name]
+    mesh = ed.create_device_mesh(shape)
+    layout = ed.Layout(mesh, **where)
+    optimizer = optax.adamw(1e-2)
+    model = MoENet(jax.random.key(0))
+    step = ed.make_train_step(moe_loss, optimizer, layout, **options)
+    state = ed.TrainState.create(model, optimizer, jax.random.key(1))
+    batches = _batches()
+    for batch in batches:
+        state, _ = step(state, {"x": batch["x"], "y": batch["y"]})
+    devices = layout.num_shards
+    expected = _reference(
+        model,
+        [{"x": b["x"], "y": b["y"]} for b in batches],
+        optimizer,
+        moe_loss,
+        devices=devices,
+        minibatches=options.get("num_minibatches", 1),
+        view=options.get("view", "device"),
+    )
+    assert _max_diff(state.model, expected) < 1e-5
+    specs = layout.model_specs(model)
+    assert specs.moe.w_in[0] == where["expert_axis"]
+    assert specs.moe.router.weight == P()
+
+
+def test_weighted_loss_with_step_info():
+    layout = ed.Layout(ed.create_device_mesh({"data": 8}), expert_axis="data")
+    optimizer = optax.sgd(0.1)
+    model = MoENet(jax.random.key(0), gated=False)
+    step = ed.make_train_step(weighted_loss, optimizer, layout, step_info=True)
+    state = ed.TrainState.create(model, optimizer, jax.random.key(1))
+    batches = _batches()
+    for batch in batches:
+        out = step(state, batch)
+        state, info = out.state, out.info
+    expected = _reference(
+        model, batches, optimizer, weighted_loss, devices=8, minibatches=1, view="device"
+    )
+    assert _max_diff(state.model, expected) < 1e-5
+    assert np.isfinite(float(info["grad_norm"]))
+
+
+def test_no_collective_gathers_an_expert_weight():
+    layout = ed.Layout(
+        ed.create_device_mesh({"data": 8}), strategy="fsdp", min_weight_size=16,
+        expert_axis="data",
+    )
+    optimizer = optax.adamw(1e-2)
+    model = MoENet(jax.random.key(0))
+    step = ed.make_train_step(moe_loss, optimizer, layout)
+    state = ed.TrainState.create(model, optimizer, jax.random.key(1))
+    batch = _batches(1)[0]
+    text = step.lower(state, {"x": batch["x"], "y": batch["y"]}).compile().as_text()
+    gathered = re.findall(r"= f32\[([\d,]+)\]\S* all-gather\(", text)
+    shapes = {tuple(int(d) for d in s.split(",")) for s in gathered}
+    expert_sized = {s for s in shapes if len(s) == 3 and s[0] in (1, E)}
+    assert not expert_sized, shapes
+
+
+def test_expert_axis_errors():
+    mesh = ed.create_device_mesh({"data": 4, "model": 2})
+    with pytest.raises(ValueError, match=r"^Layout: `expert_axis`='experts' is not"):
+        ed.Layout(mesh, expert_axis="experts")
+    with pytest.raises(ValueError, match=r"name the expert axis 'model'"):
+        ed.Layout(mesh, expert_axis="model", param_rules=[("w_in", P(None, None, "model"))])
+    layout = ed.Layout(ed.create_device_mesh({"data": 8}), expert_axis="data")
+    model = MoENet(jax.random.key(0))
+    bad = eqx.tree_at(lambda m: m.moe, model, ed.MoE(D, H, 4, key=jax.random.key(2)))
+    with pytest.raises(ValueError, match=r"has 4 experts, not divisible by the 8"):
+        layout.model_specs(bad)
+    assert "experts" in layout.describe().splitlines()[1]
