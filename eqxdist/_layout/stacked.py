@@ -18,6 +18,7 @@ from .._utils import axis_is_bound, is_array, is_array_like
 from .collectives import gather_leaf
 from .remat import LEGACY, check_remat, check_unroll, loop_blocks
 from .rules import FsdpRule, SelfGathering, has_fsdp_modules
+from .stack_aux import split_aux
 
 
 def _zero_cotangent(x: Any) -> Any:
@@ -281,11 +282,22 @@ def layer_function(
 def _scan_plain(
     layer: Callable[..., Any], leaves: list[Any], x: Any, *, loop: Callable[..., Any]
 ) -> Any:
-    def body(x: Any, layer_leaves: list[Any]) -> tuple[Any, None]:
-        return layer(layer_leaves, x), None
+    found: list[bool] = []
 
-    x, _ = loop(body, x, leaves)
-    return x
+    def body(x: Any, layer_leaves: list[Any]) -> tuple[Any, Any]:
+        return _split(layer(layer_leaves, x), x, found)
+
+    x, ys = loop(body, x, leaves)
+    return (x, ys) if any(found) else x
+
+
+def _split(out: Any, x: Any, found: list[bool]) -> tuple[Any, Any]:
+    """A block's output as the loop's `(carry, ys)`: `(x, None)`, or `(x,
+    aux)` for a block returning `(x, aux)` (recorded in `found`), whose aux
+    the loop stacks over the layers."""
+    y, aux, has_aux = split_aux(out, x, "Stacked")
+    found.append(has_aux)
+    return y, aux
 
 
 def _gather(
@@ -311,8 +323,9 @@ def _scan_gather(
 ) -> Any:
     """Each layer gathers its own slice once its input exists (no prefetch)."""
     dims = [d for d in plan if d is not None]
+    found: list[bool] = []
 
-    def body(x: Any, layer_leaves: list[Any]) -> tuple[Any, None]:
+    def body(x: Any, layer_leaves: list[Any]) -> tuple[Any, Any]:
         shards = [s for s, d in zip(layer_leaves, plan, strict=True) if d is not None]
         shards, x = jax.lax.optimization_barrier((shards, x))
         full = iter(_gather(shards, dims, axis_name, grad=True))
@@ -320,10 +333,10 @@ def _scan_gather(
             s if d is None else next(full)
             for s, d in zip(layer_leaves, plan, strict=True)
         ]
-        return layer(merged, x), None
+        return _split(layer(merged, x), x, found)
 
-    x, _ = loop(body, x, leaves)
-    return x
+    x, ys = loop(body, x, leaves)
+    return (x, ys) if any(found) else x
 
 
 def _scan_prefetch(
@@ -365,15 +378,18 @@ def _scan_prefetch(
     first = slice_of(0, gathered)
     first, x = jax.lax.optimization_barrier((first, x))
     full = _gather(first, dims, axis_name, grad=not remat)
+    found: list[bool] = []
+    ys = None
     if num_layers > 1:
 
-        def body(carry: Any, xs: Any) -> tuple[Any, None]:
+        def body(carry: Any, xs: Any) -> tuple[Any, Any]:
             x, full = carry
             shards, rest_leaves, next_shards = xs
             # Layer i+1's shards wait for layer i's input, not its output.
             next_shards, x = jax.lax.optimization_barrier((next_shards, x))
             nxt = _gather(next_shards, dims, axis_name, grad=not remat)
-            return (run(shards, full, rest_leaves, x), nxt), None
+            y, aux = _split(run(shards, full, rest_leaves, x), x, found)
+            return (y, nxt), aux
 
         xs = (
             # Only remat's backward pass needs this layer's shards again.
@@ -382,9 +398,15 @@ def _scan_prefetch(
             slice_of(slice(1, None), gathered),
         )
         # `run` rematerialises each layer itself: the loop's body is not.
-        (x, full), _ = loop_blocks(body, (x, full), xs, remat=None, unroll=unroll)
+        (x, full), ys = loop_blocks(body, (x, full), xs, remat=None, unroll=unroll)
     last = num_layers - 1
-    return run(slice_of(last, gathered), full, slice_of(last, rest), x)
+    out = run(slice_of(last, gathered), full, slice_of(last, rest), x)
+    x, aux = _split(out, x, found)
+    if not any(found):
+        return x
+    if ys is None:
+        return x, jax.tree.map(lambda a: a[None], aux)
+    return x, jax.tree.map(lambda a, b: jnp.concatenate([a, b[None]]), ys, aux)
 
 
 def _remat_layer(
