@@ -31,12 +31,12 @@ def split_aux(out: Any, x: Any, caller: str) -> tuple[Any, Any, bool]:
     itself if it has `x`'s structure, else a 2-tuple `(y, aux)` whose `y` has
     it; a `ValueError` naming both structures otherwise."""
     structure = jax.tree.structure(x)
-    if jax.tree.structure(out) == structure:
+    if jax.tree.structure(out) == structure:  # type: ignore[operator]
         return out, None, False
     if (
         isinstance(out, tuple)
         and len(out) == 2
-        and jax.tree.structure(out[0]) == structure
+        and jax.tree.structure(out[0]) == structure  # type: ignore[operator]
     ):
         return out[0], out[1], True
     raise ValueError(

@@ -68,6 +68,19 @@ class Stacked(SelfGathering):
     dtype: `x -> block(x)`, or `block(x, key=...)` when the stack is called with a
     `key` (split into one key per layer).
 
+    A block may instead return a pair `(x, aux)`, aux any pytree of arrays (an
+    MoE's load-balancing loss, say); the stack then returns `(x, aux)` with
+    every aux leaf stacked over the layers: `(n, ...)` per call, so
+    `(rows, n, ...)` under `jax.vmap` (the mapped axis first). It is told
+    from the block's output: a 2-tuple whose first element has the input's
+    structure, where a plain block returns the input's structure itself. The
+    aux's gradient reaches every layer's parameters, with a scan, unrolled,
+    under FSDP and in every pipeline schedule. Under a pipeline a block
+    called on a batch (no `vmap`) runs on microbatches: its aux leaves must
+    have the rows as their leading axis, and the stack returns them as
+    `(n, rows, ...)` (the microbatches in order along axis 1); a leaf without
+    them (a per-batch scalar) is a `ValueError` naming it.
+
     !!! Example
 
         ```python

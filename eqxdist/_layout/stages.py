@@ -187,7 +187,6 @@ class PipelinedStack(eqx.Module):
             check_vma=False,
         )(leaves, x, key)
 
-
     def _accumulator(
         self,
         layer: Callable[..., Any],
@@ -207,8 +206,8 @@ class PipelinedStack(eqx.Module):
             shape = a.shape[1:] if per_row else (rows, *a.shape[1:])
             return jax.ShapeDtypeStruct(shape, a.dtype)
 
-        if key is not None and key_rows:
-            key = jax.ShapeDtypeStruct(key.shape[1:], key.dtype)
+        if key_rows:
+            key = _one_row(key)
         aux = block_aux(layer, leaves, jax.tree.map(one, x), key, "pipeline")
         if aux is None:
             return None
@@ -219,6 +218,11 @@ class PipelinedStack(eqx.Module):
             per_row=per_row,
             caller="pipeline",
         )
+
+
+def _one_row(tree: Any) -> Any:
+    """The shapes of one row of `tree`'s leaves (their leading axis)."""
+    return jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape[1:], a.dtype), tree)
 
 
 def under_vmap(x: Any) -> bool:
@@ -323,11 +327,8 @@ class MarkedStack(eqx.Module):
             )
             key_rows = any(jax.tree.leaves(key_batched))
             seen["key_rows"] = key_rows
-            row_x = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape[1:], a.dtype), x)
-            row_key = key
-            if key_rows:
-                row_key = jax.ShapeDtypeStruct(key.shape[1:], key.dtype)
-            aux = block_aux(layer, leaves, row_x, row_key, "pipeline")
+            row_key = _one_row(key) if key_rows else key
+            aux = block_aux(layer, leaves, _one_row(x), row_key, "pipeline")
             out = mark(x, key, per_row=True, aux=aux)
             return out, jax.tree.map(lambda _: True, out)
 

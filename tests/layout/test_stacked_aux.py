@@ -62,8 +62,7 @@ def _objective(logits: Any, lb: Any, gate: Any, batch: dict) -> tuple:
     losses = optax.softmax_cross_entropy_with_integer_labels(logits, batch["y"])
     loss = losses.mean() + 0.1 * lb.mean(0).sum() + 0.05 * gate.mean(0).sum()
     metrics = {
-        f"lb{i}": ed.metrics.Mean().update(lb[:, i] * batch["w"])
-        for i in range(LAYERS)
+        f"lb{i}": ed.metrics.Mean().update(lb[:, i] * batch["w"]) for i in range(LAYERS)
     }
     metrics["gate"] = ed.metrics.Mean().update(gate[:, -1, 1] * batch["w"])
     return loss, metrics
@@ -231,5 +230,5 @@ def test_a_block_returning_another_structure_is_a_clear_error():
             return [x, x, x]
 
     stack = ed.Stacked([Bad(k) for k in jax.random.split(jax.random.key(0), 2)])
-    with pytest.raises(ValueError, match=r"Stacked: a block returned PyTreeDef\(\[\*, \*, \*\]\)"):
+    with pytest.raises(ValueError, match=r"Stacked: a block returned PyTreeDef\(\["):
         stack(jnp.ones(WIDTH))
