@@ -47,6 +47,15 @@ def split_aux(out: Any, x: Any, caller: str) -> tuple[Any, Any, bool]:
     )
 
 
+def loop_output(out: Any, x: Any, found: list[bool]) -> tuple[Any, Any]:
+    """A block's output in a `Stacked`'s loop over the layers, as the loop's
+    `(carry, ys)`: `(x, None)`, or `(x, aux)` for a block returning `(x, aux)`
+    (recorded in `found`), whose aux the loop stacks over the layers."""
+    y, aux, has_aux = split_aux(out, x, "Stacked")
+    found.append(has_aux)
+    return y, aux
+
+
 def block_aux(
     layer: Callable[..., Any], leaves: list[Any], x: Any, key: Any, caller: str
 ) -> Any:

@@ -18,7 +18,7 @@ from .._utils import axis_is_bound, is_array, is_array_like
 from .collectives import gather_leaf
 from .remat import LEGACY, check_remat, check_unroll, loop_blocks
 from .rules import FsdpRule, SelfGathering, has_fsdp_modules
-from .stack_aux import split_aux
+from .stack_aux import loop_output
 
 
 def _zero_cotangent(x: Any) -> Any:
@@ -72,14 +72,13 @@ class Stacked(SelfGathering):
     MoE's load-balancing loss, say); the stack then returns `(x, aux)` with
     every aux leaf stacked over the layers: `(n, ...)` per call, so
     `(rows, n, ...)` under `jax.vmap` (the mapped axis first). It is told
-    from the block's output: a 2-tuple whose first element has the input's
-    structure, where a plain block returns the input's structure itself. The
-    aux's gradient reaches every layer's parameters, with a scan, unrolled,
-    under FSDP and in every pipeline schedule. Under a pipeline a block
-    called on a batch (no `vmap`) runs on microbatches: its aux leaves must
-    have the rows as their leading axis, and the stack returns them as
-    `(n, rows, ...)` (the microbatches in order along axis 1); a leaf without
-    them (a per-batch scalar) is a `ValueError` naming it.
+    from the block's output (a 2-tuple whose first element has the input's
+    structure). The aux's gradient reaches every layer's parameters, with a
+    scan, unrolled, under FSDP and in every pipeline schedule. Under a
+    pipeline a block called on a batch (no `vmap`) runs on microbatches: its
+    aux leaves must have the rows as their leading axis, and the stack
+    returns them as `(n, rows, ...)` (the microbatches in order along axis
+    1); a leaf without them (a per-batch scalar) is a `ValueError` naming it.
 
     !!! Example
 
@@ -298,19 +297,10 @@ def _scan_plain(
     found: list[bool] = []
 
     def body(x: Any, layer_leaves: list[Any]) -> tuple[Any, Any]:
-        return _split(layer(layer_leaves, x), x, found)
+        return loop_output(layer(layer_leaves, x), x, found)
 
     x, ys = loop(body, x, leaves)
     return (x, ys) if any(found) else x
-
-
-def _split(out: Any, x: Any, found: list[bool]) -> tuple[Any, Any]:
-    """A block's output as the loop's `(carry, ys)`: `(x, None)`, or `(x,
-    aux)` for a block returning `(x, aux)` (recorded in `found`), whose aux
-    the loop stacks over the layers."""
-    y, aux, has_aux = split_aux(out, x, "Stacked")
-    found.append(has_aux)
-    return y, aux
 
 
 def _gather(
@@ -346,7 +336,7 @@ def _scan_gather(
             s if d is None else next(full)
             for s, d in zip(layer_leaves, plan, strict=True)
         ]
-        return _split(layer(merged, x), x, found)
+        return loop_output(layer(merged, x), x, found)
 
     x, ys = loop(body, x, leaves)
     return (x, ys) if any(found) else x
@@ -401,7 +391,7 @@ def _scan_prefetch(
             # Layer i+1's shards wait for layer i's input, not its output.
             next_shards, x = jax.lax.optimization_barrier((next_shards, x))
             nxt = _gather(next_shards, dims, axis_name, grad=not remat)
-            y, aux = _split(run(shards, full, rest_leaves, x), x, found)
+            y, aux = loop_output(run(shards, full, rest_leaves, x), x, found)
             return (y, nxt), aux
 
         xs = (
@@ -414,7 +404,7 @@ def _scan_prefetch(
         (x, full), ys = loop_blocks(body, (x, full), xs, remat=None, unroll=unroll)
     last = num_layers - 1
     out = run(slice_of(last, gathered), full, slice_of(last, rest), x)
-    x, aux = _split(out, x, found)
+    x, aux = loop_output(out, x, found)
     if not any(found):
         return x
     if ys is None:
