@@ -174,10 +174,15 @@ def test_stacked_returns_the_layers_aux_and_its_gradient():
 
 @pytest.mark.parametrize(
     ("unroll", "options"),
-    [(False, {"strategy": "fsdp", "min_weight_size": 16}), (True, {})],
+    [
+        (False, {"strategy": "fsdp", "min_weight_size": 16}),
+        (False, {"strategy": "fsdp", "min_weight_size": 16, "remat": "full"}),
+        (True, {}),
+    ],
 )
 def test_no_pipeline_trains_as_on_one_device(unroll, options):
-    """Data parallel (unrolled) and FSDP (a scan gathering one layer ahead)."""
+    """Data parallel (unrolled) and FSDP (a scan gathering one layer ahead;
+    with remat, each layer recomputed from re-gathered shards)."""
     data = _data()
     mesh = ed.create_device_mesh({"data": 8})
     step = ed.make_train_step(row_loss, SGD, mesh, **options)
