@@ -24,6 +24,13 @@ import jax.numpy as jnp
 from .pipeline import StagePlan
 from .remat import UNSET, loop_blocks
 from .schedules import FORWARD, SlotArrays, forward_arrays
+from .stack_aux import (
+    batch_of_accumulators,
+    from_stages,
+    place_aux,
+    split_aux,
+    zeros,
+)
 from .stacked import Stacked, layer_function
 
 
@@ -59,13 +66,16 @@ def run_stage(
     key_rows: bool,
     per_row: bool,
     remat: Any,
+    acc: Any = None,
 ) -> Any:
     """This stage's layers of the pipelined `stacked` (its leaves this stage's
     L/P layers; the stage axis bound) on the rows `h`, as `run_layers` runs
-    them; `remat`: the step's (`UNSET`: the stack's own)."""
+    them; `remat`: the step's (`UNSET`: the stack's own). For blocks that
+    return `(x, aux)`, `(h, acc)` with this stage's aux written into `acc`,
+    the microbatch's accumulator (`stack_aux.place_aux`)."""
     leaves, layer = layer_function(stacked, with_key=key is not None)
     count = stacked.num_layers // plan.stages
-    return run_layers(
+    out = run_layers(
         layer,
         leaves,
         h,
@@ -77,6 +87,11 @@ def run_stage(
         unroll=stacked.unroll,
         per_row=per_row,
     )
+    if acc is None:
+        return out
+    h, aux = out
+    first = jax.lax.axis_index(plan.axis) * count
+    return h, place_aux(acc, aux, first, per_row=per_row)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -104,6 +119,7 @@ class ForwardEngine:
     per_row: bool
     sum_input: bool
     unroll: bool = False
+    aux: Any = None  # blocks returning `(x, aux)`: one microbatch's accumulator
 
     def __call__(self, leaves: list[Any], x: Any, key: Any) -> Any:
         stages, m_total, repeats = self.stages, self.microbatches, self.repeats
@@ -124,13 +140,16 @@ class ForwardEngine:
             perm = [(i, i + 1) for i in range(stages - 1)]
 
         def slot(carry: Any, entry: dict[str, Any]) -> Any:
-            buf, loop, out = carry
+            buf, loop, out, acc = carry
             m, r = entry["micro"], entry["chunk"]
             first = _take(xm, m)
             if repeats > 1:
                 first = _where(r == 0, first, _take(loop, m))
             h = _where(s == 0, first, buf)
             y = self._chunk(leaves, h, r, None if key is None else (key, keys, m))
+            if self.aux is not None:
+                y, aux = y
+                acc = self._place(acc, aux, entry, s)
             done = (entry["action"] == FORWARD) & (s == stages - 1) & (r == repeats - 1)
             out = _put(out, m, y, done)
             nxt = y
@@ -140,14 +159,15 @@ class ForwardEngine:
                 # What comes round the ring waits in stage 0's loop-back buffer.
                 back = (s == 0) & (entry["from_prev"] == 1)
                 loop = _put(loop, entry["prev_micro"], nxt, back)
-            return nxt, loop, out
+            return nxt, loop, out, acc
 
         init = (
             _take(xm, 0),
             xm if repeats > 1 else None,
             jax.tree.map(jnp.zeros_like, xm),
+            None if self.aux is None else zeros(self.aux, (m_total,)),
         )
-        _, _, out = run_slots(
+        _, _, out, acc = run_slots(
             forward_arrays(stages, m_total, repeats),
             ("action", "micro", "chunk", "from_prev", "prev_micro"),
             axis=self.axis,
@@ -155,7 +175,21 @@ class ForwardEngine:
             init=init,
         )
         out = _from_last(out, self.axis, not self.sum_input)
-        return jax.tree.map(lambda a: a.reshape(-1, *a.shape[2:]), out)
+        out = jax.tree.map(lambda a: a.reshape(-1, *a.shape[2:]), out)
+        if self.aux is None:
+            return out
+        acc = from_stages(acc, self.axis, not self.sum_input)
+        return out, batch_of_accumulators(acc, per_row=self.per_row)
+
+    def _place(self, acc: Any, aux: Any, entry: dict[str, Any], s: Any) -> Any:
+        """The microbatches' accumulators `acc` with the aux of this slot's
+        chunk written into its microbatch's (a forward entry only: an idle
+        slot's result is unused)."""
+        m, r = entry["micro"], entry["chunk"]
+        c = self.num_layers // (self.stages * self.repeats)
+        first = (r * self.stages + s) * c
+        mine = place_aux(_take(acc, m), aux, first, per_row=self.per_row)
+        return _put(acc, m, mine, entry["action"] == FORWARD)
 
     def _chunk(self, leaves: list[Any], h: Any, r: Any, keys: Any) -> Any:
         """Chunk `r` of this stage's layers on the microbatch `h`."""
@@ -205,7 +239,8 @@ def run_layers(
     blocks that take a batch). With a `key` (one per row if `key_rows`), each
     layer gets its key as the `Stacked` would give it: `jax.random.split(key,
     num_layers)[layer]`. With `unroll`, a Python loop over the layers, not a
-    scan (`loop_blocks`)."""
+    scan (`loop_blocks`). For blocks that return `(x, aux)`: `(h, aux)`, each
+    aux leaf stacked over the layers (`(count, rows, ...)`)."""
     count = int(jax.tree.leaves(leaves)[0].shape[0])
     chunk = list(leaves)
     in_axes: list[int | None] = [None] * len(leaves)
@@ -223,13 +258,20 @@ def run_layers(
             chunk.append(per_layer(key))
             in_axes.append(None)
 
-    def body(h: Any, layer_leaves: list[Any]) -> tuple[Any, None]:
-        if not per_row:
-            return layer(layer_leaves, h), None
-        return jax.vmap(layer, in_axes=(in_axes, 0))(layer_leaves, h), None
+    found: list[bool] = []
 
-    h, _ = loop_blocks(body, h, chunk, remat=remat, unroll=unroll, length=count)
-    return h
+    def body(h: Any, layer_leaves: list[Any]) -> tuple[Any, Any]:
+        if not per_row:
+            out = layer(layer_leaves, h)
+        else:
+            out = jax.vmap(layer, in_axes=(in_axes, 0))(layer_leaves, h)
+        y, aux, has_aux = split_aux(out, h, "pipeline")
+        found.append(has_aux)
+        return y, aux
+
+    h, ys = loop_blocks(body, h, chunk, remat=remat, unroll=unroll, length=count)
+    # Blocks returning `(x, aux)`: the aux stacked over these layers, (count, ...).
+    return (h, ys) if any(found) else h
 
 
 def _take(tree: Any, i: Any) -> Any:

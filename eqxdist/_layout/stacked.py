@@ -18,6 +18,7 @@ from .._utils import axis_is_bound, is_array, is_array_like
 from .collectives import gather_leaf
 from .remat import LEGACY, check_remat, check_unroll, loop_blocks
 from .rules import FsdpRule, SelfGathering, has_fsdp_modules
+from .stack_aux import loop_output
 
 
 def _zero_cotangent(x: Any) -> Any:
@@ -66,6 +67,18 @@ class Stacked(SelfGathering):
     Each block maps an array (or pytree of arrays) to one of the same shape and
     dtype: `x -> block(x)`, or `block(x, key=...)` when the stack is called with a
     `key` (split into one key per layer).
+
+    A block may instead return a pair `(x, aux)`, aux any pytree of arrays (an
+    MoE's load-balancing loss, say); the stack then returns `(x, aux)` with
+    every aux leaf stacked over the layers: `(n, ...)` per call, so
+    `(rows, n, ...)` under `jax.vmap` (the mapped axis first). It is told
+    from the block's output (a 2-tuple whose first element has the input's
+    structure). The aux's gradient reaches every layer's parameters, with a
+    scan, unrolled, under FSDP and in every pipeline schedule. Under a
+    pipeline a block called on a batch (no `vmap`) runs on microbatches: its
+    aux leaves must have the rows as their leading axis, and the stack
+    returns them as `(n, rows, ...)` (the microbatches in order along axis
+    1); a leaf without them (a per-batch scalar) is a `ValueError` naming it.
 
     !!! Example
 
@@ -281,11 +294,13 @@ def layer_function(
 def _scan_plain(
     layer: Callable[..., Any], leaves: list[Any], x: Any, *, loop: Callable[..., Any]
 ) -> Any:
-    def body(x: Any, layer_leaves: list[Any]) -> tuple[Any, None]:
-        return layer(layer_leaves, x), None
+    found: list[bool] = []
 
-    x, _ = loop(body, x, leaves)
-    return x
+    def body(x: Any, layer_leaves: list[Any]) -> tuple[Any, Any]:
+        return loop_output(layer(layer_leaves, x), x, found)
+
+    x, ys = loop(body, x, leaves)
+    return (x, ys) if any(found) else x
 
 
 def _gather(
@@ -311,8 +326,9 @@ def _scan_gather(
 ) -> Any:
     """Each layer gathers its own slice once its input exists (no prefetch)."""
     dims = [d for d in plan if d is not None]
+    found: list[bool] = []
 
-    def body(x: Any, layer_leaves: list[Any]) -> tuple[Any, None]:
+    def body(x: Any, layer_leaves: list[Any]) -> tuple[Any, Any]:
         shards = [s for s, d in zip(layer_leaves, plan, strict=True) if d is not None]
         shards, x = jax.lax.optimization_barrier((shards, x))
         full = iter(_gather(shards, dims, axis_name, grad=True))
@@ -320,10 +336,10 @@ def _scan_gather(
             s if d is None else next(full)
             for s, d in zip(layer_leaves, plan, strict=True)
         ]
-        return layer(merged, x), None
+        return loop_output(layer(merged, x), x, found)
 
-    x, _ = loop(body, x, leaves)
-    return x
+    x, ys = loop(body, x, leaves)
+    return (x, ys) if any(found) else x
 
 
 def _scan_prefetch(
@@ -365,15 +381,18 @@ def _scan_prefetch(
     first = slice_of(0, gathered)
     first, x = jax.lax.optimization_barrier((first, x))
     full = _gather(first, dims, axis_name, grad=not remat)
+    found: list[bool] = []
+    ys = None
     if num_layers > 1:
 
-        def body(carry: Any, xs: Any) -> tuple[Any, None]:
+        def body(carry: Any, xs: Any) -> tuple[Any, Any]:
             x, full = carry
             shards, rest_leaves, next_shards = xs
             # Layer i+1's shards wait for layer i's input, not its output.
             next_shards, x = jax.lax.optimization_barrier((next_shards, x))
             nxt = _gather(next_shards, dims, axis_name, grad=not remat)
-            return (run(shards, full, rest_leaves, x), nxt), None
+            y, aux = loop_output(run(shards, full, rest_leaves, x), x, found)
+            return (y, nxt), aux
 
         xs = (
             # Only remat's backward pass needs this layer's shards again.
@@ -382,9 +401,15 @@ def _scan_prefetch(
             slice_of(slice(1, None), gathered),
         )
         # `run` rematerialises each layer itself: the loop's body is not.
-        (x, full), _ = loop_blocks(body, (x, full), xs, remat=None, unroll=unroll)
+        (x, full), ys = loop_blocks(body, (x, full), xs, remat=None, unroll=unroll)
     last = num_layers - 1
-    return run(slice_of(last, gathered), full, slice_of(last, rest), x)
+    out = run(slice_of(last, gathered), full, slice_of(last, rest), x)
+    x, aux = loop_output(out, x, found)
+    if not any(found):
+        return x
+    if ys is None:
+        return x, jax.tree.map(lambda a: a[None], aux)
+    return x, jax.tree.map(lambda a, b: jnp.concatenate([a, b[None]]), ys, aux)
 
 
 def _remat_layer(

@@ -39,6 +39,7 @@ from jax.sharding import PartitionSpec as P
 from .engine import ForwardEngine
 from .pipeline import StagePlan, where_fn
 from .remat import UNSET
+from .stack_aux import accumulator_shapes, block_aux, zeros
 from .stacked import Stacked, layer_function
 
 
@@ -80,7 +81,10 @@ class PipelinedStack(eqx.Module):
         def one_row(leaves: Any, x: Any, key: Any) -> Any:
             # Traced for the output's type only: an unbatched call never gets
             # here (above), a batched one runs the rule.
-            return x
+            aux = block_aux(layer, leaves, x, key, "pipeline")
+            if aux is None:
+                return x
+            return x, zeros(aux, (self.plan.num_layers,))
 
         stack = jax.custom_batching.custom_vmap(one_row)
 
@@ -140,6 +144,9 @@ class PipelinedStack(eqx.Module):
                 f"microbatches as stages ({micro} < {stages}): a microbatch coming "
                 "round the ring must find its stage free."
             )
+        aux = self._accumulator(
+            layer, leaves, (x, key), key_rows=key_rows, per_row=per_row, rows=n // micro
+        )
         engine = ForwardEngine(
             layer=layer,
             axis=plan.axis,
@@ -156,12 +163,17 @@ class PipelinedStack(eqx.Module):
             # them (both replicated over the stage axis); in the step's, whose
             # transpose is never taken, the engine does both.
             sum_input=not self.manual,
+            aux=aux,
         )
         if not self.manual:  # the device view: the step's shard_map binds the stages
             return engine(leaves, x, key)
         if repeats > 1:
             leaves = [to_chunk_order(a, plan) for a in leaves]
         row_spec = P(data[0] if len(data) == 1 else data) if data else P()
+        out_specs: Any = jax.tree.map(lambda _: row_spec, x)
+        if aux is not None:
+            # The aux's rows: its first axis per row, its second on a batch.
+            out_specs = (out_specs, row_spec if per_row else P(None, *row_spec))
         return jax.shard_map(
             engine,
             mesh=jax.sharding.get_abstract_mesh(),
@@ -170,10 +182,47 @@ class PipelinedStack(eqx.Module):
                 jax.tree.map(lambda _: row_spec, x),
                 None if key is None else (row_spec if key_rows else P()),
             ),
-            out_specs=jax.tree.map(lambda _: row_spec, x),
+            out_specs=out_specs,
             axis_names=frozenset({plan.axis, *data}),
             check_vma=False,
         )(leaves, x, key)
+
+    def _accumulator(
+        self,
+        layer: Callable[..., Any],
+        leaves: list[Any],
+        inputs: tuple[Any, Any],
+        *,
+        key_rows: bool,
+        per_row: bool,
+        rows: int,
+    ) -> Any:
+        """One microbatch's aux accumulator (`stack_aux.accumulator_shapes`)
+        for blocks that return `(x, aux)`, else `None`: a shape-only trace of
+        one block on one row (`per_row`) or on a microbatch of `rows` rows."""
+        x, key = inputs
+
+        def one(a: Any) -> Any:
+            shape = a.shape[1:] if per_row else (rows, *a.shape[1:])
+            return jax.ShapeDtypeStruct(shape, a.dtype)
+
+        if key_rows:
+            key = _one_row(key)
+        aux = block_aux(layer, leaves, jax.tree.map(one, x), key, "pipeline")
+        if aux is None:
+            return None
+        return accumulator_shapes(
+            aux,
+            rows=rows,
+            num_layers=self.plan.num_layers,
+            per_row=per_row,
+            caller="pipeline",
+        )
+
+
+def _one_row(tree: Any) -> Any:
+    """The shapes of one row of `tree`'s leaves (their leading axis)."""
+    return jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape[1:], a.dtype), tree)
 
 
 def under_vmap(x: Any) -> bool:
@@ -233,24 +282,38 @@ class MarkedStack(eqx.Module):
 
     def __call__(self, x: Any, *, key: Any = None) -> Any:
         seen = self.seen.values
+        leaves, layer = layer_function(self.stacked, with_key=key is not None)
+        layers = self.stacked.num_layers
 
-        def mark(x: Any, key: Any, per_row: bool) -> Any:
+        def mark(x: Any, key: Any, per_row: bool, aux: Any) -> Any:
             seen["x"] = jax.tree.structure(x)
             seen["key"] = None if key is None else jax.tree.structure(key)
             seen["per_row"] = per_row
+            if aux is not None:
+                aux = accumulator_shapes(
+                    aux,
+                    rows=_rows(x, 1),
+                    num_layers=layers,
+                    per_row=per_row,
+                    caller="pipeline",
+                )
+            # The aux's accumulator, which the stages fill (`stack_aux`).
+            seen["aux"] = aux
 
             def eqxdist_pipeline_stack(x: Any, key: Any) -> Any:
-                return x
+                return x if aux is None else (x, zeros(aux))
 
             return jax.jit(eqxdist_pipeline_stack)(x, key)
 
         if not under_vmap((x, key)):
             # Blocks that take a batch: `x`'s leading axis is the rows.
             seen["key_rows"] = False
-            return mark(x, key, per_row=False)
+            aux = block_aux(layer, leaves, x, key, "pipeline")
+            return mark(x, key, per_row=False, aux=aux)
 
         def one_row(x: Any, key: Any) -> Any:
-            return x
+            aux = block_aux(layer, leaves, x, key, "pipeline")
+            return x if aux is None else (x, zeros(aux, (layers,)))
 
         stack = jax.custom_batching.custom_vmap(one_row)
 
@@ -262,8 +325,11 @@ class MarkedStack(eqx.Module):
                 x,
                 x_batched,
             )
-            seen["key_rows"] = any(jax.tree.leaves(key_batched))
-            out = mark(x, key, per_row=True)
+            key_rows = any(jax.tree.leaves(key_batched))
+            seen["key_rows"] = key_rows
+            row_key = _one_row(key) if key_rows else key
+            aux = block_aux(layer, leaves, _one_row(x), row_key, "pipeline")
+            out = mark(x, key, per_row=True, aux=aux)
             return out, jax.tree.map(lambda _: True, out)
 
         return stack(x, key)

@@ -25,7 +25,10 @@ class CutLoss:
     key's (`None` without one), `key_rows` whether that key is per row,
     `per_row` whether the blocks take one row (the loss's `vmap`) or a batch;
     `jaxpr` is `post`'s program and `kinds` says what each of its inputs is
-    (`"param"`, `"batch"`, `"key"`, `"stack"`: `hoist.analyse`)."""
+    (`"param"`, `"batch"`, `"key"`, `"stack"`: `hoist.analyse`); `aux` the
+    shapes of one microbatch's aux accumulator, for blocks that return `(x,
+    aux)` (`_layout.stack_aux`; the stack's output leaves then end with its
+    leaves), else `None`."""
 
     pre: Callable[..., Any]
     post: Callable[..., Any]
@@ -36,6 +39,7 @@ class CutLoss:
     per_row: bool
     jaxpr: Any = None
     kinds: tuple[str, ...] = ()
+    aux: Any = None
 
 
 def cut(loss: Callable[..., Any], args: Any, seen: dict[str, Any]) -> CutLoss:
@@ -76,6 +80,7 @@ def cut(loss: Callable[..., Any], args: Any, seen: dict[str, Any]) -> CutLoss:
         seen["per_row"],
         post,
         (*kinds, *["stack"] * len(mark.outvars)),
+        seen.get("aux"),
     )
 
 

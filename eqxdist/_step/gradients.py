@@ -193,14 +193,17 @@ class DeviceGradients:
 
     def _stage(self, frozen: Any) -> Callable[..., Any]:
         """Inside the step's `shard_map`: `stage(params, h, key, key_rows,
-        per_row)`, this stage's layers of the pipelined `Stacked` on the rows
-        `h` (the 1F1B schedule's stage; `params`: the trained leaves)."""
+        per_row, acc)`, this stage's layers of the pipelined `Stacked` on the
+        rows `h` (the 1F1B schedule's stage; `params`: the trained leaves;
+        `acc`: the microbatch's aux accumulator, `None` without aux)."""
         inputs = self.inputs
         stages = inputs.plan.stages
         assert stages is not None
         remat = self.options.remat
 
-        def stage(params: Any, h: Any, key: Any, key_rows: bool, per_row: bool) -> Any:
+        def stage(
+            params: Any, h: Any, key: Any, key_rows: bool, per_row: bool, acc: Any
+        ) -> Any:
             params = cast_floating(params, self.options.compute_dtype)
             model = inputs.model(params, frozen, pipelined=False)
             return run_stage(
@@ -211,6 +214,7 @@ class DeviceGradients:
                 key_rows=key_rows,
                 per_row=per_row,
                 remat=remat,
+                acc=acc,
             )
 
         return stage

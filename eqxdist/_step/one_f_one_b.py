@@ -37,6 +37,7 @@ from jax.sharding import PartitionSpec as P
 from .._layout.pipeline import StagePlan
 from .._layout.rules import is_spec_leaf
 from .._layout.schedules import one_f_one_b, slot_arrays
+from .._layout.stack_aux import zeros
 from .._layout.stage_slots import StageSlots, cotangent
 from .._layout.stages import Seen
 from .._metrics.tree import merge_metrics
@@ -56,10 +57,11 @@ class OneFOneB:
     - `marked`: `marked(params, model_state, minibatch, key, seen)`, the checked
       loss (`CheckedLoss`'s output) on a model whose pipelined stack is a
       `MarkedStack` recording into `seen`.
-    - `stage`: `stage(params, h, key, key_rows, per_row) -> h`, this stage's
-      layers on the rows `h` (`key`: the rows' keys (`key_rows`) or the stack's
-      key, or `None`; `per_row`: each block called per row, else on all of
-      `h`).
+    - `stage`: `stage(params, h, key, key_rows, per_row, acc) -> h`, this
+      stage's layers on the rows `h` (`key`: the rows' keys (`key_rows`) or the
+      stack's key, or `None`; `per_row`: each block called per row, else on all
+      of `h`); for blocks that return `(x, aux)`, `(h, acc)` with this stage's
+      aux written into the microbatch's accumulator `acc` (else `None`).
     - `plan`: the pipeline; `specs`: the model's specs (`ModelPlan.specs`),
       which say which leaves are a stage's own layers.
     - `checked`: the user's loss, checked (`weighted` is read after tracing).
@@ -138,11 +140,17 @@ class OneFOneB:
         ]
         inputs = jax.lax.map(lambda r: loss.pre(*p_leaves, *r), rest)
         n_x = loss.x_tree.num_leaves
+        # Blocks returning `(x, aux)`: each microbatch's aux accumulator travels
+        # with its activations, each stage writing its layers' in; the last
+        # stage's is whole, as `post` takes it.
+        accs = jax.tree.leaves(zeros(loss.aux, (micro,)))
+        acc_tree = jax.tree.structure(loss.aux)
 
         def stage(p: list[Any], h: list[Any], key: Any) -> list[Any]:
-            x = jax.tree.unflatten(loss.x_tree, h)
+            x = jax.tree.unflatten(loss.x_tree, h[:n_x])
+            acc = None if loss.aux is None else jax.tree.unflatten(acc_tree, h[n_x:])
             out = self.stage(
-                jax.tree.unflatten(p_tree, p), x, key, loss.key_rows, loss.per_row
+                jax.tree.unflatten(p_tree, p), x, key, loss.key_rows, loss.per_row, acc
             )
             return list(jax.tree.leaves(out))
 
@@ -152,7 +160,7 @@ class OneFOneB:
             stage=stage,
             params=p_leaves,
             rest=rest,
-            xs=inputs[:n_x],
+            xs=[*inputs[:n_x], *accs],
             keys=inputs[n_x:],
             axis=axis,
             stages=stages,
@@ -167,7 +175,7 @@ class OneFOneB:
             return [x + y for x, y in zip(total, dp, strict=True)], None
 
         zero = [jnp.zeros_like(x) for x in p_leaves]
-        pre_leaves, _ = jax.lax.scan(pre_grads, zero, (rest, dx))
+        pre_leaves, _ = jax.lax.scan(pre_grads, zero, (rest, dx[:n_x]))
         grads = jax.tree.unflatten(
             p_tree, [a + b for a, b in zip(g_leaves, pre_leaves, strict=True)]
         )
