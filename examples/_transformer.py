@@ -79,11 +79,20 @@ class MLP(eqx.Module):
         return jax.vmap(self.down)(jax.nn.gelu(jax.vmap(self.up)(x)))
 
 
+# The weights of an MoE block's auxiliary losses in the training loss.
+AUX_WEIGHTS = {"load_balance_loss": 1e-2, "router_z_loss": 1e-3}
+
+
 class Block(eqx.Module):
+    """Attention and an MLP, or with `experts` a mixture of `experts` MLPs
+    (`ed.MoE`, `top_k` per token): then it returns `(x, aux)`, its weighted
+    auxiliary losses (`AUX_WEIGHTS`), which an `ed.Stacked` stacks over the
+    layers."""
+
     norm1: eqx.nn.LayerNorm
     attn: CausalSelfAttention
     norm2: eqx.nn.LayerNorm
-    mlp: MLP
+    mlp: MLP | ed.MoE
 
     def __init__(
         self,
@@ -92,16 +101,25 @@ class Block(eqx.Module):
         hidden: int,
         key: jax.Array,
         context_axis: str | None = None,
+        experts: int = 0,
+        top_k: int = 2,
     ) -> None:
         k1, k2 = jax.random.split(key)
         self.norm1 = eqx.nn.LayerNorm(d_model)
         self.attn = CausalSelfAttention(d_model, heads, k1, context_axis)
         self.norm2 = eqx.nn.LayerNorm(d_model)
-        self.mlp = MLP(d_model, hidden, k2)
+        if experts:
+            self.mlp = ed.MoE(d_model, hidden, experts, top_k=top_k, key=k2)
+        else:
+            self.mlp = MLP(d_model, hidden, k2)
 
-    def __call__(self, x: jax.Array) -> jax.Array:
+    def __call__(self, x: jax.Array) -> Any:
         x = x + self.attn(jax.vmap(self.norm1)(x))
-        return x + self.mlp(jax.vmap(self.norm2)(x))
+        h = jax.vmap(self.norm2)(x)
+        if not isinstance(self.mlp, ed.MoE):
+            return x + self.mlp(h)
+        y, aux = self.mlp(h)  # all of the sequence's tokens at once
+        return x + y, sum(w * aux[name] for name, w in AUX_WEIGHTS.items())
 
 
 class TransformerLM(eqx.Module):
@@ -129,12 +147,14 @@ class TransformerLM(eqx.Module):
         key: jax.Array,
         stacked: bool = False,
         context_axis: str | None = None,
+        experts: int = 0,
+        top_k: int = 2,
     ) -> None:
         keys = jax.random.split(key, layers + 3)
         self.token_embed = eqx.nn.Embedding(vocab, d_model, key=keys[0])
         self.position_embed = 0.02 * jax.random.normal(keys[1], (max_len, d_model))
         blocks = [
-            Block(d_model, heads, mlp_ratio * d_model, k, context_axis)
+            Block(d_model, heads, mlp_ratio * d_model, k, context_axis, experts, top_k)
             for k in keys[3:]
         ]
         self.blocks = ed.Stacked(blocks) if stacked else blocks
@@ -148,15 +168,28 @@ class TransformerLM(eqx.Module):
 
     def hidden(self, tokens: jax.Array, positions: jax.Array | None = None) -> Any:
         """What the head reads: `(length, d_model)` (for a chunked loss)."""
+        return self.hidden_and_aux(tokens, positions)[0]
+
+    def hidden_and_aux(
+        self, tokens: jax.Array, positions: jax.Array | None = None
+    ) -> tuple[jax.Array, jax.Array]:
+        """`hidden` and the weighted auxiliary losses of the MoE blocks, summed
+        over the layers (0 without experts)."""
         if positions is None:
             positions = jnp.arange(len(tokens))
         x = jax.vmap(self.token_embed)(tokens) + self.position_embed[positions]
+        aux = jnp.zeros((), x.dtype)
         if isinstance(self.blocks, list):
             for block in self.blocks:
-                x = block(x)
+                out = block(x)
+                if isinstance(out, tuple):
+                    x, aux = out[0], aux + out[1]
+                else:
+                    x = out
         else:  # the Stacked (or what a step makes of it: its pipeline's stages)
-            x = self.blocks(x)
-        return jax.vmap(self.norm)(x)
+            out = self.blocks(x)
+            x, aux = (out[0], out[1].sum()) if isinstance(out, tuple) else (out, aux)
+        return jax.vmap(self.norm)(x), aux
 
 
 def benchmark_model(
@@ -194,6 +227,18 @@ MEGATRON_RULES = (
 
 STACKED_MEGATRON_RULES = tuple(
     (pattern, P(None, *spec)) for pattern, spec in MEGATRON_RULES
+)
+
+# With `ed.MoE` blocks: attention as above; inside each expert, `d_hidden` split
+# over "model" (w_in and w_gate column-parallel, w_out row-parallel), the expert
+# dimension left to `expert_axis`.
+MOE_MEGATRON_RULES = (
+    *MEGATRON_RULES[:3],
+    (r"\.mlp\.w_(in|gate)$", P(None, None, "model")),
+    (r"\.mlp\.w_out$", P(None, "model", None)),
+)
+STACKED_MOE_MEGATRON_RULES = tuple(
+    (pattern, P(None, *spec)) for pattern, spec in MOE_MEGATRON_RULES
 )
 """`MEGATRON_RULES` for `stacked=True`: the leaves of the `Stacked` have the layer
 axis first (".blocks.layers.attn.query.weight" is `(layers, out, in)`), which

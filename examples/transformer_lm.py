@@ -75,7 +75,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
-from _transformer import MEGATRON_RULES, STACKED_MEGATRON_RULES, TransformerLM
+from _transformer import (
+    MEGATRON_RULES,
+    MOE_MEGATRON_RULES,
+    STACKED_MEGATRON_RULES,
+    STACKED_MOE_MEGATRON_RULES,
+    TransformerLM,
+)
 
 import eqxdist as ed
 
@@ -112,6 +118,20 @@ def parse_args() -> argparse.Namespace:
     add("--heads", type=int, default=4, help="attention heads")
     add("--layers", type=int, default=2, help="transformer blocks")
     add("--mlp-ratio", type=int, default=4, help="MLP hidden width / d-model")
+    add(
+        "--experts",
+        type=int,
+        default=0,
+        help="a mixture of N experts (ed.MoE, dropless) in place of each block's "
+        "MLP, its auxiliary losses in the loss (0: dense MLPs)",
+    )
+    add("--top-k", type=int, default=2, help="experts per token (with --experts)")
+    add(
+        "--expert-parallel",
+        action="store_true",
+        help='the experts split over the "data" axis (ed.Layout(expert_axis=)): '
+        "each device holds experts / data-parallel of them, tokens travel",
+    )
     add("--lr", type=float, default=1e-2, help="peak adamw learning rate")
     add("--minibatches", type=int, default=1, help="gradient accumulation steps")
     add(
@@ -280,6 +300,13 @@ def resolve_parallelism(
                 f"--layers {args.layers} must be a multiple of --pipeline-parallel "
                 f"x --repeats = {stages * args.repeats}"
             )
+    if args.experts < 0 or (args.experts and not 1 <= args.top_k <= args.experts):
+        parser.error("--experts must be >= 0 and --top-k in [1, --experts]")
+    if args.expert_parallel and (not args.experts or args.experts % args.data_parallel):
+        parser.error(
+            f"--expert-parallel splits --experts over the {args.data_parallel} "
+            "devices of the data axis: give --experts a multiple of it"
+        )
     args.stacked = args.stacked or stages > 1 or args.remat != "none"
     return args
 
@@ -318,8 +345,11 @@ def token_metrics(
     )
     weights = mask.astype(jnp.float32)
     count = weights.sum()
+    # Each sequence's weighted MoE auxiliary losses (0 without experts), as a
+    # per-token term: the step divides the sums by the real tokens.
+    hidden, aux = jax.vmap(lambda t: model.hidden_and_aux(t, positions))(inputs)
+    aux_sum = jnp.sum(aux * weights.sum(axis=1))
     if ARGS.chunked_loss:
-        hidden = jax.vmap(lambda t: model.hidden(t, positions))(inputs)
         head = model.head
         loss_sum, _ = ed.linear_cross_entropy(
             hidden.astype(jnp.float32), head.weight.astype(jnp.float32), targets,
@@ -336,7 +366,7 @@ def token_metrics(
         metrics = {"loss": loss, "perplexity": perplexity}
     else:
         # The softmax in float32 whatever the compute dtype (`--bf16`).
-        logits = jax.vmap(lambda t: model(t, positions))(inputs).astype(jnp.float32)
+        logits = jax.vmap(jax.vmap(model.head))(hidden).astype(jnp.float32)
         losses = optax.softmax_cross_entropy_with_integer_labels(logits, targets)
         loss_sum = jnp.sum(jnp.where(mask, losses, 0.0))
         metrics = {
@@ -344,7 +374,9 @@ def token_metrics(
             "perplexity": ed.metrics.Perplexity().update(logits, targets, mask),
         }
     metrics["real_tokens"] = ed.metrics.Sum().update(mask.sum())
-    return (loss_sum, count), ed.MetricCollection(metrics)
+    if ARGS.experts:
+        metrics["aux_loss"] = ed.metrics.Mean().update(aux)
+    return (loss_sum + aux_sum, count), ed.MetricCollection(metrics)
 
 
 def loss_fn(model: TransformerLM, batch: dict[str, jax.Array], key: Any) -> Any:
@@ -483,6 +515,8 @@ def new_model(vocab_size: int, key: jax.Array, context_axis: str | None) -> Any:
         key=key,
         stacked=ARGS.stacked,
         context_axis=context_axis,
+        experts=ARGS.experts,
+        top_k=ARGS.top_k,
     )
 
 
@@ -552,9 +586,14 @@ def main_layout() -> ed.Layout:
         "min_weight_size": ARGS.min_weight_size,
     }
     if "model" in axes:
-        layout["param_rules"] = (
-            STACKED_MEGATRON_RULES if ARGS.stacked else MEGATRON_RULES
-        )
+        layout["param_rules"] = {
+            (False, False): MEGATRON_RULES,
+            (True, False): STACKED_MEGATRON_RULES,
+            (False, True): MOE_MEGATRON_RULES,
+            (True, True): STACKED_MOE_MEGATRON_RULES,
+        }[ARGS.stacked, bool(ARGS.experts)]
+    if ARGS.expert_parallel:
+        layout["expert_axis"] = "data"
     if ARGS.pipeline is not None:
         layout["pipeline"] = ARGS.pipeline
     if CONTEXT is not None:
