@@ -65,7 +65,8 @@ _enter.defvjp(_enter_fwd, _enter_bwd)
 @functools.partial(jax.custom_vjp, nondiff_argnums=(1,))
 def _leave(x: Array, axis: str) -> Array:
     """Megatron's g: summed over `axis`; the gradient passed through."""
-    return jax.lax.psum(x, axis)
+    summed: Array = jax.lax.psum(x, axis)
+    return summed
 
 
 def _leave_fwd(x: Array, axis: str) -> tuple[Array, None]:
@@ -167,7 +168,12 @@ def experts_device_view(
     check_block(experts, config.num_experts, size, axis)
     if not tokens_split:
         return _replicated(experts, router, x, config, axis)
-    weights = Experts(*(None if w is None else _mean_grad(w, size) for w in experts))
+    w_in, w_gate, w_out = experts
+    weights = Experts(
+        _mean_grad(w_in, size),
+        None if w_gate is None else _mean_grad(w_gate, size),
+        _mean_grad(w_out, size),
+    )
     return _gathered(weights, router, x, config, axis)
 
 
@@ -194,7 +200,9 @@ def experts_global_view(
         )
 
     def device(x: Array, router: Array, *weights: Array | None) -> Array:
-        return _gathered(Experts(*weights), router, x, config, axis)
+        w_in, w_gate, w_out = weights
+        assert w_in is not None and w_out is not None  # only w_gate may be None
+        return _gathered(Experts(w_in, w_gate, w_out), router, x, config, axis)
 
     def body(*args: Array | None) -> Array:
         specs = tuple(None if a is None else P(axis) for a in args)

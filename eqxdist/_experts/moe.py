@@ -12,6 +12,7 @@ import jax.numpy as jnp
 from jaxtyping import Array, Float, PRNGKeyArray
 
 from .._long.views import view_of
+from .._utils import checked_first
 from .dispatch import experts_device_view, experts_global_view
 from .grouped import Experts, grouped_ffn
 from .routing import ROUTERS, Config, Routing, aux_values, route
@@ -46,6 +47,24 @@ def _uniform(key: PRNGKeyArray, shape: tuple[int, ...], fan_in: int) -> Array:
     # `eqx.nn.Linear`'s initialisation, per expert.
     limit = 1 / fan_in**0.5
     return jax.random.uniform(key, shape, minval=-limit, maxval=limit)
+
+
+def _check_call(moe: "MoE", x: Any, *_: Any) -> None:
+    """`x` is one set of tokens, `(tokens, d_model)`, floating: a batch (a
+    missing `jax.vmap`) is the mistake this catches."""
+    d_model = moe.router.weight.shape[-1]
+    shape = getattr(x, "shape", None)
+    if shape is None or len(shape) != 2 or shape[1] != d_model:
+        raise ValueError(
+            f"MoE: `x` has shape {shape}; expected (tokens, d_model={d_model}). "
+            "Fix: flatten a batch's tokens, `x.reshape(-1, d_model)`, or "
+            "`jax.vmap(moe)` over its sequences."
+        )
+    if not jnp.issubdtype(x.dtype, jnp.floating):
+        raise TypeError(
+            f"MoE: `x` has dtype {x.dtype}; expected a floating dtype. Fix: "
+            "`x.astype(jnp.float32)`."
+        )
 
 
 class MoE(eqx.Module):
@@ -120,26 +139,11 @@ class MoE(eqx.Module):
         self.activation, self.gated, self.router_kind = activation, gated, router
         self.expert_axis, self.tokens_split = None, True
 
-    def _check_input(self, x: Any) -> None:
-        d_model = self.router.weight.shape[-1]
-        shape = getattr(x, "shape", None)
-        if shape is None or len(shape) != 2 or shape[1] != d_model:
-            raise ValueError(
-                f"MoE: `x` has shape {shape}; expected (tokens, d_model={d_model}). "
-                "Fix: flatten a batch's tokens, `x.reshape(-1, d_model)`, or "
-                "`jax.vmap(moe)` over its sequences."
-            )
-        if not jnp.issubdtype(x.dtype, jnp.floating):
-            raise TypeError(
-                f"MoE: `x` has dtype {x.dtype}; expected a floating dtype. Fix: "
-                "`x.astype(jnp.float32)`."
-            )
-
+    @checked_first(_check_call)
     def __call__(
         self, x: Float[Array, "T d"]
     ) -> tuple[Float[Array, "T d"], dict[str, Array]]:
         """`(y, aux)` for this call's tokens `x`: see the class."""
-        self._check_input(x)
         config = Config(self.num_experts, self.top_k, self.router_kind, self.activation)
         routed = route(self.router.weight, x, config)
         aux = aux_values(routed, self.num_experts)

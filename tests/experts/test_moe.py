@@ -207,3 +207,133 @@ def test_device_view_tokens_replicated_over_the_expert_axis():
         eqx.filter(grads, eqx.is_array), eqx.filter(want_g, eqx.is_array)
     )
     np.testing.assert_allclose(gx / 2, want_gx, **TOL)
+
+
+def _placed(tree, mesh, specs):
+    return jax.tree.map(
+        lambda a, s: jax.device_put(a, NamedSharding(mesh, s)), tree, specs
+    )
+
+
+@pytest.mark.parametrize("batched", [False, True], ids=["tokens", "vmap"])
+def test_global_view_equals_one_device(axis_types, batched):
+    """Whole arrays under `jax.set_mesh`: the layer shards itself over "data"
+    (tokens and experts), on Auto and Explicit meshes, under `jax.vmap` too."""
+    kind = getattr(jax.sharding.AxisType, axis_types.capitalize())
+    mesh = jax.make_mesh((8,), ("data",), axis_types=(kind,))
+    moe = ed.MoE(D, H, 8, top_k=2, key=jax.random.key(8))
+    sharded = with_expert_axis(moe, "data")
+    params, static = eqx.partition(sharded, eqx.is_array)
+    shape, x_spec = ((2, T, D), P(None, "data")) if batched else ((T, D), P("data"))
+    x, c = _tokens(shape=shape), _weights(shape)
+
+    def apply(params, x):
+        layer = eqx.combine(params, static)
+        return (jax.vmap(layer) if batched else layer)(x)[0]
+
+    def both(params, x):
+        grads = jax.grad(lambda p, x: jnp.sum(apply(p, x) * c), argnums=(0, 1))
+        return apply(params, x), grads(params, x)
+
+    def dense(moe, x):
+        return jax.vmap(lambda s: _dense(moe, s))(x) if batched else _dense(moe, x)
+
+    with jax.set_mesh(mesh):
+        placed = _placed(params, mesh, _specs(sharded, "data"))
+        y, grads = jax.jit(both)(placed, jax.device_put(x, NamedSharding(mesh, x_spec)))
+    want = jax.grad(lambda m, x: jnp.sum(dense(m, x) * c), argnums=(0, 1))(moe, x)
+    np.testing.assert_allclose(np.asarray(y), dense(moe, x), **TOL)
+    _assert_trees_close(grads, (eqx.filter(want[0], eqx.is_array), want[1]))
+    assert grads[0].w_in.sharding.spec[0] == "data"
+
+
+def _hlo_collectives(text):
+    """`(kind, shape)` of every collective of the optimised HLO text."""
+    import re
+
+    found = re.findall(
+        r"= (\w+\[[\d,]*\])\S* (all-gather|reduce-scatter|all-to-all|all-reduce)"
+        r"(?:-start)?\(",
+        text,
+    )
+    return [(kind, shape) for shape, kind in found]
+
+
+def test_the_dispatch_communicates_tokens_never_weights(mesh8):
+    """The device view's forward: one all-gather of the tokens, one
+    reduce-scatter of the outputs; forward and backward: no collective moves an
+    expert weight (or a block of one)."""
+    moe = with_expert_axis(ed.MoE(8, 16, 16, top_k=2, key=jax.random.key(9)), "data")
+    params, static = eqx.partition(moe, eqx.is_array)
+    specs = _specs(moe, "data")
+
+    def forward(params, x):
+        return eqx.combine(params, static)(x)[0]
+
+    def gradient(params, x):
+        return jax.grad(lambda p: jnp.sum(forward(p, x) ** 2))(params)
+
+    x = _tokens(shape=(64, 8))
+    for fn, out in ((forward, P("data")), (gradient, specs)):
+        mapped = jax.shard_map(
+            fn, mesh=mesh8, in_specs=(specs, P("data")), out_specs=out,
+            check_vma=False,
+        )  # fmt: skip
+        compiled = jax.jit(mapped).lower(params, x).compile()
+        counts = ed.count_collectives(compiled)
+        assert counts["all-to-all"] == 0
+        shapes = {s for _, s in _hlo_collectives(compiled.as_text())}
+        weights = {f"f32[{a},{b},{c}]" for a in (2, 16) for b, c in ((8, 16), (16, 8))}
+        assert not shapes & weights, shapes
+        if fn is forward:
+            assert counts["all-gather"] == counts["reduce-scatter"] == 1, counts
+            assert counts["all-reduce"] == 0, counts
+
+
+def test_with_expert_axis_sets_every_moe_and_shares_the_leaves():
+    moes = {"a": ed.MoE(D, H, 4, key=jax.random.key(0)), "b": [1.0]}
+    moes["c"] = [ed.MoE(D, H, 4, key=jax.random.key(1))]
+    out = with_expert_axis(moes, "expert", tokens_split=False)
+    for old, new in ((moes["a"], out["a"]), (moes["c"][0], out["c"][0])):
+        assert (new.expert_axis, new.tokens_split) == ("expert", False)
+        assert old.expert_axis is None and new.w_in is old.w_in
+    assert with_expert_axis(moes, None) is moes
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "words"),
+    [
+        ({"top_k": 0}, ["top_k", "positive"]),
+        ({"top_k": 5}, ["top_k", "[1, num_experts=4]"]),
+        ({"router": "relu"}, ["router", "softmax"]),
+    ],
+)
+def test_bad_arguments_say_what_to_change(kwargs, words):
+    with pytest.raises(ValueError) as error:
+        ed.MoE(D, H, 4, key=jax.random.key(0), **kwargs)
+    for word in ["MoE", *words]:
+        assert word in str(error.value)
+
+
+def test_bad_tokens_and_axes_say_what_to_change(mesh8):
+    moe = ed.MoE(D, H, 4, key=jax.random.key(0))
+    with pytest.raises(ValueError, match=r"MoE: `x` has shape \(2, 16, 4\).*vmap"):
+        moe(_tokens(shape=(2, T, D)))
+    with pytest.raises(ValueError, match="MoE: `expert_axis`='expert'.*neither"):
+        with_expert_axis(moe, "expert")(_tokens())
+    with jax.set_mesh(mesh8), pytest.raises(ValueError, match="not divisible by the 8"):
+        with_expert_axis(moe, "data")(_tokens())  # 4 experts, 8 devices
+    moe8 = with_expert_axis(ed.MoE(D, H, 8, key=jax.random.key(0)), "data")
+    with (
+        jax.set_mesh(mesh8),
+        pytest.raises(ValueError, match="12 tokens.*multiple of 8"),
+    ):
+        moe8(_tokens(shape=(12, D)))
+    params, static = eqx.partition(moe8, eqx.is_array)
+    whole = jax.tree.map(lambda _: P(), params)  # the experts not sharded
+    mapped = jax.shard_map(
+        lambda p, x: eqx.combine(p, static)(x)[0], mesh=mesh8,
+        in_specs=(whole, P("data")), out_specs=P("data"), check_vma=False,
+    )  # fmt: skip
+    with pytest.raises(ValueError, match="leaf `w_in` has shape \\(8, 4, 6\\)"):
+        mapped(params, _tokens())
