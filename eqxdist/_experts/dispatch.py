@@ -137,6 +137,18 @@ def _replicated(
 ) -> Array:
     """The same tokens on every device: each runs them through its own experts
     and the outputs are summed (Megatron's f/g pair around the experts)."""
+    if axis in jax.typeof(experts.w_in).manual_axis_type.varying:
+        # `shard_map(check_vma=True)`: JAX types the replicated tokens and gates
+        # as invariant, and its `pcast` to varying and `psum` are f and g (the
+        # custom pair would mistype them). The cast is explicit: the grouped
+        # products' custom gradient would not cast back an implicit one.
+        routing = route(router, x, config).routing
+        x, gates = jax.lax.pcast((x, routing.gates), (axis,), to="varying")
+        local = _here(Routing(routing.experts, gates), experts.w_in.shape[0], axis)
+        summed: Array = jax.lax.psum(
+            grouped_ffn(x, local, experts, config.activation), axis
+        )
+        return summed
     routing = route(router, x, config).routing
     # The gates enter before `_here` masks other devices' out: each gate's
     # gradient is summed from the one device that used it.

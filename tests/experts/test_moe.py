@@ -49,10 +49,12 @@ def _assert_trees_close(a, b):
 
 def _check_against_dense(moe, x):
     c = _weights(x.shape)
-    y, _ = moe(x)
+    y, _ = eqx.filter_jit(lambda m, x: m(x))(moe, x)
     np.testing.assert_allclose(y, _dense(moe, x), **TOL)
-    grads = jax.grad(lambda m, x: jnp.sum(m(x)[0] * c), argnums=(0, 1))(moe, x)
+    grad = eqx.filter_jit(eqx.filter_grad(lambda mx: jnp.sum(mx[0](mx[1])[0] * c)))
+    grads = grad((moe, x))
     want = jax.grad(lambda m, x: jnp.sum(_dense(m, x) * c), argnums=(0, 1))(moe, x)
+    want = (eqx.filter(want[0], eqx.is_inexact_array), want[1])
     _assert_trees_close(grads, want)
 
 
@@ -139,7 +141,7 @@ def _specs(moe, axis):
     )
 
 
-def _device_grads(moe, x, c, mesh, data_axes):
+def _device_grads(moe, x, c, mesh, data_axes, check_vma=False):
     """Per-device `sum(y * c)` and its gradients, differentiated on each device
     inside `shard_map(check_vma=False)` as the step does; the gradients of the
     leaves not sharded over the data axis averaged over it, as the step does."""
@@ -151,16 +153,21 @@ def _device_grads(moe, x, c, mesh, data_axes):
             return jnp.sum(eqx.combine(params, static)(x)[0] * c)
 
         value, (g, gx) = jax.value_and_grad(loss, argnums=(0, 1))(params, x)
-        g = jax.tree.map(
-            lambda leaf, s: leaf if data_axes in s else jax.lax.pmean(leaf, data_axes),
-            g, specs,
-        )  # fmt: skip
+        # Under `check_vma` JAX already sums a replicated leaf's gradient over
+        # the devices; the step's mean is then a division.
+        size = jax.lax.axis_size(data_axes)
+        mean = (
+            (lambda g: g / size)
+            if check_vma
+            else (lambda g: jax.lax.pmean(g, data_axes))
+        )
+        g = jax.tree.map(lambda g, s: g if data_axes in s else mean(g), g, specs)
         return jax.lax.pmean(value, data_axes), g, gx
 
     spec_x = P(data_axes)
     mapped = jax.shard_map(
         device, mesh=mesh, in_specs=(specs, spec_x, spec_x),
-        out_specs=(P(), specs, spec_x), check_vma=False,
+        out_specs=(P(), specs, spec_x), check_vma=check_vma,
     )  # fmt: skip
     return jax.jit(mapped)(params, x, c)
 
@@ -191,16 +198,18 @@ def test_device_view_tokens_split_over_the_expert_axis(mesh8, num_experts, gated
     np.testing.assert_allclose(gx / 8, want_gx, **TOL)
 
 
-def test_device_view_tokens_replicated_over_the_expert_axis():
+@pytest.mark.parametrize("check_vma", [False, True])
+def test_device_view_tokens_replicated_over_the_expert_axis(check_vma):
     """An expert axis of its own: tokens split over "data" only, the same on the
-    4 devices of "expert" (Megatron's f/g around the experts)."""
+    4 devices of "expert" (Megatron's f/g around the experts; with `check_vma`,
+    JAX's own typing of the replicated values)."""
     mesh = jax.make_mesh(
         (2, 4), ("data", "expert"), axis_types=(jax.sharding.AxisType.Auto,) * 2
     )
     moe = ed.MoE(D, H, 8, top_k=2, key=jax.random.key(6))
     x, c = _tokens(), _weights((T, D))
     sharded = with_expert_axis(moe, "expert", tokens_split=False)
-    value, grads, gx = _device_grads(sharded, x, c, mesh, "data")
+    value, grads, gx = _device_grads(sharded, x, c, mesh, "data", check_vma)
     want, (want_g, want_gx) = _reference_grads(moe, x, c, 2)
     np.testing.assert_allclose(value, want, **TOL)
     _assert_trees_close(
