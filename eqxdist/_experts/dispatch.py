@@ -4,7 +4,9 @@ computed where their experts are, the outputs brought back to their tokens.
 
 The dispatch is an all-gather of the tokens over the axis (each device then
 routes them all, with the replicated router) and a reduce-scatter of the
-outputs: dropless, with no sizes to exchange first, and never a weight moved.
+outputs: dropless, with no sizes to exchange first, and never a weight moved
+(`ragged_all_to_all`, the other dropless dispatch, is not implemented by
+XLA:CPU in JAX 0.10).
 
 - the *device view* (`experts_device_view`): the axis is bound, the weights are
   this device's block. `tokens_split` says whether the axis holds different

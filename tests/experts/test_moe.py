@@ -198,6 +198,40 @@ def test_device_view_tokens_split_over_the_expert_axis(mesh8, num_experts, gated
     np.testing.assert_allclose(gx / 8, want_gx, **TOL)
 
 
+def test_device_view_under_vmap_over_rows(mesh8):
+    """A step's loss maps the layer over the device's rows: values and the
+    gradients (the step's conventions) equal one device's."""
+    moe = ed.MoE(D, H, 8, top_k=2, key=jax.random.key(10))
+    sharded = with_expert_axis(moe, "data")
+    params, static = eqx.partition(sharded, eqx.is_array)
+    specs = _specs(sharded, "data")
+    x = _tokens(shape=(16, 3, D))
+
+    def loss(params, x):
+        return jnp.sum(jax.vmap(eqx.combine(params, static))(x)[0] ** 2)
+
+    def device(params, x):
+        g = jax.grad(loss)(params, x)
+        mean = lambda g, s: g if s != P() else jax.lax.pmean(g, "data")  # noqa: E731
+        return jax.lax.pmean(loss(params, x), "data"), jax.tree.map(mean, g, specs)
+
+    mapped = jax.shard_map(
+        device, mesh=mesh8, in_specs=(specs, P("data")), out_specs=(P(), specs),
+        check_vma=False,
+    )  # fmt: skip
+    value, grads = jax.jit(mapped)(params, x)
+
+    def reference(moe):
+        rows = jnp.split(x, 8)
+        return (
+            sum(jnp.sum(jax.vmap(lambda s: _dense(moe, s))(r) ** 2) for r in rows) / 8
+        )
+
+    want, want_g = jax.value_and_grad(reference)(moe)
+    np.testing.assert_allclose(value, want, **TOL)
+    _assert_trees_close(grads, eqx.filter(want_g, eqx.is_array))
+
+
 @pytest.mark.parametrize("check_vma", [False, True])
 def test_device_view_tokens_replicated_over_the_expert_axis(check_vma):
     """An expert axis of its own: tokens split over "data" only, the same on the
