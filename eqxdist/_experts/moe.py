@@ -30,7 +30,12 @@ def _check_sizes(d_model: Any, d_hidden: Any, num_experts: Any, top_k: Any) -> N
         ("num_experts", num_experts),
         ("top_k", top_k),
     ):
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise TypeError(
+                f"MoE: `{name}` must be an int; got {type(value).__name__} "
+                f"{value!r}. Fix: pass e.g. {name}=8."
+            )
+        if value < 1:
             raise ValueError(
                 f"MoE: `{name}` must be a positive int; got {value!r}. Fix: pass "
                 f"e.g. {name}=8."
@@ -40,6 +45,26 @@ def _check_sizes(d_model: Any, d_hidden: Any, num_experts: Any, top_k: Any) -> N
             f"MoE: `top_k`={top_k} is outside [1, num_experts={num_experts}]; each "
             f"token picks top_k of the experts: pass top_k <= {num_experts} (or "
             "more experts)."
+        )
+
+
+def _check_init(
+    _: Any,
+    d_model: Any = None,
+    d_hidden: Any = None,
+    num_experts: Any = None,
+    *,
+    top_k: Any = 2,
+    router: Any = "softmax",
+    **__: Any,
+) -> None:
+    """The sizes and the router, before the annotations are checked: a few
+    lines with the fix, not beartype's report."""
+    _check_sizes(d_model, d_hidden, num_experts, top_k)
+    if router not in ROUTERS:
+        raise ValueError(
+            f"MoE: `router`={router!r} is not one of {ROUTERS}; pass "
+            "router='softmax' (or 'sigmoid', DeepSeek-V3's)."
         )
 
 
@@ -111,6 +136,7 @@ class MoE(eqx.Module):
     # or the same ones (an axis of its own); set with `with_expert_axis`.
     tokens_split: bool = eqx.field(static=True, default=True)
 
+    @checked_first(_check_init)
     def __init__(
         self,
         d_model: int,
@@ -123,12 +149,6 @@ class MoE(eqx.Module):
         gated: bool = True,
         router: str = "softmax",
     ):
-        _check_sizes(d_model, d_hidden, num_experts, top_k)
-        if router not in ROUTERS:
-            raise ValueError(
-                f"MoE: `router`={router!r} is not one of {ROUTERS}; pass "
-                "router='softmax' (or 'sigmoid', DeepSeek-V3's)."
-            )
         k_router, k_in, k_gate, k_out = jax.random.split(key, 4)
         self.router = eqx.nn.Linear(d_model, num_experts, use_bias=False, key=k_router)
         shape = (num_experts, d_model, d_hidden)

@@ -358,6 +358,11 @@ def test_bad_arguments_say_what_to_change(kwargs, words):
         assert word in str(error.value)
 
 
+def test_a_size_that_is_not_an_int_is_a_type_error():
+    with pytest.raises(TypeError, match="MoE: `num_experts` must be an int; got float"):
+        ed.MoE(D, H, 4.0, key=jax.random.key(0))
+
+
 def test_bad_tokens_and_axes_say_what_to_change(mesh8):
     moe = ed.MoE(D, H, 4, key=jax.random.key(0))
     with pytest.raises(ValueError, match=r"MoE: `x` has shape \(2, 16, 4\).*vmap"):
