@@ -25,6 +25,7 @@ from ._data_parallel import (
     shard_batch as shard_batch,
 )
 from ._distributed import initialize_distributed as initialize_distributed
+from ._experts import MoE as MoE
 from ._hlo import count_collectives as count_collectives
 from ._layout.collectives import (
     gather_params as gather_params,

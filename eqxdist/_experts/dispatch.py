@@ -1,0 +1,229 @@
+"""Expert parallelism: the experts' weights sharded by expert over a mesh axis
+(device i of n holds experts `[i*E/n, (i+1)*E/n)`), each token's assignments
+computed where their experts are, the outputs brought back to their tokens.
+
+The dispatch is an all-gather of the tokens over the axis (each device then
+routes them all, with the replicated router) and a reduce-scatter of the
+outputs: dropless, with no sizes to exchange first, and never a weight moved
+(`ragged_all_to_all`, the other dropless dispatch, is not implemented by
+XLA:CPU in JAX 0.10).
+
+- the *device view* (`experts_device_view`): the axis is bound, the weights are
+  this device's block. `tokens_split` says whether the axis holds different
+  tokens on each device (a data axis, the usual case) or the same tokens (an
+  axis of its own, tokens replicated over it).
+- the *global view* (`experts_global_view`): the axis is an axis of the context
+  mesh; whole arrays, sharded here with a `shard_map` over the axis.
+"""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
+from jaxtyping import Array, Float
+
+from .._long.views import run_global, shard_over, size_in_context
+from .grouped import Experts, grouped_ffn
+from .routing import Config, Routing, route
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1,))
+def _mean_grad(w: Array, size: int) -> Array:
+    return w
+
+
+def _mean_grad_fwd(w: Array, size: int) -> tuple[Array, None]:
+    return w, None
+
+
+def _mean_grad_bwd(size: int, _: None, g: Array) -> tuple[Array]:
+    # Through the gather and the scatter this cotangent is the gradient of every
+    # data device's loss together; a leaf sharded over a data axis gets the mean
+    # (FSDP's convention, `scatter_mean`), which the step does not redo.
+    return (g / size,)
+
+
+_mean_grad.defvjp(_mean_grad_fwd, _mean_grad_bwd)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1,))
+def _enter(x: Array, axis: str) -> Array:
+    """Megatron's f: identity; the gradient summed over `axis`."""
+    return x
+
+
+def _enter_fwd(x: Array, axis: str) -> tuple[Array, None]:
+    return x, None
+
+
+def _enter_bwd(axis: str, _: None, g: Array) -> tuple[Array]:
+    return (jax.lax.psum(g, axis),)
+
+
+_enter.defvjp(_enter_fwd, _enter_bwd)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1,))
+def _leave(x: Array, axis: str) -> Array:
+    """Megatron's g: summed over `axis`; the gradient passed through."""
+    summed: Array = jax.lax.psum(x, axis)
+    return summed
+
+
+def _leave_fwd(x: Array, axis: str) -> tuple[Array, None]:
+    return jax.lax.psum(x, axis), None
+
+
+def _leave_bwd(axis: str, _: None, g: Array) -> tuple[Array]:
+    return (g,)
+
+
+_leave.defvjp(_leave_fwd, _leave_bwd)
+
+
+def _here(routing: Routing, local: int, axis: str) -> Routing:
+    """The routing with expert ids local to this device's block of `local`
+    experts; assignments to other devices' experts get id `local` and gate 0."""
+    first = jax.lax.axis_index(axis) * local
+    ids = routing.experts - first
+    mine = (ids >= 0) & (ids < local)
+    return Routing(
+        jnp.where(mine, ids, local).astype(jnp.int32),
+        jnp.where(mine, routing.gates, 0.0),
+    )
+
+
+def check_divides(num_experts: int, size: int, axis: str) -> None:
+    """A `ValueError` naming the expert leaves when the experts do not split
+    evenly over the axis."""
+    if num_experts % size:
+        raise ValueError(
+            f"MoE: `num_experts`={num_experts} is not divisible by the {size} "
+            f"devices of expert axis {axis!r} (leaves w_in, w_gate, w_out); choose "
+            f"a multiple of {size} experts, or an expert axis whose size divides "
+            f"{num_experts}."
+        )
+
+
+def check_block(experts: Experts, num_experts: int, size: int, axis: str) -> None:
+    """`check_divides`, and a `ValueError` naming the leaf when a weight is not
+    this device's block of the experts."""
+    check_divides(num_experts, size, axis)
+    for name, w in zip(("w_in", "w_gate", "w_out"), experts, strict=True):
+        if w is not None and w.shape[0] * size != num_experts:
+            raise ValueError(
+                f"MoE: leaf `{name}` has shape {w.shape} on this device, but in the "
+                f"device view of expert axis {axis!r} ({size} devices) it must be "
+                f"this device's block of {num_experts // size} of the "
+                f"{num_experts} experts; shard it with P({axis!r}) on its first "
+                "dimension (`ed.Layout(..., expert_axis=...)` does)."
+            )
+
+
+def _gathered(
+    experts: Experts, router: Array, x: Array, config: Config, axis: str
+) -> Array:
+    """Different tokens on each device: all of them gathered, routed here, run
+    through this device's experts, and each device's outputs summed back to it."""
+    everyone = jax.lax.all_gather(x, axis, axis=0, tiled=True)
+    routing = route(router, everyone, config).routing
+    local = _here(routing, experts.w_in.shape[0], axis)
+    out = grouped_ffn(everyone, local, experts, config.activation)
+    mine: Array = jax.lax.psum_scatter(out, axis, scatter_dimension=0, tiled=True)
+    return mine
+
+
+def _replicated(
+    experts: Experts, router: Array, x: Array, config: Config, axis: str
+) -> Array:
+    """The same tokens on every device: each runs them through its own experts
+    and the outputs are summed (Megatron's f/g pair around the experts)."""
+    if axis in jax.typeof(experts.w_in).manual_axis_type.varying:
+        # `shard_map(check_vma=True)`: JAX types the replicated tokens and gates
+        # as invariant, and its `pcast` to varying and `psum` are f and g (the
+        # custom pair would mistype them). The cast is explicit: the grouped
+        # products' custom gradient would not cast back an implicit one.
+        routing = route(router, x, config).routing
+        x, gates = jax.lax.pcast((x, routing.gates), (axis,), to="varying")
+        local = _here(Routing(routing.experts, gates), experts.w_in.shape[0], axis)
+        summed: Array = jax.lax.psum(
+            grouped_ffn(x, local, experts, config.activation), axis
+        )
+        return summed
+    routing = route(router, x, config).routing
+    # The gates enter before `_here` masks other devices' out: each gate's
+    # gradient is summed from the one device that used it.
+    routing = Routing(routing.experts, _enter(routing.gates, axis))
+    local = _here(routing, experts.w_in.shape[0], axis)
+    out = grouped_ffn(_enter(x, axis), local, experts, config.activation)
+    return _leave(out, axis)
+
+
+def experts_device_view(
+    experts: Experts,
+    router: Float[Array, "E d"],
+    x: Float[Array, "T d"],
+    *,
+    config: Config,
+    axis: str,
+    tokens_split: bool,
+) -> Float[Array, "T d"]:
+    """The experts' combined output for this device's tokens `x`, inside
+    `jax.shard_map` over `axis`, with `experts` this device's block.
+
+    Gradients follow the step's device view (`shard_map(check_vma=False)`, each
+    device's loss differentiated on its own): with `tokens_split` (a data axis)
+    the experts' gradient is the mean over `axis` of every device's loss's, as
+    FSDP's sharded leaves get it; the router's and the tokens' are this
+    device's part of the sum, which the step's mean over the data axes
+    completes. Without it, every gradient is the whole loss's, on each device."""
+    size = jax.lax.axis_size(axis)
+    check_block(experts, config.num_experts, size, axis)
+    if not tokens_split:
+        return _replicated(experts, router, x, config, axis)
+    w_in, w_gate, w_out = experts
+    weights = Experts(
+        _mean_grad(w_in, size),
+        None if w_gate is None else _mean_grad(w_gate, size),
+        _mean_grad(w_out, size),
+    )
+    return _gathered(weights, router, x, config, axis)
+
+
+def experts_global_view(
+    experts: Experts,
+    router: Float[Array, "E d"],
+    x: Float[Array, "T d"],
+    *,
+    config: Config,
+    axis: str,
+) -> Float[Array, "T d"]:
+    """The experts' combined output for all of `x`, whole arrays under a context
+    mesh with `axis`: the tokens split over `axis`, the experts sharded over it
+    by expert, in a `shard_map` of `axis` alone (gradients exact: JAX
+    differentiates the whole program)."""
+    size = size_in_context(axis)
+    check_divides(config.num_experts, size, axis)
+    if x.shape[0] % size:
+        raise ValueError(
+            f"MoE: `x` has {x.shape[0]} tokens, which is not divisible by the "
+            f"{size} devices of expert axis {axis!r} (the global view splits the "
+            f"tokens over it); pad the tokens to a multiple of {size}, or call the "
+            "layer on more tokens at once (a whole batch's, not one sequence's)."
+        )
+
+    def device(x: Array, router: Array, *weights: Array | None) -> Array:
+        w_in, w_gate, w_out = weights
+        assert w_in is not None and w_out is not None  # only w_gate may be None
+        return _gathered(Experts(w_in, w_gate, w_out), router, x, config, axis)
+
+    def body(*args: Array | None) -> Array:
+        specs = tuple(None if a is None else P(axis) for a in args)
+        specs = (specs[0], P(), *specs[2:])
+        out: Array = shard_over(device, axis, args, specs, P(axis))
+        return out
+
+    spec = jax.typeof(x).sharding.spec
+    out: Array = run_global(body, axis, (x, router, *experts), spec)
+    return out

@@ -1,0 +1,109 @@
+"""The experts' computation, dropless: the token-expert assignments sorted by
+expert and run through grouped matrix products (`jax.lax.ragged_dot`), then put
+back in token order and combined with their gates. No capacity: an expert
+takes every assignment it gets, however many."""
+
+import functools
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jaxtyping import Array, Float
+
+from .batching import one_token_set
+from .routing import Routing
+
+
+class Experts(NamedTuple):
+    """The experts' weights (all of them, or one device's contiguous block)."""
+
+    w_in: Float[Array, "E d h"]
+    w_gate: Float[Array, "E d h"] | None  # None: not gated
+    w_out: Float[Array, "E h d"]
+
+
+def _ffn(
+    x: Float[Array, "T d"],
+    routing: Routing,
+    experts: Experts,
+    activation: Callable[[Array], Array],
+) -> Float[Array, "T d"]:
+    tokens, k = routing.experts.shape
+    groups = experts.w_in.shape[0]
+    flat = routing.experts.reshape(-1)
+    order = jnp.argsort(flat, stable=True)
+    rows = x[order // k]
+    # Ids past the last group are dropped by `length`: they belong to no group.
+    sizes = jnp.bincount(flat, length=groups).astype(jnp.int32)
+    hidden = activation(jax.lax.ragged_dot(rows, experts.w_in, sizes))
+    if experts.w_gate is not None:
+        hidden = hidden * jax.lax.ragged_dot(rows, experts.w_gate, sizes)
+    out = jax.lax.ragged_dot(hidden, experts.w_out, sizes)
+    out = out * routing.gates.reshape(-1)[order][:, None]
+    back = jnp.zeros_like(order).at[order].set(jnp.arange(order.size))
+    combined: Array = out[back].reshape(tokens, k, -1).sum(axis=1)
+    return combined.astype(x.dtype)
+
+
+def _forward(activation: Callable[[Array], Array]) -> Callable[..., Any]:
+    def forward(tokens: tuple[Array, Routing], experts: Experts) -> tuple[Array, None]:
+        return _ffn(*tokens, experts, activation), None
+
+    return one_token_set(forward, merged=True)
+
+
+def _backward(activation: Callable[[Array], Array]) -> Callable[..., Any]:
+    def backward(
+        tokens: tuple[Array, Routing, Array], experts: Experts
+    ) -> tuple[tuple[Array, Array], Experts]:
+        x, routing, g = tokens
+        _, pull = jax.vjp(
+            lambda x, gates, experts: _ffn(
+                x, Routing(routing.experts, gates), experts, activation
+            ),
+            x, routing.gates, experts,
+        )  # fmt: skip
+        dx, dgates, dexperts = pull(g)
+        return (dx, dgates), dexperts
+
+    return one_token_set(backward, merged=False)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
+def grouped_ffn(
+    x: Float[Array, "T d"],
+    routing: Routing,
+    experts: Experts,
+    activation: Callable[[Array], Array],
+) -> Float[Array, "T d"]:
+    """`sum_k gates[t, k] * expert_{experts[t, k]}(x[t])` for every token t; under
+    `jax.vmap` (over token sets, e.g. sequences) and its gradient too.
+
+    An assignment whose expert id is `len(experts.w_in)` (one past the last) is
+    none of these experts' (another device's): it sits after the groups, where
+    `ragged_dot` gives zeros, and its gate must be 0."""
+    y: Array = _forward(activation)((x, routing), experts)[0]
+    return y
+
+
+def _grouped_fwd(
+    x: Array, routing: Routing, experts: Experts, activation: Callable[[Array], Array]
+) -> tuple[Array, tuple[Array, Routing, Experts]]:
+    y = _forward(activation)((x, routing), experts)[0]
+    return y, (x, routing, experts)
+
+
+def _grouped_bwd(
+    activation: Callable[[Array], Array],
+    saved: tuple[Array, Routing, Experts],
+    g: Array,
+) -> tuple[Array, Routing, Experts]:
+    x, routing, experts = saved
+    (dx, dgates), dexperts = _backward(activation)((x, routing, g), experts)
+    ids = np.zeros(routing.experts.shape, jax.dtypes.float0)
+    return dx, Routing(ids, dgates), dexperts  # type: ignore[arg-type]
+
+
+grouped_ffn.defvjp(_grouped_fwd, _grouped_bwd)

@@ -1,0 +1,223 @@
+"""`MoE`: a mixture-of-experts MLP, dropless, on one device or with its experts
+sharded over a mesh axis (expert parallelism, `dispatch.py`)."""
+
+import copy
+import functools
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+from jaxtyping import Array, Float, PRNGKeyArray
+
+from .._long.views import view_of
+from .._utils import checked_first
+from .dispatch import experts_device_view, experts_global_view
+from .grouped import Experts, grouped_ffn
+from .routing import ROUTERS, Config, Routing, aux_values, route
+
+# The leaves sharded by expert under expert parallelism (`w_gate` may be None).
+EXPERT_LEAVES = ("w_in", "w_gate", "w_out")
+
+_M = TypeVar("_M")
+
+
+def _check_sizes(d_model: Any, d_hidden: Any, num_experts: Any, top_k: Any) -> None:
+    for name, value in (
+        ("d_model", d_model),
+        ("d_hidden", d_hidden),
+        ("num_experts", num_experts),
+        ("top_k", top_k),
+    ):
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise TypeError(
+                f"MoE: `{name}` must be an int; got {type(value).__name__} "
+                f"{value!r}. Fix: pass e.g. {name}=8."
+            )
+        if value < 1:
+            raise ValueError(
+                f"MoE: `{name}` must be a positive int; got {value!r}. Fix: pass "
+                f"e.g. {name}=8."
+            )
+    if top_k > num_experts:
+        raise ValueError(
+            f"MoE: `top_k`={top_k} is outside [1, num_experts={num_experts}]; each "
+            f"token picks top_k of the experts: pass top_k <= {num_experts} (or "
+            "more experts)."
+        )
+
+
+def _check_init(
+    _: Any,
+    d_model: Any = None,
+    d_hidden: Any = None,
+    num_experts: Any = None,
+    *,
+    top_k: Any = 2,
+    router: Any = "softmax",
+    **__: Any,
+) -> None:
+    """The sizes and the router, before the annotations are checked: a few
+    lines with the fix, not beartype's report."""
+    _check_sizes(d_model, d_hidden, num_experts, top_k)
+    if router not in ROUTERS:
+        raise ValueError(
+            f"MoE: `router`={router!r} is not one of {ROUTERS}; pass "
+            "router='softmax' (or 'sigmoid', DeepSeek-V3's)."
+        )
+
+
+def _uniform(key: PRNGKeyArray, shape: tuple[int, ...], fan_in: int) -> Array:
+    # `eqx.nn.Linear`'s initialisation, per expert.
+    limit = 1 / fan_in**0.5
+    return jax.random.uniform(key, shape, minval=-limit, maxval=limit)
+
+
+def _check_call(moe: "MoE", x: Any, *_: Any) -> None:
+    """`x` is one set of tokens, `(tokens, d_model)`, floating: a batch (a
+    missing `jax.vmap`) is the mistake this catches."""
+    d_model = moe.router.weight.shape[-1]
+    shape = getattr(x, "shape", None)
+    if shape is None or len(shape) != 2 or shape[1] != d_model:
+        raise ValueError(
+            f"MoE: `x` has shape {shape}; expected (tokens, d_model={d_model}). "
+            "Fix: flatten a batch's tokens, `x.reshape(-1, d_model)`, or "
+            "`jax.vmap(moe)` over its sequences."
+        )
+    if not jnp.issubdtype(x.dtype, jnp.floating):
+        raise TypeError(
+            f"MoE: `x` has dtype {x.dtype}; expected a floating dtype. Fix: "
+            "`x.astype(jnp.float32)`."
+        )
+
+
+class MoE(eqx.Module):
+    """A mixture-of-experts MLP: each token goes through the `top_k` of
+    `num_experts` experts its router picks, and gets their outputs weighted by
+    its gates. Dropless: every token reaches all of its experts, however
+    unbalanced the routing (no capacity factor).
+
+    **Arguments:**
+
+    - `d_model`, `d_hidden`: the tokens' size and each expert's hidden size.
+    - `num_experts`: how many experts.
+    - `top_k`: how many experts each token goes through, in `[1, num_experts]`.
+    - `key`: a `jax.random` key for the initial weights.
+    - `activation`: the experts' activation.
+    - `gated`: `(activation(x @ w_in) * (x @ w_gate)) @ w_out` (SwiGLU-style)
+      when True, `activation(x @ w_in) @ w_out` when False.
+    - `router`: `"softmax"` or `"sigmoid"`, the router's probabilities.
+
+    Call it on `x` of shape `(tokens, d_model)`: `y, aux = moe(x)`, `aux` a dict
+    of `load_balance_loss`, `router_z_loss` (for the loss, with your weights) and
+    `tokens_per_expert`. `ed.Layout(..., expert_axis=...)` shards its experts.
+
+    !!! Example
+
+        ```python
+        moe = ed.MoE(64, 128, 8, top_k=2, key=jax.random.key(0))
+        y, aux = moe(x)
+        loss = task_loss(y) + 0.01 * aux["load_balance_loss"]
+        ```
+    """
+
+    router: eqx.nn.Linear
+    w_in: Float[Array, "E d h"]
+    w_gate: Float[Array, "E d h"] | None
+    w_out: Float[Array, "E h d"]
+    num_experts: int = eqx.field(static=True)
+    top_k: int = eqx.field(static=True)
+    activation: Callable[[Array], Array] = eqx.field(static=True)
+    gated: bool = eqx.field(static=True)
+    router_kind: str = eqx.field(static=True)
+    expert_axis: str | None = eqx.field(static=True, default=None)
+    # Whether `expert_axis` holds different tokens on each device (a data axis)
+    # or the same ones (an axis of its own); set with `with_expert_axis`.
+    tokens_split: bool = eqx.field(static=True, default=True)
+
+    @checked_first(_check_init)
+    def __init__(
+        self,
+        d_model: int,
+        d_hidden: int,
+        num_experts: int,
+        *,
+        top_k: int = 2,
+        key: PRNGKeyArray,
+        activation: Callable[[Array], Array] = jax.nn.silu,
+        gated: bool = True,
+        router: str = "softmax",
+    ):
+        k_router, k_in, k_gate, k_out = jax.random.split(key, 4)
+        self.router = eqx.nn.Linear(d_model, num_experts, use_bias=False, key=k_router)
+        shape = (num_experts, d_model, d_hidden)
+        self.w_in = _uniform(k_in, shape, d_model)
+        self.w_gate = _uniform(k_gate, shape, d_model) if gated else None
+        self.w_out = _uniform(k_out, (num_experts, d_hidden, d_model), d_hidden)
+        self.num_experts, self.top_k = num_experts, top_k
+        self.activation, self.gated, self.router_kind = activation, gated, router
+        self.expert_axis, self.tokens_split = None, True
+
+    @checked_first(_check_call)
+    def __call__(
+        self, x: Float[Array, "T d"]
+    ) -> tuple[Float[Array, "T d"], dict[str, Array]]:
+        """`(y, aux)` for this call's tokens `x`: see the class."""
+        config = Config(self.num_experts, self.top_k, self.router_kind, self.activation)
+        routed = route(self.router.weight, x, config)
+        aux = aux_values(routed, self.num_experts)
+        experts = Experts(self.w_in, self.w_gate, self.w_out)
+        axis = self.expert_axis
+        if axis is None:
+            y = _unsharded(x, routed.routing, experts, self.activation)
+        elif view_of(axis, "MoE", "expert_axis") == "device":
+            y = experts_device_view(
+                experts, self.router.weight, x,
+                config=config, axis=axis, tokens_split=self.tokens_split,
+            )  # fmt: skip
+        else:
+            y = experts_global_view(
+                experts, self.router.weight, x, config=config, axis=axis
+            )
+        return y, aux
+
+
+def _unsharded(
+    x: Array, routing: Routing, experts: Experts, activation: Callable[[Array], Array]
+) -> Array:
+    """All the experts here. Tokens sharded over an Explicit mesh axis are left to
+    XLA's partitioner (`auto_axes`): a sort by expert takes no sharded dimension."""
+    if not jax.sharding.get_abstract_mesh().explicit_axes:
+        return grouped_ffn(x, routing, experts, activation)
+    ffn = functools.partial(grouped_ffn, activation=activation)
+    spec = jax.typeof(x).sharding.spec
+    y: Array = jax.sharding.auto_axes(ffn, out_sharding=spec)(x, routing, experts)
+    return y
+
+
+def _with_axis(moe: MoE, axis: str, tokens_split: bool) -> MoE:
+    new = copy.copy(moe)
+    # Static fields of a frozen module: a copy with the two set, leaves shared.
+    object.__setattr__(new, "expert_axis", axis)
+    object.__setattr__(new, "tokens_split", tokens_split)
+    return new
+
+
+def with_expert_axis(model: _M, axis: str | None, *, tokens_split: bool = True) -> _M:
+    """`model` with every `MoE` in it computing with its experts sharded over
+    `axis` (a copy; `None` leaves the model as it is). `tokens_split`: whether
+    `axis` holds different tokens on each device (a data axis) or the same."""
+    if axis is None:
+        return model
+    if not isinstance(axis, str):
+        raise TypeError(
+            f"with_expert_axis: `axis` must be a mesh axis name (str) or None; got "
+            f"{type(axis).__name__} {axis!r}."
+        )
+    out: _M = jax.tree_util.tree_map(
+        lambda m: _with_axis(m, axis, tokens_split) if isinstance(m, MoE) else m,
+        model,
+        is_leaf=lambda m: isinstance(m, MoE),
+    )
+    return out

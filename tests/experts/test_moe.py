@@ -1,0 +1,387 @@
+"""`ed.MoE` against a dense reference in plain JAX (every token through every
+expert, the gates masked to the top-k; values and gradients, float32, 1e-5), its
+aux values against hand computations, and its expert-parallel computation on 8
+simulated devices (device view with the tokens split or replicated over the
+expert axis, global view) against the same layer on one device."""
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+import eqxdist as ed
+from eqxdist._experts import EXPERT_LEAVES, with_expert_axis
+
+D, H, T = 4, 6, 16
+TOL = {"rtol": 1e-5, "atol": 1e-5}
+
+
+def _dense(moe, x):
+    """Every token through every expert, combined with the top-k gates."""
+    logits = x @ moe.router.weight.T
+    sig = moe.router_kind == "sigmoid"
+    p = jax.nn.sigmoid(logits) if sig else jax.nn.softmax(logits, axis=-1)
+    _, chosen = jax.lax.top_k(p, moe.top_k)
+    mask = jax.nn.one_hot(chosen, moe.num_experts).sum(axis=1)
+    gates = p * mask / jnp.sum(p * mask, axis=-1, keepdims=True)
+    hidden = moe.activation(jnp.einsum("td,edh->teh", x, moe.w_in))
+    if moe.gated:
+        hidden = hidden * jnp.einsum("td,edh->teh", x, moe.w_gate)
+    out = jnp.einsum("teh,ehd->ted", hidden, moe.w_out)
+    return jnp.einsum("te,ted->td", gates, out)
+
+
+def _tokens(seed=1, shape=(T, D)):
+    return jnp.asarray(np.random.default_rng(seed).normal(size=shape), jnp.float32)
+
+
+def _weights(shape, seed=7):
+    # A fixed random weighting of the outputs: a loss no symmetry can fake.
+    return jnp.asarray(np.random.default_rng(seed).normal(size=shape), jnp.float32)
+
+
+def _assert_trees_close(a, b):
+    for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True):
+        np.testing.assert_allclose(np.asarray(x), np.asarray(y), **TOL)
+
+
+def _check_against_dense(moe, x):
+    c = _weights(x.shape)
+    y, _ = eqx.filter_jit(lambda m, x: m(x))(moe, x)
+    np.testing.assert_allclose(y, _dense(moe, x), **TOL)
+    grad = eqx.filter_jit(eqx.filter_grad(lambda mx: jnp.sum(mx[0](mx[1])[0] * c)))
+    grads = grad((moe, x))
+    want = jax.grad(lambda m, x: jnp.sum(_dense(m, x) * c), argnums=(0, 1))(moe, x)
+    want = (eqx.filter(want[0], eqx.is_inexact_array), want[1])
+    _assert_trees_close(grads, want)
+
+
+@pytest.mark.parametrize(
+    ("num_experts", "top_k", "gated", "router"),
+    [
+        (4, 1, True, "softmax"),
+        (8, 2, True, "softmax"),
+        (8, 2, False, "softmax"),
+        (6, 3, True, "sigmoid"),
+        (4, 4, False, "sigmoid"),
+    ],
+)
+def test_moe_equals_the_dense_reference(num_experts, top_k, gated, router):
+    key = jax.random.key(num_experts + top_k)
+    moe = ed.MoE(D, H, num_experts, top_k=top_k, key=key, gated=gated, router=router)
+    assert (moe.w_gate is None) is not gated
+    assert moe.w_in.shape == (num_experts, D, H)
+    assert moe.w_out.shape == (num_experts, H, D)
+    _check_against_dense(moe, _tokens())
+
+
+@pytest.mark.parametrize("top_k", [1, 2])
+def test_every_token_to_one_expert_is_dropless(top_k):
+    """Every token picks expert 2 (then 0): all of them go through it, none
+    dropped, and the gradients match the dense reference."""
+    moe = ed.MoE(D, H, 4, top_k=top_k, key=jax.random.key(0))
+    rows = jnp.asarray([[1.0] * D, [-1.0] * D, [3.0] * D, [-1.0] * D])
+    moe = eqx.tree_at(lambda m: m.router.weight, moe, rows)
+    x = jnp.abs(_tokens()) + 0.1
+    _, aux = moe(x)
+    want = [T, 0, T, 0] if top_k == 2 else [0, 0, T, 0]
+    np.testing.assert_array_equal(aux["tokens_per_expert"], want)
+    _check_against_dense(moe, x)
+
+
+def test_under_vmap_per_sequence():
+    moe = ed.MoE(D, H, 4, top_k=2, key=jax.random.key(3))
+    x = _tokens(shape=(3, 8, D))
+    c = _weights(x.shape)
+    y, aux = jax.vmap(moe)(x)
+    np.testing.assert_allclose(y, jax.vmap(lambda s: _dense(moe, s))(x), **TOL)
+    for i in range(3):  # aux per sequence
+        one = moe(x[i])[1]
+        for name in one:
+            np.testing.assert_allclose(aux[name][i], one[name], **TOL)
+    grads = jax.grad(lambda m: jnp.sum(jax.vmap(m)(x)[0] * c))(moe)
+    want = jax.grad(lambda m: jnp.sum(jax.vmap(lambda s: _dense(m, s))(x) * c))(moe)
+    _assert_trees_close(grads, want)
+    per_sequence = jax.vmap(
+        jax.grad(lambda m, s, w: jnp.sum(m(s)[0] * w)), in_axes=(None, 0, 0)
+    )(moe, x, c)
+    _assert_trees_close(jax.tree.map(lambda g: g.sum(0), per_sequence), grads)
+
+
+@pytest.mark.parametrize("router", ["softmax", "sigmoid"])
+def test_aux_values_by_hand(router):
+    moe = ed.MoE(D, H, 4, top_k=2, key=jax.random.key(4), router=router)
+    x = _tokens()
+    _, aux = moe(x)
+    logits = np.asarray(x, np.float64) @ np.asarray(moe.router.weight, np.float64).T
+    if router == "softmax":
+        p = np.exp(logits) / np.exp(logits).sum(1, keepdims=True)
+    else:
+        p = 1 / (1 + np.exp(-logits))
+    chosen = np.argsort(-p, axis=1)[:, :2]
+    counts = np.array([(chosen == e).sum() for e in range(4)])
+    balance = 4 * np.sum(counts / chosen.size * p.mean(0))
+    z = np.log(np.exp(logits).sum(1))
+    np.testing.assert_array_equal(aux["tokens_per_expert"], counts)
+    assert aux["tokens_per_expert"].dtype == jnp.int32
+    np.testing.assert_allclose(aux["load_balance_loss"], balance, **TOL)
+    np.testing.assert_allclose(aux["router_z_loss"], np.mean(z**2), **TOL)
+    grad = jax.grad(lambda m: m(x)[1]["load_balance_loss"])(moe)
+    assert np.abs(np.asarray(grad.router.weight)).max() > 0  # through P_e
+
+
+def _specs(moe, axis):
+    params, _ = eqx.partition(moe, eqx.is_array)
+    specs = jax.tree.map(lambda _: P(), params)
+    leaves = [n for n in EXPERT_LEAVES if getattr(moe, n) is not None]
+    return eqx.tree_at(
+        lambda p: [getattr(p, n) for n in leaves], specs, [P(axis)] * len(leaves)
+    )
+
+
+def _device_grads(moe, x, c, mesh, data_axes, check_vma=False):
+    """Per-device `sum(y * c)` and its gradients, differentiated on each device
+    inside `shard_map(check_vma=False)` as the step does; the gradients of the
+    leaves not sharded over the data axis averaged over it, as the step does."""
+    params, static = eqx.partition(moe, eqx.is_array)
+    specs = _specs(moe, moe.expert_axis)
+
+    def device(params, x, c):
+        def loss(params, x):
+            return jnp.sum(eqx.combine(params, static)(x)[0] * c)
+
+        value, (g, gx) = jax.value_and_grad(loss, argnums=(0, 1))(params, x)
+        # Under `check_vma` JAX already sums a replicated leaf's gradient over
+        # the devices; the step's mean is then a division.
+        size = jax.lax.axis_size(data_axes)
+        mean = (
+            (lambda g: g / size)
+            if check_vma
+            else (lambda g: jax.lax.pmean(g, data_axes))
+        )
+        g = jax.tree.map(lambda g, s: g if data_axes in s else mean(g), g, specs)
+        return jax.lax.pmean(value, data_axes), g, gx
+
+    spec_x = P(data_axes)
+    mapped = jax.shard_map(
+        device, mesh=mesh, in_specs=(specs, spec_x, spec_x),
+        out_specs=(P(), specs, spec_x), check_vma=check_vma,
+    )  # fmt: skip
+    return jax.jit(mapped)(params, x, c)
+
+
+def _reference_grads(moe, x, c, shards):
+    """The mean over the `shards` data shards of each one's `sum(y * c)`, on one
+    device, and its gradients."""
+
+    def loss(moe, x):
+        pieces = zip(jnp.split(x, shards), jnp.split(c, shards), strict=True)
+        return sum(jnp.sum(_dense(moe, a) * w) for a, w in pieces) / shards
+
+    return jax.value_and_grad(loss, argnums=(0, 1))(moe, x)
+
+
+@pytest.mark.parametrize(("num_experts", "gated"), [(8, True), (16, False)])
+def test_device_view_tokens_split_over_the_expert_axis(mesh8, num_experts, gated):
+    moe = ed.MoE(D, H, num_experts, top_k=2, key=jax.random.key(5), gated=gated)
+    x, c = _tokens(), _weights((T, D))
+    value, grads, gx = _device_grads(with_expert_axis(moe, "data"), x, c, mesh8, "data")
+    want, (want_g, want_gx) = _reference_grads(moe, x, c, 8)
+    np.testing.assert_allclose(value, want, **TOL)
+    _assert_trees_close(
+        eqx.filter(grads, eqx.is_array), eqx.filter(want_g, eqx.is_array)
+    )
+    # A device's tokens' gradient is its part of the sum of the devices' losses'
+    # (upstream replicated leaves are averaged over the data devices after).
+    np.testing.assert_allclose(gx / 8, want_gx, **TOL)
+
+
+def test_device_view_under_vmap_over_rows(mesh8):
+    """A step's loss maps the layer over the device's rows: values and the
+    gradients (the step's conventions) equal one device's."""
+    moe = ed.MoE(D, H, 8, top_k=2, key=jax.random.key(10))
+    sharded = with_expert_axis(moe, "data")
+    params, static = eqx.partition(sharded, eqx.is_array)
+    specs = _specs(sharded, "data")
+    x = _tokens(shape=(16, 3, D))
+
+    def loss(params, x):
+        return jnp.sum(jax.vmap(eqx.combine(params, static))(x)[0] ** 2)
+
+    def device(params, x):
+        g = jax.grad(loss)(params, x)
+        mean = lambda g, s: g if s != P() else jax.lax.pmean(g, "data")  # noqa: E731
+        return jax.lax.pmean(loss(params, x), "data"), jax.tree.map(mean, g, specs)
+
+    mapped = jax.shard_map(
+        device, mesh=mesh8, in_specs=(specs, P("data")), out_specs=(P(), specs),
+        check_vma=False,
+    )  # fmt: skip
+    value, grads = jax.jit(mapped)(params, x)
+
+    def reference(moe):
+        rows = jnp.split(x, 8)
+        return (
+            sum(jnp.sum(jax.vmap(lambda s: _dense(moe, s))(r) ** 2) for r in rows) / 8
+        )
+
+    want, want_g = jax.value_and_grad(reference)(moe)
+    np.testing.assert_allclose(value, want, **TOL)
+    _assert_trees_close(grads, eqx.filter(want_g, eqx.is_array))
+
+
+@pytest.mark.parametrize("check_vma", [False, True])
+def test_device_view_tokens_replicated_over_the_expert_axis(check_vma):
+    """An expert axis of its own: tokens split over "data" only, the same on the
+    4 devices of "expert" (Megatron's f/g around the experts; with `check_vma`,
+    JAX's own typing of the replicated values)."""
+    mesh = jax.make_mesh(
+        (2, 4), ("data", "expert"), axis_types=(jax.sharding.AxisType.Auto,) * 2
+    )
+    moe = ed.MoE(D, H, 8, top_k=2, key=jax.random.key(6))
+    x, c = _tokens(), _weights((T, D))
+    sharded = with_expert_axis(moe, "expert", tokens_split=False)
+    value, grads, gx = _device_grads(sharded, x, c, mesh, "data", check_vma)
+    want, (want_g, want_gx) = _reference_grads(moe, x, c, 2)
+    np.testing.assert_allclose(value, want, **TOL)
+    _assert_trees_close(
+        eqx.filter(grads, eqx.is_array), eqx.filter(want_g, eqx.is_array)
+    )
+    np.testing.assert_allclose(gx / 2, want_gx, **TOL)
+
+
+def _placed(tree, mesh, specs):
+    return jax.tree.map(
+        lambda a, s: jax.device_put(a, NamedSharding(mesh, s)), tree, specs
+    )
+
+
+@pytest.mark.parametrize("batched", [False, True], ids=["tokens", "vmap"])
+def test_global_view_equals_one_device(axis_types, batched):
+    """Whole arrays under `jax.set_mesh`: the layer shards itself over "data"
+    (tokens and experts), on Auto and Explicit meshes, under `jax.vmap` too."""
+    kind = getattr(jax.sharding.AxisType, axis_types.capitalize())
+    mesh = jax.make_mesh((8,), ("data",), axis_types=(kind,))
+    moe = ed.MoE(D, H, 8, top_k=2, key=jax.random.key(8))
+    sharded = with_expert_axis(moe, "data")
+    params, static = eqx.partition(sharded, eqx.is_array)
+    shape, x_spec = ((2, T, D), P(None, "data")) if batched else ((T, D), P("data"))
+    x, c = _tokens(shape=shape), _weights(shape)
+
+    def apply(params, x):
+        layer = eqx.combine(params, static)
+        return (jax.vmap(layer) if batched else layer)(x)[0]
+
+    def both(params, x):
+        grads = jax.grad(lambda p, x: jnp.sum(apply(p, x) * c), argnums=(0, 1))
+        return apply(params, x), grads(params, x)
+
+    def dense(moe, x):
+        return jax.vmap(lambda s: _dense(moe, s))(x) if batched else _dense(moe, x)
+
+    with jax.set_mesh(mesh):
+        placed = _placed(params, mesh, _specs(sharded, "data"))
+        y, grads = jax.jit(both)(placed, jax.device_put(x, NamedSharding(mesh, x_spec)))
+    want = jax.grad(lambda m, x: jnp.sum(dense(m, x) * c), argnums=(0, 1))(moe, x)
+    np.testing.assert_allclose(np.asarray(y), dense(moe, x), **TOL)
+    _assert_trees_close(grads, (eqx.filter(want[0], eqx.is_array), want[1]))
+    assert grads[0].w_in.sharding.spec[0] == "data"
+
+
+def _hlo_collectives(text):
+    """`(kind, shape)` of every collective of the optimised HLO text."""
+    import re
+
+    found = re.findall(
+        r"= (\w+\[[\d,]*\])\S* (all-gather|reduce-scatter|all-to-all|all-reduce)"
+        r"(?:-start)?\(",
+        text,
+    )
+    return [(kind, shape) for shape, kind in found]
+
+
+def test_the_dispatch_communicates_tokens_never_weights(mesh8):
+    """The device view's forward: one all-gather of the tokens, one
+    reduce-scatter of the outputs; forward and backward: no collective moves an
+    expert weight (or a block of one)."""
+    moe = with_expert_axis(ed.MoE(8, 16, 16, top_k=2, key=jax.random.key(9)), "data")
+    params, static = eqx.partition(moe, eqx.is_array)
+    specs = _specs(moe, "data")
+
+    def forward(params, x):
+        return eqx.combine(params, static)(x)[0]
+
+    def gradient(params, x):
+        return jax.grad(lambda p: jnp.sum(forward(p, x) ** 2))(params)
+
+    x = _tokens(shape=(64, 8))
+    for fn, out in ((forward, P("data")), (gradient, specs)):
+        mapped = jax.shard_map(
+            fn, mesh=mesh8, in_specs=(specs, P("data")), out_specs=out,
+            check_vma=False,
+        )  # fmt: skip
+        compiled = jax.jit(mapped).lower(params, x).compile()
+        counts = ed.count_collectives(compiled)
+        assert counts["all-to-all"] == 0
+        shapes = {s for _, s in _hlo_collectives(compiled.as_text())}
+        weights = {f"f32[{a},{b},{c}]" for a in (2, 16) for b, c in ((8, 16), (16, 8))}
+        assert not shapes & weights, shapes
+        if fn is forward:
+            assert counts["all-gather"] == counts["reduce-scatter"] == 1, counts
+            assert counts["all-reduce"] == 0, counts
+
+
+def test_with_expert_axis_sets_every_moe_and_shares_the_leaves():
+    moes = {"a": ed.MoE(D, H, 4, key=jax.random.key(0)), "b": [1.0]}
+    moes["c"] = [ed.MoE(D, H, 4, key=jax.random.key(1))]
+    out = with_expert_axis(moes, "expert", tokens_split=False)
+    for old, new in ((moes["a"], out["a"]), (moes["c"][0], out["c"][0])):
+        assert (new.expert_axis, new.tokens_split) == ("expert", False)
+        assert old.expert_axis is None and new.w_in is old.w_in
+    assert with_expert_axis(moes, None) is moes
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "words"),
+    [
+        ({"top_k": 0}, ["top_k", "positive"]),
+        ({"top_k": 5}, ["top_k", "[1, num_experts=4]"]),
+        ({"router": "relu"}, ["router", "softmax"]),
+    ],
+)
+def test_bad_arguments_say_what_to_change(kwargs, words):
+    with pytest.raises(ValueError) as error:
+        ed.MoE(D, H, 4, key=jax.random.key(0), **kwargs)
+    for word in ["MoE", *words]:
+        assert word in str(error.value)
+
+
+def test_a_size_that_is_not_an_int_is_a_type_error():
+    with pytest.raises(TypeError, match="MoE: `num_experts` must be an int; got float"):
+        ed.MoE(D, H, 4.0, key=jax.random.key(0))
+
+
+def test_bad_tokens_and_axes_say_what_to_change(mesh8):
+    moe = ed.MoE(D, H, 4, key=jax.random.key(0))
+    with pytest.raises(ValueError, match=r"MoE: `x` has shape \(2, 16, 4\).*vmap"):
+        moe(_tokens(shape=(2, T, D)))
+    with pytest.raises(ValueError, match="MoE: `expert_axis`='expert'.*neither"):
+        with_expert_axis(moe, "expert")(_tokens())
+    with jax.set_mesh(mesh8), pytest.raises(ValueError, match="not divisible by the 8"):
+        with_expert_axis(moe, "data")(_tokens())  # 4 experts, 8 devices
+    moe8 = with_expert_axis(ed.MoE(D, H, 8, key=jax.random.key(0)), "data")
+    with (
+        jax.set_mesh(mesh8),
+        pytest.raises(ValueError, match="12 tokens.*multiple of 8"),
+    ):
+        moe8(_tokens(shape=(12, D)))
+    params, static = eqx.partition(moe8, eqx.is_array)
+    whole = jax.tree.map(lambda _: P(), params)  # the experts not sharded
+    mapped = jax.shard_map(
+        lambda p, x: eqx.combine(p, static)(x)[0], mesh=mesh8,
+        in_specs=(whole, P("data")), out_specs=P("data"), check_vma=False,
+    )  # fmt: skip
+    with pytest.raises(ValueError, match="leaf `w_in` has shape \\(8, 4, 6\\)"):
+        mapped(params, _tokens())
