@@ -139,8 +139,10 @@ def main(argv: list[str]) -> None:
     parser.add_argument("--layers", type=int, default=2)
     args = parser.parse_args(argv)
     out = run(args)
-    print(f"{args.layers} MoE layers of {args.experts} experts, d_model {D_MODEL}, "
-          f"d_hidden {D_HIDDEN}, {ROWS} x {LENGTH} tokens per step, 8 CPU devices")  # fmt: skip
+    print(
+        f"{args.layers} MoE layers of {args.experts} experts, d_model {D_MODEL}, "
+        f"d_hidden {D_HIDDEN}, {ROWS} x {LENGTH} tokens per step, 8 CPU devices"
+    )
     print(f"{'layout':<16} {'ms/step':>8} {'expert bytes/dev':>17}  collectives")
     for name in ("replicated", "expert_parallel"):
         row = out[name]

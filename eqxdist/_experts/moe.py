@@ -221,3 +221,23 @@ def with_expert_axis(model: _M, axis: str | None, *, tokens_split: bool = True) 
         is_leaf=lambda m: isinstance(m, MoE),
     )
     return out
+
+
+def _is_moe(x: Any) -> bool:
+    return isinstance(x, MoE)
+
+
+def expert_leaves(model: Any) -> tuple[bool, ...]:
+    """Per leaf of `jax.tree.leaves(model)`: whether it is an `MoE`'s expert
+    weight (inside an `ed.Stacked` too, the layer axis first)."""
+    marks = []
+    for node in jax.tree.leaves(model, is_leaf=_is_moe):
+        if not isinstance(node, MoE):
+            marks.append(False)
+            continue
+        falses = jax.tree.map(lambda _: False, node)
+        for name in EXPERT_LEAVES:
+            if getattr(node, name) is not None:
+                falses = eqx.tree_at(lambda m, n=name: getattr(m, n), falses, True)
+        marks.extend(bool(x) for x in jax.tree.leaves(falses))
+    return tuple(marks)

@@ -68,7 +68,9 @@ def parse_parts(caller: str, mesh: Mesh, keywords: dict[str, Any]) -> tuple[Part
         parts.append(pipeline)
         taken[pipeline.pipeline.axis] = "the pipeline's stage axis"
     if keywords["context_axis"] is not None:
-        context = ContextPart.parse(caller, mesh, keywords["context_axis"], taken, rules)
+        context = ContextPart.parse(
+            caller, mesh, keywords["context_axis"], taken, rules
+        )
         parts.append(context)
         taken[context.axis] = "the context axis"
     if keywords["expert_axis"] is not None:

@@ -240,9 +240,7 @@ def _with_experts(
     def expert_spec(spec: P | None, x: Any, path: str, manual: bool) -> P:
         dim = np.ndim(x) - 3
         out = entries(spec, np.ndim(x))
-        if out[dim] is not None and not set(spec_axes(P(out[dim]))) <= set(
-            data_axes
-        ):
+        if out[dim] is not None and not set(spec_axes(P(out[dim]))) <= set(data_axes):
             raise ValueError(
                 f"{caller}: param_rules shard dimension {dim} (the experts) of the "
                 f"expert weight {path} as {spec}; the expert axis {axis!r} splits "

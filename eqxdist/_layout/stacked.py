@@ -14,6 +14,7 @@ import numpy as np
 from jax.sharding import PartitionSpec as P
 from jaxtyping import PyTree
 
+from .._experts.moe import expert_leaves
 from .._utils import axis_is_bound, is_array, is_array_like
 from .collectives import gather_leaf
 from .remat import LEGACY, check_remat, check_unroll, loop_blocks
@@ -242,7 +243,13 @@ class Stacked(SelfGathering):
         if not axis_is_bound(self.axis_name):
             plan: list[Any] = [None] * len(leaves)
         else:
-            plan = self._plan(leaves, shapes)
+            # An MoE's expert weights are its experts' shards (expert
+            # parallelism), computed with where they are, never gathered.
+            experts = expert_leaves(eqx.filter(self.layers, is_array))
+            plan = [
+                None if expert else d
+                for d, expert in zip(self._plan(leaves, shapes), experts, strict=True)
+            ]
         if key is not None:
             # The layers' keys travel with the layers' leaves, never gathered.
             leaves = [*leaves, jax.random.split(key, self.num_layers)]

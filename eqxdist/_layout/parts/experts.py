@@ -8,36 +8,15 @@ import dataclasses
 from collections.abc import Sequence
 from typing import Any
 
-import equinox as eqx
 import jax
 import numpy as np
 from jax.sharding import Mesh, PartitionSpec as P
 
-from ..._experts.moe import EXPERT_LEAVES, MoE, with_expert_axis
+from ..._experts.moe import expert_leaves, with_expert_axis
 from ..._utils import check_axis_in_mesh, path_str
 from ..plan import ExpertPlan
 from .base import LossView, Part
 from .tensor import check_rules_spare
-
-
-def _is_moe(x: Any) -> bool:
-    return isinstance(x, MoE)
-
-
-def expert_leaves(model: Any) -> tuple[bool, ...]:
-    """Per leaf of `jax.tree.leaves(model)`: whether it is an `MoE`'s expert
-    weight (inside an `ed.Stacked` too, the layer axis first)."""
-    marks = []
-    for node in jax.tree.leaves(model, is_leaf=_is_moe):
-        if not isinstance(node, MoE):
-            marks.append(False)
-            continue
-        falses = jax.tree.map(lambda _: False, node)
-        for name in EXPERT_LEAVES:
-            if getattr(node, name) is not None:
-                falses = eqx.tree_at(lambda m, n=name: getattr(m, n), falses, True)
-        marks.extend(bool(x) for x in jax.tree.leaves(falses))
-    return tuple(marks)
 
 
 @dataclasses.dataclass(frozen=True)
