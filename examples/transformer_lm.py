@@ -547,12 +547,22 @@ def describe_layout(step: ed.TrainStep, state: ed.TrainState) -> None:
     else:
         specs = blocks[0]
         print("layout of block 0 (PartitionSpec of each weight):")
+    if isinstance(specs.mlp, ed.MoE):
+        mlp = [
+            ("mlp.router.weight", specs.mlp.router.weight),
+            ("mlp.w_in", specs.mlp.w_in),
+            ("mlp.w_out", specs.mlp.w_out),
+        ]
+    else:
+        mlp = [
+            ("mlp.up.weight", specs.mlp.up.weight),
+            ("mlp.up.bias", specs.mlp.up.bias),
+            ("mlp.down.weight", specs.mlp.down.weight),
+        ]
     for name, spec in [
         ("attn.query.weight", specs.attn.query.weight),
         ("attn.out.weight", specs.attn.out.weight),
-        ("mlp.up.weight", specs.mlp.up.weight),
-        ("mlp.up.bias", specs.mlp.up.bias),
-        ("mlp.down.weight", specs.mlp.down.weight),
+        *mlp,
         ("norm1.weight", specs.norm1.weight),
     ]:
         print(f"  {name:<18} {spec}")

@@ -56,7 +56,7 @@ class ExpertPart(Part):
         return cls(expert_axis, size, expert_axis in data_axes)
 
     def roles(self, mesh: Mesh) -> dict[str, str]:
-        return {self.axis: f"experts ({self.size} groups of experts)"}
+        return {self.axis: f"experts (split {self.size} ways)"}
 
     def manual_axes(self) -> tuple[str, ...]:
         # A data axis is manual already; an axis of its own becomes so.
