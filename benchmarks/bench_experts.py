@@ -30,6 +30,7 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 import equinox as eqx
 import jax
+import jax.numpy as jnp
 import numpy as np
 import optax
 
@@ -131,6 +132,65 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     } | {"ratio": (statistics.median(ratios), min(ratios), max(ratios))}
 
 
+class DenseMLP(eqx.Module):
+    """The dense MLP of an MoE's active FLOPs: one gated expert `top_k` times as
+    wide (each token computes `top_k` experts of `d_hidden`)."""
+
+    w_in: Any
+    w_gate: Any
+    w_out: Any
+
+    def __init__(self, width: int, key: Any) -> None:
+        k1, k2, k3 = jax.random.split(key, 3)
+        self.w_in = jax.random.normal(k1, (D_MODEL, width)) / D_MODEL**0.5
+        self.w_gate = jax.random.normal(k2, (D_MODEL, width)) / D_MODEL**0.5
+        self.w_out = jax.random.normal(k3, (width, D_MODEL)) / width**0.5
+
+    def __call__(self, x: Any) -> Any:
+        return (jax.nn.silu(x @ self.w_in) * (x @ self.w_gate)) @ self.w_out
+
+
+def one_device(args: argparse.Namespace) -> dict[str, Any]:
+    """On one device, a training step of one `ed.MoE` (top-2) against the dense
+    MLP of the same active FLOPs, on `ROWS * LENGTH` tokens; and how unevenly a
+    freshly initialised (random) router spreads them over the experts."""
+    rng = np.random.default_rng(1)
+    x = jnp.asarray(rng.normal(size=(ROWS * LENGTH, D_MODEL)), jnp.float32)
+    layers = {
+        "moe": ed.MoE(D_MODEL, D_HIDDEN, args.experts, key=jax.random.key(0)),
+        "dense": DenseMLP(2 * D_HIDDEN, jax.random.key(0)),
+    }
+
+    def out(layer: Any, x: Any) -> Any:
+        y = layer(x)
+        return y[0] if isinstance(y, tuple) else y
+
+    @eqx.filter_jit
+    def step(layer: Any, x: Any) -> Any:
+        grads = eqx.filter_grad(lambda m: jnp.mean(out(m, x) ** 2))(layer)
+        return jax.tree.map(lambda p, g: p - 1e-3 * g, layer, grads)
+
+    times: dict[str, list[float]] = {name: [] for name in layers}
+    for layer in layers.values():
+        jax.block_until_ready(step(layer, x))  # compile
+    for r in range(args.repeats):
+        for name in list(layers)[:: 1 if r % 2 == 0 else -1]:
+            start = time.perf_counter()
+            for _ in range(args.steps):
+                layers[name] = step(layers[name], x)
+            jax.block_until_ready(layers[name])
+            times[name].append((time.perf_counter() - start) / args.steps * 1e3)
+    ratios = [m / d for m, d in zip(times["moe"], times["dense"], strict=True)]
+    counts = np.asarray(layers["moe"](x)[1]["tokens_per_expert"])
+    return {
+        "moe_ms": statistics.median(times["moe"]),
+        "dense_ms": statistics.median(times["dense"]),
+        "ratio": statistics.median(ratios),
+        "imbalance": float(counts.max() / counts.mean()),
+        "counts": counts.tolist(),
+    }
+
+
 def main(argv: list[str]) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--repeats", type=int, default=5)
@@ -149,6 +209,16 @@ def main(argv: list[str]) -> None:
         print(f"{name:<16} {row['ms']:>8.2f} {row['bytes']:>17,}  {row['collectives']}")
     median, low, high = out["ratio"]
     print(f"expert_parallel / replicated: {median:.2f}x ({low:.2f}-{high:.2f})")
+    one = one_device(args)
+    print(
+        f"one device, {ROWS * LENGTH} tokens: MoE step {one['moe_ms']:.2f} ms, dense "
+        f"MLP of the same active FLOPs {one['dense_ms']:.2f} ms: "
+        f"{one['ratio']:.2f}x (goal: at most 1.5x)"
+    )
+    print(
+        f"a random router's imbalance: the busiest expert gets "
+        f"{one['imbalance']:.2f}x the mean ({one['counts']} assignments)"
+    )
 
 
 if __name__ == "__main__":
