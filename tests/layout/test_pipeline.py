@@ -45,7 +45,7 @@ def weighted_mean(model, batch, key):
 
 
 def _pipeline(stages, micro, schedule):
-    repeats = 2 if schedule == "circular" else 1
+    repeats = 2 if schedule in ("circular", "interleaved") else 1
     return ed.Pipeline("stage", micro, schedule=schedule, repeats=repeats)
 
 
@@ -66,11 +66,21 @@ MESHES = {
     "stage8": {"stage": 8},
 }
 SCHEDULES = ["gpipe", "circular", "1f1b"]
+# The schedules of smaller bubbles, each on both meshes with data axes and
+# with M = P and 2P (one of them per mesh, for CI time): their compositions
+# are 1F1B's, tested with it below.
+NEW = [
+    ("stage4_data2", 2, "interleaved"),
+    ("stage2_data4", 1, "interleaved"),
+    ("stage4_data2", 1, "zb-h1"),
+    ("stage2_data4", 2, "zb-h1"),
+]
 
 
-@pytest.mark.parametrize("schedule", SCHEDULES)
-@pytest.mark.parametrize("times", [1, 2])
-@pytest.mark.parametrize("mesh_name", list(MESHES))
+@pytest.mark.parametrize(
+    ("mesh_name", "times", "schedule"),
+    [(m, t, s) for s in SCHEDULES for m in MESHES for t in (1, 2)] + NEW,
+)
 def test_every_schedule_equals_one_device(mesh_name, times, schedule):
     shape = MESHES[mesh_name]
     stages = shape["stage"]
