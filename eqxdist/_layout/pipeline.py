@@ -166,7 +166,7 @@ def _check_schedule(caller: str, schedule: Any, repeats: int) -> None:
         )
     if schedule in CHUNKED and repeats == 1:
         raise ValueError(
-            f"{caller}: schedule={schedule!r} needs repeats >= 2 (each stage "
+            f"{caller}: schedule={schedule!r} needs repeats > 1 (each stage "
             f"holds `repeats` chunks of layers); got repeats=1. Pass e.g. "
             f"ed.Pipeline(..., schedule={schedule!r}, repeats=2), or use "
             f"{'gpipe' if schedule == 'circular' else '1f1b'!r}."
