@@ -17,15 +17,18 @@ Three sections, each model:
    `{"data": 4, "model": 2}` (Megatron rules; for `x @ W` `w1` by columns,
    `w2` by rows) and pipeline stages x FSDP over the data axis (`{"stage": 2,
    "data": 4}`, `{"stage": 4, "data": 2}`; GPipe and 1F1B with M = 2P
-   microbatches, circular with R = 2). Steps/s, the ratio to FSDP, and the
-   per-device peak bytes of the compiled step (`memory_analysis()`: arguments +
-   outputs - aliased + temporaries) and its temporaries (the schedules side by
+   microbatches, circular and interleaved 1F1B with R = 2, ZB-H1). Steps/s,
+   the ratio to FSDP, and the per-device peak bytes of the compiled step
+   (`memory_analysis()`: arguments + outputs - aliased + temporaries) and its
+   temporaries (the schedules side by
    side at the same M = 8).
 2. `bubble`: `{"stage": 4, "data": 2}` for each schedule at growing M, against
    the same block work without a bubble: the pipeline on `{"stage": 1, "data":
    8}` (one stage, one microbatch; each device runs B/8 rows through all L
    blocks, as each device of P = 4 runs B/2 rows through L/4). The measured
-   bubble is 1 - t_ref / t(M), beside (P - 1)/(R M + P - 1). It is what the
+   bubble is 1 - t_ref / t(M), beside the schedule's table's idle fraction
+   (`Pipeline.idle_fraction`: (P - 1)/(R M + P - 1) for all but ZB-H1's
+   (P - 1)/(3 M + P - 1)). It is what the
    pipeline costs over that reference: the bubble (GPipe and the circular
    schedule compute on every iteration of their loop, on garbage in the bubble,
    so on CPU devices the bubble is compute, not idle time), smaller
@@ -33,7 +36,9 @@ Three sections, each model:
    all-reduce of the last stage's output. 1F1B idles in its bubble slots
    (`lax.switch`), which on 8 simulated devices sharing the host's cores frees
    the cores for the busy stages: its bubble shows less here than on real
-   devices; it also recomputes each stage's forward pass in its backward pass.
+   devices; it also recomputes each stage's forward pass in its backward pass
+   (ZB-H1 twice: in B and in W), and its compiled loop runs each row of its
+   table in lockstep, as long as the row's longest entry.
    The compiled temporaries per device of each schedule and M come with it.
    GPipe's times are fitted by least squares to t(M) = a + b / M + c M: b / M
    is the bubble's work (b = (P - 1) x the stage's work per step), c the cost
@@ -189,7 +194,7 @@ def fsdp(axes: dict[str, int], name: str, **options: Any) -> Case:
 
 
 def staged(stages: int, micro: int, schedule: str, **options: Any) -> Case:
-    repeats = 2 if schedule == "circular" else 1
+    repeats = 2 if schedule in ("circular", "interleaved") else 1
     pipeline = ed.Pipeline("stage", micro, schedule=schedule, repeats=repeats)
     r = f" R={repeats}" if repeats > 1 else ""
     name = f"stage {stages} x data {8 // stages}, {schedule}{r} M={micro}"
@@ -260,9 +265,11 @@ def layout_rows(model: Model, quick: bool, repeats: int, steps: int) -> list[str
         staged(4, 8, "gpipe"),
         staged(4, 8, "1f1b"),
         staged(4, 8, "circular"),
+        staged(4, 8, "interleaved"),
+        staged(4, 8, "zb-h1"),
     ]
     if quick:
-        cases = cases[:3] + cases[4:6]
+        cases = cases[:3] + cases[4:6] + cases[8:]
     built = {c.name: build(model, c) for c in cases}
     times = time_runs({n: b.run for n, b in built.items()}, repeats, steps)
     base = times[cases[0].name]
@@ -283,9 +290,21 @@ def bubble_rows(model: Model, quick: bool, repeats: int, steps: int) -> list[str
         "stage 1 x data 8, gpipe M=1 (no bubble)",
         pipeline=ed.Pipeline("stage", 1),
     )
-    micro = {"gpipe": [1, 2, 4, 8, 16], "circular": [4, 16], "1f1b": [4, 16]}
+    micro = {
+        "gpipe": [1, 2, 4, 8, 16],
+        "circular": [4, 16],
+        "1f1b": [4, 16],
+        "interleaved": [4, 16],
+        "zb-h1": [4, 16],
+    }
     if quick:
-        micro = {"gpipe": [1, 4, 16], "circular": [8], "1f1b": [4, 16]}
+        micro = {
+            "gpipe": [1, 4, 16],
+            "circular": [8],
+            "1f1b": [4, 16],
+            "interleaved": [8],
+            "zb-h1": [4, 16],
+        }
     cases = [reference] + [
         staged(4, m, schedule) for schedule, ms in micro.items() for m in ms
     ]
@@ -296,11 +315,12 @@ def bubble_rows(model: Model, quick: bool, repeats: int, steps: int) -> list[str
     for case in cases:
         name, b = case.name, built[case.name]
         pipeline = case.options["pipeline"]
-        stages, work = case.axes["stage"], pipeline.repeats * pipeline.microbatches
-        theory = (stages - 1) / (work + stages - 1)
+        # The table's idle fraction (`Pipeline.idle_fraction`): what the
+        # schedule leaves idle if each entry started when it could.
+        table = pipeline.idle_fraction(case.axes["stage"])
         rows.append(
-            f"{model.name:11s} bubble  {name:40s} {times[name] * 1e3:7.1f} ms/step  "
-            f"bubble {1 - ref / times[name]:5.2f} (theory {theory:4.2f})  "
+            f"{model.name:11s} bubble  {name:44s} {times[name] * 1e3:7.1f} ms/step  "
+            f"bubble {1 - ref / times[name]:5.2f} (table {table:4.2f})  "
             f"temp {b.temp / MiB:6.1f} MiB/device"
         )
         print(rows[-1], flush=True)

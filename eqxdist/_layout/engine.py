@@ -5,8 +5,9 @@ its own entry (action, microbatch, chunk, the messages arriving) and runs it.
 Two slot bodies drive it. `ForwardEngine` runs the forward half of GPipe and
 the circular schedule (only F entries: the stage runs its chunk on every slot,
 an idle slot's result unused, so that the loop stays one straight program JAX
-differentiates; autodiff runs the table's backward half). 1F1B's body
-(`stage_slots.StageSlots`) runs F and BW entries, its backward written out
+differentiates; autodiff runs the table's backward half). The body of the
+schedules whose backward is written out (`stage_slots.StageSlots`: 1F1B,
+interleaved 1F1B, ZB-H1) runs F, BW, B and W entries, its backward written out
 with `jax.vjp`, the loss after the stack a callback of the step's. One body
 for both would put an inbox indexed by microbatch into GPipe's differentiated
 loop (an update and a read more per slot, kept for its backward pass).
@@ -67,21 +68,32 @@ def run_stage(
     per_row: bool,
     remat: Any,
     acc: Any = None,
+    chunk: Any = 0,
 ) -> Any:
     """This stage's layers of the pipelined `stacked` (its leaves this stage's
-    L/P layers; the stage axis bound) on the rows `h`, as `run_layers` runs
-    them; `remat`: the step's (`UNSET`: the stack's own). For blocks that
-    return `(x, aux)`, `(h, acc)` with this stage's aux written into `acc`,
-    the microbatch's accumulator (`stack_aux.place_aux`)."""
+    L/P layers, in chunk order with `repeats`; the stage axis bound) on the
+    rows `h`, as `run_layers` runs them: with R > 1 repeats, only its `chunk`
+    (a traced index) of L/(P R) layers, global chunk `chunk` P + s. `remat`:
+    the step's (`UNSET`: the stack's own). For blocks that return `(x, aux)`,
+    `(h, acc)` with these layers' aux written into `acc`, the microbatch's
+    accumulator (`stack_aux.place_aux`)."""
     leaves, layer = layer_function(stacked, with_key=key is not None)
-    count = stacked.num_layers // plan.stages
+    repeats = plan.pipeline.repeats
+    count = stacked.num_layers // (plan.stages * repeats)
+    s = jax.lax.axis_index(plan.axis)
+    first = s * count
+    if repeats > 1:
+        # One chunk (1F1B): the layers as they are; a slice at a traced index
+        # only where there are several.
+        leaves = [jax.lax.dynamic_slice_in_dim(a, chunk * count, count) for a in leaves]
+        first = (chunk * plan.stages + s) * count
     out = run_layers(
         layer,
         leaves,
         h,
         key,
         key_rows=key_rows,
-        first=jax.lax.axis_index(plan.axis) * count,
+        first=first,
         num_layers=stacked.num_layers,
         remat=stacked.remat if remat is UNSET else remat,
         unroll=stacked.unroll,
@@ -90,7 +102,6 @@ def run_stage(
     if acc is None:
         return out
     h, aux = out
-    first = jax.lax.axis_index(plan.axis) * count
     return h, place_aux(acc, aux, first, per_row=per_row)
 
 

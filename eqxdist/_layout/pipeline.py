@@ -23,9 +23,12 @@ import numpy as np
 from jax.sharding import Mesh, PartitionSpec as P
 
 from .._utils import not_in_mesh
+from . import schedules
 from .stacked import Stacked
 
-SCHEDULES = ("gpipe", "circular", "1f1b")
+SCHEDULES = ("gpipe", "circular", "1f1b", "interleaved", "zb-h1")
+# The schedules whose stages hold `repeats` chunks of layers each.
+CHUNKED = ("circular", "interleaved")
 
 
 class Pipeline(eqx.Module):
@@ -50,10 +53,16 @@ class Pipeline(eqx.Module):
     - `schedule`: `"gpipe"` (every microbatch forward, then every one backward;
       activations of all M microbatches kept per stage), `"circular"` (GPipe
       over R repeats of the ring, `repeats > 1`, M >= P: the bubble shrinks from
-      (P - 1)/(M + P - 1) to (P - 1)/(R M + P - 1)), or `"1f1b"` (one forward,
+      (P - 1)/(M + P - 1) to (P - 1)/(R M + P - 1)), `"1f1b"` (one forward,
       one backward: at most P microbatches' activations alive per stage; the
-      loss after the stack runs once per microbatch, in either view).
-    - `repeats`: R, the circular schedule's rounds of the ring.
+      loss after the stack runs once per microbatch, in either view),
+      `"interleaved"` (interleaved 1F1B over R >= 2 chunks per stage, held as
+      the circular schedule holds them: the bubble of the circular schedule
+      with 1F1B's order) or `"zb-h1"` (zero bubble: each backward split into
+      the input's gradient, B, and the weights', W, the W passes filling 1F1B's
+      idle slots; at most P microbatches alive per stage, as 1F1B). See
+      `table` and `idle_fraction`.
+    - `repeats`: R, the chunks per stage of `"circular"` and `"interleaved"`.
     - `where`: `where(model)` returns the `Stacked` to pipeline (as for
       `eqx.tree_at`); `None`: the model's only `Stacked`.
 
@@ -104,21 +113,7 @@ class Pipeline(eqx.Module):
                 raise TypeError(f"{caller}: `{name}` must be an int; got {value!r}.")
             if value < 1:
                 raise ValueError(f"{caller}: `{name}` must be >= 1; got {value}.")
-        if schedule not in SCHEDULES:
-            raise ValueError(
-                f"{caller}: unknown schedule {schedule!r}; use 'gpipe', 'circular' "
-                "(with repeats > 1) or '1f1b'."
-            )
-        if schedule == "circular" and repeats == 1:
-            raise ValueError(
-                f"{caller}: schedule='circular' needs repeats > 1 (each stage holds "
-                "`repeats` chunks of layers); with repeats=1 use 'gpipe'."
-            )
-        if schedule != "circular" and repeats > 1:
-            raise ValueError(
-                f"{caller}: repeats={repeats} is the circular schedule; pass "
-                f"schedule='circular' (got {schedule!r})."
-            )
+        _check_schedule(caller, schedule, repeats)
         if where is not None and not callable(where):
             raise TypeError(
                 f"{caller}: `where` is a function `where(model)` returning the "
@@ -129,6 +124,19 @@ class Pipeline(eqx.Module):
         self.schedule = schedule
         self.repeats = int(repeats)
         self.where = where
+
+    def table(self, stages: int) -> list[list[tuple[str, int, int] | None]]:
+        """The schedule the step runs on `stages` stages (the size of the mesh
+        axis `axis`): one row per time slot, one entry per stage, `("F" | "B" |
+        "W" | "BW", microbatch, chunk)` or `None` (idle). `"BW"` is a backward
+        computing both gradients; `"zb-h1"` splits it into B (the input's
+        gradient) and W (the weights')."""
+        return schedules.table(self, stages)
+
+    def idle_fraction(self, stages: int) -> float:
+        """The idle slots of `table(stages)` over all slots, F, B and W one
+        slot and BW two, each entry as soon as its inputs are there."""
+        return schedules.idle_fraction(self, stages)
 
     def check_mesh(self, mesh: Mesh, data_axes: tuple[str, ...], caller: str) -> None:
         """A `ValueError` for a stage axis not in `mesh`, or among the data axes."""
@@ -147,6 +155,29 @@ class Pipeline(eqx.Module):
                 f"({data_axes}); the batch is split over the data axes and the "
                 "layers over the stage axis: name different axes."
             )
+
+
+def _check_schedule(caller: str, schedule: Any, repeats: int) -> None:
+    """A `ValueError` for an unknown schedule or one `repeats` does not fit."""
+    if schedule not in SCHEDULES:
+        raise ValueError(
+            f"{caller}: unknown schedule {schedule!r}; use 'gpipe', 'circular' "
+            "(with repeats > 1), '1f1b', 'interleaved' (with repeats > 1) or "
+            "'zb-h1'."
+        )
+    if schedule in CHUNKED and repeats == 1:
+        raise ValueError(
+            f"{caller}: schedule={schedule!r} needs repeats > 1 (each stage "
+            f"holds `repeats` chunks of layers); got repeats=1. Pass e.g. "
+            f"ed.Pipeline(..., schedule={schedule!r}, repeats=2), or use "
+            f"{'gpipe' if schedule == 'circular' else '1f1b'!r}."
+        )
+    if schedule not in CHUNKED and repeats > 1:
+        raise ValueError(
+            f"{caller}: repeats={repeats} is for the schedules whose stages hold "
+            f"several chunks of layers ('circular', 'interleaved'); got "
+            f"schedule={schedule!r}. Pass one of them, or repeats=1."
+        )
 
 
 def with_data_axis(mesh: Mesh, data_axis: Any, other_axes: bool) -> Mesh:

@@ -3,9 +3,11 @@ time slot, the single source of what the step executes (`engine` runs it).
 
 **The table.** One row per time slot, one entry per stage: `("F", m, c)` (the
 forward pass of microbatch m through the stage's chunk c of layers), `("BW", m,
-c)` (its backward pass, both gradients) or `None` (idle). All stages run a row
-together; a message sent in a slot (an activation to the next stage, a
-cotangent to the previous one) is read in a later one.
+c)` (its backward pass, both gradients), `("B", m, c)` (the backward pass for
+the input's gradient only), `("W", m, c)` (the one for the weights' gradient,
+after the B) or `None` (idle). All stages run a row together; a message sent
+in a slot (an activation to the next stage, a cotangent to the previous one)
+is read in a later one.
 
 - `"gpipe"`: every forward (stage s runs microbatch t - s at slot t), then
   every backward in the reverse order, which is what JAX's autodiff of the
@@ -16,34 +18,75 @@ cotangent to the previous one) is read in a later one.
 - `"1f1b"`: PipeDream-flush's order per stage (P - 1 - s warm-up forwards, then
   one forward and one backward in turn, then the remaining backwards), each
   stage taking its next action as soon as its input has arrived.
+- `"interleaved"` (R chunks per stage, held as the circular schedule holds
+  them): Megatron's interleaved 1F1B. The forwards go in groups of P
+  microbatches, each group through chunk 0, then chunk 1, ...; the backwards
+  in the same groups, the chunks in reverse; stage s runs 2 (P - 1 - s) + (R -
+  1) P warm-up forwards, then one forward and one backward in turn (more
+  warm-up where a group is not whole and the clock would stall).
+- `"zb-h1"`: 1F1B's order of forwards and input-gradient passes B, each
+  backward split in two; a stage runs its next F or B as soon as its input has
+  arrived, and a deferred W (oldest first) when it cannot: while it waits, or
+  where one more F would keep more microbatches alive (F run, W not yet) than
+  1F1B does (P - s on stage s).
 
-**Idle fraction.** Each stage runs its entries in the table's order, an F
-taking one unit of time and a BW two (it runs the stage's forward again and
+**Idle fraction.** Each stage runs its entries in the table's order, F, B and
+W taking one unit of time and BW two (it runs the stage's forward again and
 its VJP), each as soon as its stage is free and its inputs are there (F: the
-previous stage's F of the microbatch; BW: the stage's own F and the next
-stage's BW). `idle_fraction` is the idle time over all stages' time until the
-last entry ends: P - 1 slots' worth of F and BW per stage for GPipe and 1F1B,
-(P - 1)/(M + P - 1) of the whole. The compiled loop runs a row in lockstep,
-as long as its longest entry, so its own idle time can be more (1F1B's rows
-that mix F and BW).
+previous stage's F of the microbatch; B and BW: the stage's own F and the next
+stage's backward; W: the stage's own B). `idle_fraction` is the idle time over
+all stages' time until the last entry ends: P - 1 slots' worth of F and BW
+per stage for GPipe and 1F1B, (P - 1)/(M + P - 1) of the whole. The compiled
+loop runs a row in lockstep, as long as its longest entry, so its own idle
+time can be more (rows that mix F and BW).
 
-**The array form** (`SlotArrays`) is what the engine reads inside the compiled
-loop: `(slots, stages)` int32 tables of the actions and the messages.
+**The array form** (`slot_arrays.SlotArrays`) is what the engine reads inside
+the compiled loop.
 """
 
-import dataclasses
+import functools
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 
 from .._utils import typecheck
+from .slot_arrays import (
+    BACKWARD,
+    FORWARD,
+    IDLE,
+    INPUT_GRAD,
+    WEIGHT_GRAD,
+    Slot,
+    SlotArrays,
+    Table,
+    slot_arrays,
+)
 
-Slot = tuple[str, int, int] | None
-Table = list[list[Slot]]
+__all__ = [
+    "BACKWARD",
+    "FORWARD",
+    "IDLE",
+    "INPUT_GRAD",
+    "WEIGHT_GRAD",
+    "WRITTEN_OUT",
+    "Slot",
+    "SlotArrays",
+    "Table",
+    "forward_arrays",
+    "idle_fraction",
+    "idle_fraction_of",
+    "slot_arrays",
+    "table",
+]
 
-IDLE, FORWARD, BACKWARD = 0, 1, 2
-_CODES = {None: IDLE, "F": FORWARD, "BW": BACKWARD}
-_COST = {"F": 1, "BW": 2}
+# The schedules whose backward is written out (`stage_slots`), not left to
+# JAX's autodiff of a forward loop: a stage runs F, B, W and BW entries in the
+# order of the table.
+WRITTEN_OUT = ("1f1b", "interleaved", "zb-h1")
+
+_COST = {"F": 1, "B": 1, "W": 1, "BW": 2}
+Key = tuple[str, int, int, int]  # (kind family "F" | "B" | "W", m, c, stage)
 
 
 @typecheck
@@ -62,16 +105,20 @@ def table(pipeline: Any, stages: int) -> Table:
             f"{caller}: `stages` must be >= 1 (the size of the pipeline's mesh "
             f"axis); got {stages}."
         )
-    micro, repeats = pipeline.microbatches, pipeline.repeats
+    stages, micro, repeats = int(stages), pipeline.microbatches, pipeline.repeats
     if pipeline.schedule == "1f1b":
-        return one_f_one_b(int(stages), micro)
-    forward = forward_rows(int(stages), micro, repeats)
+        return one_f_one_b(stages, micro)
+    if pipeline.schedule == "interleaved":
+        return interleaved(stages, micro, repeats)
+    if pipeline.schedule == "zb-h1":
+        return zero_bubble(stages, micro)
+    forward = forward_rows(stages, micro, repeats)
     return forward + backward_rows(forward)
 
 
 def idle_fraction(pipeline: Any, stages: int) -> float:
     """The idle time of `pipeline`'s table on `stages` stages over all
-    stages' time (F one unit, BW two; see the module docstring)."""
+    stages' time (F, B and W one unit, BW two; see the module docstring)."""
     return idle_fraction_of(table(pipeline, stages))
 
 
@@ -79,8 +126,8 @@ def idle_fraction_of(rows: Table) -> float:
     """The idle fraction of a table (see the module docstring): idle time over
     stages x the time the last entry ends."""
     stages = len(rows[0]) if rows else 0
-    chunks = 1 + max((e[2] for row in rows for e in row if e is not None), default=0)
-    end: dict[tuple[str, int, int, int], int] = {}  # (kind, m, c, s) -> its end
+    chunks = _chunks(rows)
+    end: dict[Key, int] = {}
     free = [0] * stages
     busy = 0
     for row in rows:
@@ -88,29 +135,38 @@ def idle_fraction_of(rows: Table) -> float:
             if entry is None:
                 continue
             kind, m, c = entry
-            needs = [_source(kind, m, c, s, stages, chunks)]
-            if kind == "BW":
-                needs.append(("F", m, c, s))
-            start = max([free[s], *(end[n] for n in needs if n is not None)])
-            end[(kind, m, c, s)] = free[s] = start + _COST[kind]
+            needs = _needs(kind, m, c, s, stages, chunks)
+            start = max([free[s], *(end[n] for n in needs)])
+            end[(_family(kind), m, c, s)] = free[s] = start + _COST[kind]
             busy += _COST[kind]
     total = stages * max(free, default=0)
     return (total - busy) / total if total else 0.0
 
 
-def _source(
-    kind: str, m: int, c: int, s: int, stages: int, chunks: int
-) -> tuple[str, int, int, int] | None:
-    """The entry whose message `(kind, m, c)` on stage `s` reads: the previous
-    stage's F (chunk c - 1 on the last stage for stage 0), the next stage's BW
-    (chunk c + 1 on stage 0 for the last); `None` at the ends."""
+def _chunks(rows: Table) -> int:
+    return 1 + max((e[2] for row in rows for e in row if e is not None), default=0)
+
+
+def _family(kind: str) -> str:
+    """`"B"` for both backwards that pass a cotangent on (B and BW)."""
+    return "B" if kind == "BW" else kind
+
+
+def _needs(kind: str, m: int, c: int, s: int, stages: int, chunks: int) -> list[Key]:
+    """The entries that `(kind, m, c)` on stage `s` waits for: an F the
+    previous stage's F (chunk c - 1 on the last stage for stage 0); a B or BW
+    the stage's own F and the next stage's backward (chunk c + 1 on stage 0 for
+    the last); a W the stage's own B."""
+    if kind == "W":
+        return [("B", m, c, s)]
     if kind == "F":
         if s > 0:
-            return ("F", m, c, s - 1)
-        return ("F", m, c - 1, stages - 1) if c > 0 else None
+            return [("F", m, c, s - 1)]
+        return [("F", m, c - 1, stages - 1)] if c > 0 else []
+    own: list[Key] = [("F", m, c, s)]
     if s < stages - 1:
-        return ("BW", m, c, s + 1)
-    return ("BW", m, c + 1, 0) if c < chunks - 1 else None
+        return [*own, ("B", m, c, s + 1)]
+    return [*own, ("B", m, c + 1, 0)] if c < chunks - 1 else own
 
 
 def forward_rows(stages: int, micro: int, repeats: int) -> Table:
@@ -137,109 +193,135 @@ def backward_rows(forward: Table) -> Table:
     ]
 
 
+Entry = tuple[str, int, int]
+Order = list[Entry]
+
+
 def one_f_one_b(stages: int, micro: int) -> Table:
     """PipeDream-flush's 1F1B on a clock of slots (see the module docstring);
     checked to keep at most P - s microbatches in flight on stage s."""
     orders = []
     for s in range(stages):
-        warm = min(stages - 1 - s, micro)
-        order = [("F", m) for m in range(warm)]
-        for f in range(warm, micro):
-            order += [("F", f), ("BW", f - warm)]
-        order += [("BW", m) for m in range(micro - warm, micro)]
-        orders.append(order)
-    done: dict[tuple[str, int, int], int] = {}  # (action, m, s) -> slot done
-    position = [0] * stages
-    rows: Table = []
-    while any(position[s] < len(orders[s]) for s in range(stages)):
-        t = len(rows)
-        row: list[Slot] = []
-        for s in range(stages):
-            if position[s] == len(orders[s]):
-                row.append(None)
-                continue
-            act, m = orders[s][position[s]]
-            if act == "F":
-                ready = s == 0 or done.get(("F", m, s - 1), t) < t
-            else:
-                ready = done.get(("F", m, s), t) < t and (
-                    s == stages - 1 or done.get(("BW", m, s + 1), t) < t
-                )
-            row.append((act, m, 0) if ready else None)
-        for s, entry in enumerate(row):
-            if entry is not None:
-                done[(entry[0], entry[1], s)] = t
-                position[s] += 1
-        rows.append(row)
-    _check_in_flight(rows)
+        forwards = [(m, 0) for m in range(micro)]
+        orders.append(_one_then_one(forwards, forwards, min(stages - 1 - s, micro)))
+    rows = _clock(orders)
+    assert rows is not None  # 1F1B's order never stalls
+    _check_in_flight(rows, lambda s: stages - s)
     return rows
 
 
-def _check_in_flight(rows: Table) -> None:
-    """At most P - s microbatches between stage s's forward and backward
-    steps, so buffers of P entries indexed by microbatch modulo P never lose an
-    entry still needed."""
-    stages = len(rows[0])
+def _one_then_one(
+    forwards: list[tuple[int, int]], backwards: list[tuple[int, int]], warm: int
+) -> Order:
+    """`warm` forwards, then one forward and one backward in turn, then the
+    remaining backwards."""
+    order: Order = [("F", *e) for e in forwards[:warm]]
+    for i, e in enumerate(forwards[warm:]):
+        order += [("F", *e), ("BW", *backwards[i])]
+    return order + [("BW", *e) for e in backwards[len(forwards) - warm :]]
+
+
+def interleaved(stages: int, micro: int, repeats: int) -> Table:
+    """Interleaved 1F1B (see the module docstring)."""
+    groups = [range(g, min(g + stages, micro)) for g in range(0, micro, stages)]
+    forwards = [(m, c) for g in groups for c in range(repeats) for m in g]
+    backwards = [(m, c) for g in groups for c in reversed(range(repeats)) for m in g]
+    for extra in range(len(forwards) + 1):
+        orders = []
+        for s in range(stages):
+            warm = 2 * (stages - 1 - s) + (repeats - 1) * stages + extra
+            orders.append(_one_then_one(forwards, backwards, min(warm, len(forwards))))
+        rows = _clock(orders, repeats)
+        if rows is not None:
+            return rows
+    raise AssertionError("every forward first never stalls")
+
+
+def zero_bubble(stages: int, micro: int) -> Table:
+    """ZB-H1 (see the module docstring), checked to keep at most P - s
+    microbatches alive (F run, W not yet) on stage s, as 1F1B does."""
+    firsts = []
     for s in range(stages):
+        forwards = [(m, 0) for m in range(micro)]
+        order = _one_then_one(forwards, forwards, min(stages - 1 - s, micro))
+        firsts.append([("B" if k == "BW" else k, m, c) for k, m, c in order])
+    deferred: list[list[tuple[int, int]]] = [[] for _ in range(stages)]
+    alive = [0] * stages
+
+    def choose(s: int, ready: Callable[[Entry], bool]) -> Slot:
+        order = firsts[s]
+        if order:
+            kind, m, c = order[0]
+            fits = kind == "B" or alive[s] < stages
+            if fits and ready(order[0]):
+                order.pop(0)
+                alive[s] += kind == "F"
+                if kind == "B":
+                    deferred[s].append((m, c))
+                return (kind, m, c)
+        if deferred[s]:
+            alive[s] -= 1
+            return ("W", *deferred[s].pop(0))
+        return None
+
+    rows = _clock_choosing(stages, 1, choose)
+    assert not any(firsts) and not any(deferred)  # never stalls
+    _check_in_flight(rows, lambda s: stages)
+    return rows
+
+
+def _clock(orders: list[Order], chunks: int = 1) -> Table | None:
+    """Each stage's `orders` run in turn on a clock of slots, each entry as
+    soon as its inputs were sent in an earlier slot; `None` where the clock
+    stalls (no stage can run its next entry, entries left)."""
+    position = [0] * len(orders)
+
+    def choose(s: int, ready: Callable[[Entry], bool]) -> Slot:
+        if position[s] == len(orders[s]) or not ready(orders[s][position[s]]):
+            return None
+        position[s] += 1
+        return orders[s][position[s] - 1]
+
+    rows = _clock_choosing(len(orders), chunks, choose)
+    return rows if position == [len(o) for o in orders] else None
+
+
+def _clock_choosing(
+    stages: int, chunks: int, choose: Callable[[int, Callable[[Entry], bool]], Slot]
+) -> Table:
+    """Rows of slots: at each, `choose(s, ready)` gives stage s's entry (or
+    `None`), `ready(entry)` telling whether its inputs were sent in an earlier
+    slot; until a slot where no stage runs anything (nothing changes after it:
+    every stage is done, or the clock stalls)."""
+    done: set[Key] = set()
+    rows: Table = []
+
+    def ready(s: int, entry: Entry) -> bool:
+        kind, m, c = entry
+        return all(n in done for n in _needs(kind, m, c, s, stages, chunks))
+
+    while True:
+        row = [choose(s, functools.partial(ready, s)) for s in range(stages)]
+        if all(e is None for e in row):
+            return rows
+        rows.append(row)
+        for s, e in enumerate(row):
+            if e is not None:
+                done.add((_family(e[0]), e[1], e[2], s))
+
+
+def _check_in_flight(rows: Table, limit: Callable[[int], int]) -> None:
+    """At most `limit(s)` microbatches alive on stage s (between its F and its
+    BW or W), never fewer than none."""
+    for s in range(len(rows[0]) if rows else 0):
         alive = 0
         for t, row in enumerate(rows):
-            alive += {"F": 1, "BW": -1}.get(_kind(row[s]) or "", 0)
-            assert 0 <= alive <= stages - s, (s, t, alive)
-
-
-def _kind(entry: Slot) -> str | None:
-    return None if entry is None else entry[0]
-
-
-@dataclasses.dataclass(frozen=True)
-class SlotArrays:
-    """A table as `(slots, stages)` int32 arrays, what the engine indexes by
-    slot and then by stage: `action` (`IDLE`, `FORWARD`, `BACKWARD`), `micro`
-    and `chunk` (the entry's; 0 when idle), and for the messages that arrive at
-    the end of the slot: `from_prev` (1 where the previous stage ran a forward
-    whose output this stage takes next; on a ring, the last stage's to stage
-    0), `prev_micro` (its microbatch), `from_next` (1 where the next stage ran
-    a backward: its input's cotangent arrives), `next_micro`."""
-
-    action: np.ndarray
-    micro: np.ndarray
-    chunk: np.ndarray
-    from_prev: np.ndarray
-    prev_micro: np.ndarray
-    from_next: np.ndarray
-    next_micro: np.ndarray
-
-    @property
-    def slots(self) -> int:
-        return int(self.action.shape[0])
-
-
-def slot_arrays(rows: Table, *, ring: bool = False) -> SlotArrays:
-    """`rows` in array form; with `ring` (the circular schedule), stage 0
-    receives the last stage's forward of a chunk that is not the last one."""
-    stages = len(rows[0])
-    action = np.array([[_CODES[_kind(e)] for e in row] for row in rows], np.int32)
-    mb = np.array([[0 if e is None else e[1] for e in row] for row in rows], np.int32)
-    chunk = np.array(
-        [[0 if e is None else e[2] for e in row] for row in rows], np.int32
-    )
-    last_chunk = int(chunk.max(initial=0))
-    from_prev, prev_micro = np.zeros_like(action), np.zeros_like(action)
-    from_next, next_micro = np.zeros_like(action), np.zeros_like(action)
-    for t in range(len(rows)):
-        for s in range(stages):
-            if s > 0 and action[t, s - 1] == FORWARD:
-                from_prev[t, s], prev_micro[t, s] = 1, mb[t, s - 1]
-            wraps = ring and s == 0
-            if wraps and action[t, -1] == FORWARD and chunk[t, -1] < last_chunk:
-                from_prev[t, s], prev_micro[t, s] = 1, mb[t, -1]
-            if s < stages - 1 and action[t, s + 1] == BACKWARD:
-                from_next[t, s], next_micro[t, s] = 1, mb[t, s + 1]
-    return SlotArrays(action, mb, chunk, from_prev, prev_micro, from_next, next_micro)
+            kind = None if row[s] is None else row[s][0]  # type: ignore[index]
+            alive += {"F": 1, "BW": -1, "W": -1}.get(kind or "", 0)
+            assert 0 <= alive <= limit(s), (s, t, alive)
 
 
 def forward_arrays(stages: int, micro: int, repeats: int) -> SlotArrays:
     """The array form of the forward half of GPipe and the circular schedule:
     what the forward engine runs (JAX runs the backward half)."""
-    rows = forward_rows(stages, micro, repeats)
-    return slot_arrays(rows, ring=repeats > 1)
+    return slot_arrays(forward_rows(stages, micro, repeats))

@@ -1,18 +1,25 @@
 """The slot body of a schedule whose backward is written out rather than left
-to JAX's autodiff (1F1B): `StageSlots` runs a table's F and BW entries on this
-stage through the engine's loop (`engine.run_slots`).
+to JAX's autodiff (1F1B, interleaved 1F1B, ZB-H1): `StageSlots` runs a
+table's F, BW, B and W entries on this stage through the engine's loop
+(`engine.run_slots`).
 
-A forward entry stores the stage's input (a stash of P entries) and passes the
-stage's output on; on the last stage it also runs the step's `post` (the loss
-after the stack, a callback: `_step.one_f_one_b`) and its VJP, which gives the
-loss, the metrics, `post`'s parameter gradients and the cotangent of the
-stage's output. A backward entry recomputes the stage from its stored input
-under `jax.vjp` (the stack's `remat` policy says what that recomputation
-keeps) and passes the input's cotangent back; on stage 0 it is kept for the
-step (the VJP of what comes before the stack).
+A forward entry stores the stage's input (in the stash) and passes the stage's
+output on; on the last stage (of the last chunk) it also runs the step's `post`
+(the loss after the stack, a callback: `_step.one_f_one_b`) and its VJP, which
+gives the loss, the metrics, `post`'s parameter gradients and the cotangent of
+the stage's output. A backward entry recomputes the stage from its stored input
+under `jax.vjp` (the stack's `remat` policy says what that recomputation keeps)
+and passes the input's cotangent back; on stage 0 (chunk 0) it is kept for the
+step (the VJP of what comes before the stack). ZB-H1 splits it: B
+differentiates the stage with respect to its input only and passes the
+cotangent back at once; W, in a later slot, runs the stage again from the same
+stored input and cotangent and differentiates it with respect to the parameters
+only. Recomputing rather than keeping B's residuals holds W's memory to one
+activation and one cotangent per microbatch, as 1F1B's stash.
 """
 
 import dataclasses
+import functools
 from collections.abc import Callable
 from typing import Any
 
@@ -62,7 +69,18 @@ def _set_if(x: Any, i: Any, v: Any, when: Any) -> Any:
     return _set(x, i, jnp.where(when, v, _index(x, i)))
 
 
-_TABLES = ("action", "micro", "from_prev", "prev_micro", "from_next", "next_micro")
+_TABLES = (
+    "action",
+    "micro",
+    "chunk",
+    "stash",
+    "read",
+    "own",
+    "from_prev",
+    "prev_at",
+    "from_next",
+    "next_at",
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -71,18 +89,19 @@ class StageSlots:
     gives the stage's parameter gradients (leaves), stage 0's input cotangents
     per microbatch, and the last stage's outputs of `post` per microbatch.
 
-    The loop's carry: `stash` (this stage's inputs of the microbatches in
-    flight), `inbox_f` (activations received, not yet run), `inbox_b`
-    (cotangents received, or made by `post` on the last stage), the gradient
-    leaves, `dx` (stage 0's input cotangents) and `outs` (`post`'s outputs);
-    buffers of P entries are indexed by microbatch modulo P.
+    The loop's carry: `stash` (this stage's inputs of the (microbatch, chunk)
+    pairs in flight), `inbox_f` (activations received, not yet run),
+    `inbox_b` (cotangents received, or made by `post` on the last stage), the
+    gradient leaves, `dx` (stage 0's input cotangents) and `outs` (`post`'s
+    outputs); the table's array form says which entry of each buffer a pair
+    takes (`slot_arrays`).
 
     - `post`: `post(*params, *r, *y)`, the loss after the stack on one
       microbatch's other inputs `r` and the stack's output `y` (leaves), its
       outputs' first the loss (the step's callback: `_step.cut_loss`).
     - `key_tree`: the structure of the stack's key (`None` without one).
-    - `stage`: `stage(params, h, key) -> y`, this stage's layers on the rows
-      `h` (leaves in, leaves out).
+    - `stage`: `stage(params, h, key, chunk) -> y`, this stage's chunk `chunk`
+      of layers on the rows `h` (leaves in, leaves out).
     - `params`: the parameter leaves; `rest`: the microbatches' other inputs
       of `post`, stacked; `xs`, `keys`: the stack's input and key leaves per
       microbatch (stage 0 reads `xs`).
@@ -100,20 +119,22 @@ class StageSlots:
 
     def run(self, table: SlotArrays) -> tuple[list[Any], list[Any], list[Any]]:
         micro = int(self.xs[0].shape[0])
-        buf = [jnp.zeros((self.stages, *x.shape[1:]), x.dtype) for x in self.xs]
+        bufs = [
+            [jnp.zeros((n, *x.shape[1:]), x.dtype) for x in self.xs]
+            for n in table.sizes
+        ]
         out_shapes = jax.eval_shape(
             self._post, self.params, [r[0] for r in self.rest], [x[0] for x in self.xs]
         )
         init = (
-            buf,
-            buf,
-            buf,
+            *bufs,
             [jnp.zeros_like(x) for x in self.params],
             [jnp.zeros_like(x) for x in self.xs],
             [jnp.zeros((micro, *o.shape), o.dtype) for o in out_shapes],
         )
+        slot = functools.partial(self._slot, table.chunks)
         _, _, _, grads, dx, outs = run_slots(
-            table, _TABLES, axis=self.axis, step=self._slot, init=init
+            table, _TABLES, axis=self.axis, step=slot, init=init
         )
         return grads, dx, outs
 
@@ -130,66 +151,102 @@ class StageSlots:
     def _zeros(self) -> list[Any]:
         return [jnp.zeros_like(x[0]) for x in self.xs]
 
-    def _forward(self, c: Any, m: Any) -> Any:
+    def _forward(self, chunks: int, c: Any, e: dict[str, Any]) -> Any:
         stash, inbox_f, inbox_b, grads, dx, outs = c
-        s, stages = jax.lax.axis_index(self.axis), self.stages
+        s, m, r = jax.lax.axis_index(self.axis), e["micro"], e["chunk"]
         h = [
-            jnp.where(s == 0, _index(x, m), _index(f, m % stages))
+            jnp.where((s == 0) & (r == 0), _index(x, m), _index(f, e["read"]))
             for x, f in zip(self.xs, inbox_f, strict=True)
         ]
-        stash = [_set(b, m % stages, v) for b, v in zip(stash, h, strict=True)]
-        y = self.stage(self.params, h, self._key(m))
+        stash = [_set(b, e["stash"], v) for b, v in zip(stash, h, strict=True)]
+        y = self.stage(self.params, h, self._key(m), r)
 
         def last(args: Any) -> Any:
             inbox_b, grads, outs = args
-            r = [_index(x, m) for x in self.rest]
-            out, vjp = jax.vjp(lambda p, y: self._post(p, r, y), self.params, y)
+            rest = [_index(x, m) for x in self.rest]
+            out, vjp = jax.vjp(lambda p, y: self._post(p, rest, y), self.params, y)
             dp, dy = vjp([_seed(o, i == 0) for i, o in enumerate(out)])
             grads = [a + b for a, b in zip(grads, dp, strict=True)]
             dy = [_held(d, v) for d, v in zip(dy, y, strict=True)]
-            inbox_b = [_set(b, m % stages, v) for b, v in zip(inbox_b, dy, strict=True)]
+            inbox_b = [_set(b, e["own"], v) for b, v in zip(inbox_b, dy, strict=True)]
             outs = [_set(b, m, v) for b, v in zip(outs, out, strict=True)]
             return inbox_b, grads, outs
 
+        at_end = (s == self.stages - 1) & (r == chunks - 1)
         inbox_b, grads, outs = jax.lax.cond(
-            s == stages - 1, last, lambda a: a, (inbox_b, grads, outs)
+            at_end, last, lambda a: a, (inbox_b, grads, outs)
         )
         return (stash, inbox_f, inbox_b, grads, dx, outs), y, self._zeros()
 
-    def _backward(self, c: Any, m: Any) -> Any:
+    def _backward(self, wrt: str, c: Any, e: dict[str, Any]) -> Any:
+        """A backward entry: `wrt` `"both"` (BW), `"input"` (B: the input's
+        cotangent, passed back) or `"weights"` (W: the parameters' gradient,
+        added up). Each runs the stage again from its stored input under
+        `jax.vjp` of what it differentiates (the stack's `remat` policy says
+        what that keeps); B leaves the input and the cotangent for its W."""
         stash, inbox_f, inbox_b, grads, dx, outs = c
-        s, stages = jax.lax.axis_index(self.axis), self.stages
-        h = [_index(b, m % stages) for b in stash]
-        dy = [_index(b, m % stages) for b in inbox_b]
-        key = self._key(m)
-        y, vjp = jax.vjp(lambda p, h: self.stage(p, h, key), self.params, h)
-        dp, dh = vjp([cotangent(d, v) for d, v in zip(dy, y, strict=True)])
+        s, m, r = jax.lax.axis_index(self.axis), e["micro"], e["chunk"]
+        h = [_index(b, e["stash"]) for b in stash]
+        dy = [_index(b, e["read"]) for b in inbox_b]
+        key, params = self._key(m), self.params
+        if wrt == "input":
+            y, vjp = jax.vjp(lambda h: self.stage(params, h, key, r), h)
+            dp, (dh,) = None, vjp([cotangent(d, v) for d, v in zip(dy, y, strict=True)])
+        elif wrt == "weights":
+            y, vjp = jax.vjp(lambda p: self.stage(p, h, key, r), params)
+            (dp,), dh = vjp([cotangent(d, v) for d, v in zip(dy, y, strict=True)]), None
+        else:
+            y, vjp = jax.vjp(lambda p, h: self.stage(p, h, key, r), params, h)
+            dp, dh = vjp([cotangent(d, v) for d, v in zip(dy, y, strict=True)])
+        if dp is not None:
+            grads = [a + b for a, b in zip(grads, dp, strict=True)]
+        if dh is None:
+            return (stash, inbox_f, inbox_b, grads, dx, outs), *([self._zeros()] * 2)
         dh = [_held(d, v) for d, v in zip(dh, h, strict=True)]
-        grads = [a + b for a, b in zip(grads, dp, strict=True)]
-        dx = [_set_if(b, m, v, s == 0) for b, v in zip(dx, dh, strict=True)]
+        first = (s == 0) & (r == 0)
+        dx = [_set_if(b, m, v, first) for b, v in zip(dx, dh, strict=True)]
         return (stash, inbox_f, inbox_b, grads, dx, outs), self._zeros(), dh
 
-    def _idle(self, c: Any, m: Any) -> Any:
+    def _idle(self, c: Any, e: dict[str, Any]) -> Any:
         return c, self._zeros(), self._zeros()
 
-    def _slot(self, c: Any, entry: dict[str, Any]) -> Any:
-        """One slot: this stage's entry (`run_slots`), then the messages."""
-        stages, axis = self.stages, self.axis
-        actions = [self._idle, self._forward, self._backward]
-        c, send_f, send_b = jax.lax.switch(entry["action"], actions, c, entry["micro"])
-        if stages == 1:
-            return c
+    def _slot(self, chunks: int, c: Any, entry: dict[str, Any]) -> Any:
+        """One slot: this stage's entry (`run_slots`), then the messages
+        (round the ring with several chunks)."""
+        actions: list[
+            Callable[..., Any]
+        ] = [  # in the order of the action codes (`slot_arrays`)
+            self._idle,
+            functools.partial(self._forward, chunks),
+            functools.partial(self._backward, "both"),
+            functools.partial(self._backward, "input"),
+            functools.partial(self._backward, "weights"),
+        ]
+        c, send_f, send_b = jax.lax.switch(entry["action"], actions, c, entry)
         stash, inbox_f, inbox_b, grads, dx, outs = c
-        ahead = [(i, i + 1) for i in range(stages - 1)]
-        back = [(i + 1, i) for i in range(stages - 1)]
-        got_f = [jax.lax.ppermute(v, axis, ahead) for v in send_f]
-        got_b = [jax.lax.ppermute(v, axis, back) for v in send_b]
+        got_f, got_b = _exchange(send_f, send_b, self.axis, self.stages, chunks > 1)
         inbox_f = [
-            _set_if(b, entry["prev_micro"] % stages, v, entry["from_prev"] == 1)
+            _set_if(b, entry["prev_at"], v, entry["from_prev"] == 1)
             for b, v in zip(inbox_f, got_f, strict=True)
         ]
         inbox_b = [
-            _set_if(b, entry["next_micro"] % stages, v, entry["from_next"] == 1)
+            _set_if(b, entry["next_at"], v, entry["from_next"] == 1)
             for b, v in zip(inbox_b, got_b, strict=True)
         ]
         return (stash, inbox_f, inbox_b, grads, dx, outs)
+
+
+def _exchange(
+    send_f: list[Any], send_b: list[Any], axis: str, stages: int, ring: bool
+) -> tuple[list[Any], list[Any]]:
+    """The activations sent on to the next stage and the cotangents back to
+    the previous one (round the ring: the last stage's to stage 0 and back;
+    one stage on a ring sends to itself)."""
+    if stages == 1:
+        return send_f, send_b
+    ends = stages if ring else stages - 1
+    ahead = [(i, (i + 1) % stages) for i in range(ends)]
+    back = [((i + 1) % stages, i) for i in range(ends)]
+    got_f = [jax.lax.ppermute(v, axis, ahead) for v in send_f]
+    got_b = [jax.lax.ppermute(v, axis, back) for v in send_b]
+    return got_f, got_b

@@ -138,9 +138,10 @@ class PipelinedStack(eqx.Module):
                 f"into microbatches={micro}; use a number of microbatches that "
                 "divides them, or more rows per step."
             )
-        if pipeline.schedule == "circular" and micro < stages:
+        if repeats > 1 and micro < stages:
             raise ValueError(
-                f"pipeline: the circular schedule needs at least as many "
+                f"pipeline: the forward pass of schedule={pipeline.schedule!r} "
+                "(round the ring, as the circular schedule) needs at least as many "
                 f"microbatches as stages ({micro} < {stages}): a microbatch coming "
                 "round the ring must find its stage free."
             )

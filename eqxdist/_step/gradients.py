@@ -26,6 +26,7 @@ from .._layout.engine import run_stage
 from .._layout.partitioned import KeyPath, choose
 from .._layout.parts.fsdp import FsdpOptions
 from .._layout.plan import WEIGHT
+from .._layout.schedules import WRITTEN_OUT
 from .._metrics.tree import reduce_metrics
 from .._utils import cast_floating, is_array
 from .accumulate import (
@@ -160,7 +161,7 @@ class DeviceGradients:
             n, scan = self.options.num_minibatches, self.options.use_scan
             local = inputs.batch(batch)
             stages = inputs.plan.stages
-            if stages is not None and stages.pipeline.schedule == "1f1b":
+            if stages is not None and stages.pipeline.schedule in WRITTEN_OUT:
                 one_f_one_b = OneFOneB(
                     loss,
                     self._stage(full_frozen),
@@ -193,8 +194,9 @@ class DeviceGradients:
 
     def _stage(self, frozen: Any) -> Callable[..., Any]:
         """Inside the step's `shard_map`: `stage(params, h, key, key_rows,
-        per_row, acc)`, this stage's layers of the pipelined `Stacked` on the
-        rows `h` (the 1F1B schedule's stage; `params`: the trained leaves;
+        per_row, acc, chunk)`, this stage's layers (its `chunk` of them, with
+        repeats) of the pipelined `Stacked` on the rows `h` (the stage of the
+        schedules whose backward is written out; `params`: the trained leaves;
         `acc`: the microbatch's aux accumulator, `None` without aux)."""
         inputs = self.inputs
         stages = inputs.plan.stages
@@ -202,7 +204,13 @@ class DeviceGradients:
         remat = self.options.remat
 
         def stage(
-            params: Any, h: Any, key: Any, key_rows: bool, per_row: bool, acc: Any
+            params: Any,
+            h: Any,
+            key: Any,
+            key_rows: bool,
+            per_row: bool,
+            acc: Any,
+            chunk: Any,
         ) -> Any:
             params = cast_floating(params, self.options.compute_dtype)
             model = inputs.model(params, frozen, pipelined=False)
@@ -215,6 +223,7 @@ class DeviceGradients:
                 per_row=per_row,
                 remat=remat,
                 acc=acc,
+                chunk=chunk,
             )
 
         return stage

@@ -1,8 +1,9 @@
-"""The one-forward-one-backward pipeline schedule (`Pipeline(...,
-schedule="1f1b")`): the gradients of a loss whose model holds a pipelined
-`Stacked`, each stage alternating the forward pass of one microbatch and the
-backward pass of another, so that at most P microbatches' activations are alive
-on a stage (GPipe keeps all M).
+"""The pipeline schedules whose backward is written out (`Pipeline(...,
+schedule="1f1b" | "interleaved" | "zb-h1")`, `schedules.WRITTEN_OUT`): the
+gradients of a loss whose model holds a pipelined `Stacked`, each stage
+alternating the forward pass of one microbatch and the backward pass of
+another, so that at most P microbatches' activations are alive on a stage
+(GPipe keeps all M; interleaved 1F1B more, for its smaller bubble).
 
 The backward pass of a microbatch starts as soon as its forward pass has left
 the last stage, long before the other microbatches' forward passes end, so the
@@ -12,8 +13,9 @@ schedule is written out rather than left to JAX's autodiff of a forward loop:
   stack's input: the embedding) and `post` (the stack's output, with the
   inputs, to the loss and its metrics: the head), both ordinary functions JAX
   differentiates.
-- **The slots.** The table is `_layout.schedules.one_f_one_b` (PipeDream-flush's
-  order per stage on a clock of slots); the layout's engine runs it
+- **The slots.** The table is the pipeline's (`_layout.schedules.table`:
+  1F1B, interleaved 1F1B over the stage's chunks, or ZB-H1 with each backward
+  split into B and W); the layout's engine runs it
   (`_layout.stage_slots.StageSlots` on `_layout.engine.run_slots`): every slot,
   every stage runs its entry, a forward (on the last stage with `post`'s VJP,
   which gives the loss, the metrics and the output's cotangent) or a backward
@@ -36,7 +38,7 @@ from jax.sharding import PartitionSpec as P
 
 from .._layout.pipeline import StagePlan
 from .._layout.rules import is_spec_leaf
-from .._layout.schedules import one_f_one_b, slot_arrays
+from .._layout.schedules import slot_arrays, table
 from .._layout.stack_aux import zeros
 from .._layout.stage_slots import StageSlots, cotangent
 from .._layout.stages import Seen
@@ -81,11 +83,12 @@ class OneFOneB:
         self, params: Any, model_state: Any, batch: Any, key: Any, n: int
     ) -> Accumulated:
         if model_state is not None:
+            schedule = self.plan.pipeline.schedule
             raise ValueError(
-                "pipeline (schedule='1f1b'): the state carries a model_state; the "
-                "1F1B schedule runs the loss once per microbatch out of order, "
-                "which a model state carried from call to call cannot follow. Use "
-                "schedule='gpipe'."
+                f"pipeline (schedule={schedule!r}): the state carries a "
+                "model_state; this schedule runs the loss once per microbatch out "
+                "of order, which a model state carried from call to call cannot "
+                "follow. Use schedule='gpipe' (or 'circular')."
             )
         keys = None if key is None else jax.random.split(key, n)
         micro = self.plan.pipeline.microbatches
@@ -146,12 +149,11 @@ class OneFOneB:
         accs = jax.tree.leaves(zeros(loss.aux, (micro,)))
         acc_tree = jax.tree.structure(loss.aux)
 
-        def stage(p: list[Any], h: list[Any], key: Any) -> list[Any]:
+        def stage(p: list[Any], h: list[Any], key: Any, chunk: Any) -> list[Any]:
             x = jax.tree.unflatten(loss.x_tree, h[:n_x])
             acc = None if loss.aux is None else jax.tree.unflatten(acc_tree, h[n_x:])
-            out = self.stage(
-                jax.tree.unflatten(p_tree, p), x, key, loss.key_rows, loss.per_row, acc
-            )
+            params = jax.tree.unflatten(p_tree, p)
+            out = self.stage(params, x, key, loss.key_rows, loss.per_row, acc, chunk)
             return list(jax.tree.leaves(out))
 
         slots = StageSlots(
@@ -165,7 +167,9 @@ class OneFOneB:
             axis=axis,
             stages=stages,
         )
-        g_leaves, dx, outs = slots.run(slot_arrays(one_f_one_b(stages, micro)))
+        # The step runs exactly the schedule's table (`pipeline.table`).
+        rows = table(self.plan.pipeline, stages)
+        g_leaves, dx, outs = slots.run(slot_arrays(rows))
 
         # `pre`'s VJP on stage 0's input cotangents (zeros on the others).
         def pre_grads(total: list[Any], a: Any) -> tuple[list[Any], None]:

@@ -18,6 +18,7 @@ from jaxtyping import Array
 from .._layout.layout import Layout
 from .._layout.parts.fsdp import FsdpOptions, FsdpPart
 from .._layout.parts.pipeline import PipelinePart
+from .._layout.schedules import WRITTEN_OUT
 from .._mesh import retyped
 from .._metrics.tree import check_summed
 from .accumulate import CheckedLoss
@@ -153,8 +154,8 @@ def _global_gradients(layout: Layout, options: StepOptions) -> bool:
     share of the whole batch's (`hoist`), which the device view's sums over
     the microbatches and devices add up."""
     pipeline = layout.part(PipelinePart)
-    one_f_one_b = pipeline is not None and pipeline.pipeline.schedule == "1f1b"
-    return options.view == "global" and not one_f_one_b
+    written = pipeline is not None and pipeline.pipeline.schedule in WRITTEN_OUT
+    return options.view == "global" and not written
 
 
 def _fsdp_options(layout: Layout) -> FsdpOptions:

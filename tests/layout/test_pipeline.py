@@ -45,7 +45,7 @@ def weighted_mean(model, batch, key):
 
 
 def _pipeline(stages, micro, schedule):
-    repeats = 2 if schedule == "circular" else 1
+    repeats = 2 if schedule in ("circular", "interleaved") else 1
     return ed.Pipeline("stage", micro, schedule=schedule, repeats=repeats)
 
 
@@ -66,11 +66,15 @@ MESHES = {
     "stage8": {"stage": 8},
 }
 SCHEDULES = ["gpipe", "circular", "1f1b"]
+# The schedules of smaller bubbles at 4 stages, M = P and 2P (for CI time;
+# the tests of compositions below run them at 2 stages).
+NEW = [("stage4_data2", 1, "interleaved"), ("stage4_data2", 2, "zb-h1")]
 
 
-@pytest.mark.parametrize("schedule", SCHEDULES)
-@pytest.mark.parametrize("times", [1, 2])
-@pytest.mark.parametrize("mesh_name", list(MESHES))
+@pytest.mark.parametrize(
+    ("mesh_name", "times", "schedule"),
+    [(m, t, s) for s in SCHEDULES for m in MESHES for t in (1, 2)] + NEW,
+)
 def test_every_schedule_equals_one_device(mesh_name, times, schedule):
     shape = MESHES[mesh_name]
     stages = shape["stage"]
@@ -89,6 +93,7 @@ def test_every_schedule_equals_one_device(mesh_name, times, schedule):
         ("gpipe", "global", "auto"),
         ("circular", "global", "explicit"),
         ("1f1b", "device", "explicit"),
+        ("zb-h1", "global", "auto"),
     ],
 )
 def test_fsdp_over_the_data_axes_in_either_view(schedule, view, axis_types):
@@ -120,7 +125,7 @@ def test_tensor_parallel_rules_minibatches_weighted_loss_and_step_info():
         (r"blocks\.layers\.linear\.weight", P(None, "model", None)),
         (r"head\.weight", P("model", None)),
     ]
-    for schedule in ("gpipe", "1f1b"):
+    for schedule in ("gpipe", "1f1b", "zb-h1"):
         state, outs, step = _train(
             mesh,
             _pipeline(2, 2, schedule),

@@ -107,7 +107,7 @@ def _data(steps: int = 2, rows: int = 32) -> list:
 
 def _train(loss, shape, schedule, view, data):
     mesh = ed.create_device_mesh(shape)
-    repeats = 2 if schedule == "circular" else 1
+    repeats = 2 if schedule in ("circular", "interleaved") else 1
     pipeline = ed.Pipeline("stage", 2, schedule=schedule, repeats=repeats)
     step = ed.make_train_step(loss, SGD, mesh, pipeline=pipeline, view=view)
     state = ed.TrainState.create(Net(), SGD, jax.random.key(1))
@@ -132,6 +132,8 @@ def _one_device() -> Any:
         ("circular", "global", {"stage": 2, "data": 4}),
         ("1f1b", "device", {"stage": 4, "data": 2}),
         ("1f1b", "global", {"stage": 2, "data": 4}),
+        ("interleaved", "global", {"stage": 2, "data": 4}),
+        ("zb-h1", "device", {"stage": 4, "data": 2}),
     ],
 )
 def test_blocks_that_take_a_batch_train_as_on_one_device(schedule, view, shape):
@@ -148,13 +150,15 @@ def test_blocks_that_take_a_batch_train_as_on_one_device(schedule, view, shape):
         np.testing.assert_allclose(float(m["mean"].compute()), loss, rtol=1e-5)
 
 
-def test_one_f_one_b_global_view_rows_under_vmap_with_a_weighted_loss():
+@pytest.mark.parametrize("schedule", ["1f1b", "zb-h1"])
+def test_one_f_one_b_global_view_rows_under_vmap_with_a_weighted_loss(schedule):
     """Blocks on one row under the loss's `vmap`, int32 positions carried, a
-    weighted loss and a `(sum, int)` metric, under 1F1B in the global view."""
+    weighted loss and a `(sum, int)` metric, under 1F1B (and ZB-H1) in the
+    global view."""
     data = _data()
     want = train_one_device(Net(), data, SGD, row_weighted_mean)
     state, metrics = _train(
-        row_weighted_loss, {"stage": 2, "data": 4}, "1f1b", "global", data
+        row_weighted_loss, {"stage": 2, "data": 4}, schedule, "global", data
     )
     assert max_diff(state.model, want.model) < 1e-5
     np.testing.assert_allclose(

@@ -199,12 +199,14 @@ def test_no_pipeline_trains_as_on_one_device(unroll, options):
         ("1f1b", "device", row_loss),
         ("1f1b", "global", row_loss),
         ("1f1b", "device", batch_loss),
+        ("interleaved", "device", batch_loss),
+        ("zb-h1", "global", row_loss),
     ],
 )
 def test_every_schedule_trains_as_on_one_device(schedule, view, loss):
     data = _data()
     mesh = ed.create_device_mesh({"stage": 2, "data": 4})
-    repeats = 2 if schedule == "circular" else 1
+    repeats = 2 if schedule in ("circular", "interleaved") else 1
     pipeline = ed.Pipeline("stage", 2, schedule=schedule, repeats=repeats)
     step = ed.make_train_step(loss, SGD, mesh, pipeline=pipeline, view=view)
     _check(*_train(step, data), _one_device(data))

@@ -362,21 +362,29 @@ def test_pipeline_stages_with_ring_attention_train_as_on_one_device():
     _close(eqx.filter(state.model, eqx.is_array), eqx.filter(want.model, eqx.is_array))
 
 
-@pytest.mark.parametrize("view", ["device", "global"])
-def test_1f1b_with_a_context_axis_is_a_clear_error(view):
+@pytest.mark.parametrize(
+    ("view", "schedule", "repeats"),
+    [
+        ("device", "1f1b", 1),
+        ("global", "1f1b", 1),
+        ("device", "interleaved", 2),
+        ("global", "zb-h1", 1),
+    ],
+)
+def test_1f1b_with_a_context_axis_is_a_clear_error(view, schedule, repeats):
     """1F1B runs a forward pass on one stage while another runs a backward
     pass; their ring attention's collectives over the context axis then pair up
     with the wrong ones across stages (the trained parameters were silently
     wrong): `make_train_step` refuses the pair and names the schedules that
-    work."""
+    work. So do interleaved 1F1B and ZB-H1, which do the same."""
     mesh = ed.create_device_mesh(PIPELINE_MESH)
-    pipeline = ed.Pipeline("stage", 2, schedule="1f1b")
+    pipeline = ed.Pipeline("stage", 2, schedule=schedule, repeats=repeats)
     with pytest.raises(ValueError) as info:
         ed.make_train_step(
             stacked_device_loss, optax.sgd(0.5), mesh, context_axis="context",
             pipeline=pipeline, view=view,
         )  # fmt: skip
     message = str(info.value)
-    for part in ("make_train_step", "schedule='1f1b'", "'context'", "'gpipe'"):
+    for part in ("make_train_step", f"schedule={schedule!r}", "'context'", "'gpipe'"):
         assert part in message, part
     assert "'circular'" in message

@@ -9,6 +9,7 @@ from typing import Any
 from jax.sharding import Mesh, PartitionSpec as P
 
 from ..pipeline import Pipeline, stage_plan
+from ..schedules import WRITTEN_OUT
 from ..stages import pipelined
 from .base import LossView, Part
 from .tensor import check_rules_spare
@@ -61,25 +62,26 @@ class PipelinePart(Part):
         return self.pipeline.microbatches
 
     def check_training(self, caller: str, context_axis: str | None) -> None:
-        """A `ValueError` for the 1F1B schedule with a context axis (a training
-        step; an evaluation runs the pipeline's forward pass, with no such
-        limit).
+        """A `ValueError` for a schedule whose backward is written out ("1f1b",
+        "interleaved", "zb-h1") with a context axis (a training step; an
+        evaluation runs the pipeline's forward pass, with no such limit).
 
-        1F1B runs, in the same slot, a forward pass on one stage and a backward
-        pass on another (`lax.switch` on the stage): their ring attention's
+        These schedules run, in the same slot, a forward pass on one stage and
+        a backward pass on another (`lax.switch` on the stage): their ring attention's
         `ppermute`s over the context axis are collectives that only some devices
         reach, and XLA pairs them with the schedule's own `ppermute` over the
         stage axis, so a stage receives the wrong activations and training is
         silently wrong. GPipe and the circular schedule run the same program on
         every stage."""
-        if context_axis is None or self.pipeline.schedule != "1f1b":
+        schedule = self.pipeline.schedule
+        if context_axis is None or schedule not in WRITTEN_OUT:
             return
         raise ValueError(
-            f"{caller}: pipeline=ed.Pipeline(..., schedule='1f1b') with "
-            f"context_axis={context_axis!r} is not supported: 1F1B runs forward and "
-            "backward passes on different stages at once, and the ring attention's "
-            f"collectives over {context_axis!r} inside them do not pair up across "
-            "stages (the gradients would be wrong). Use schedule='gpipe' or "
-            "schedule='circular' (with repeats > 1) with a context axis, or drop "
-            "context_axis to keep 1F1B."
+            f"{caller}: pipeline=ed.Pipeline(..., schedule={schedule!r}) with "
+            f"context_axis={context_axis!r} is not supported: {schedule!r} runs "
+            "different passes (forward, backward) on different stages at once, and "
+            f"the ring attention's collectives over {context_axis!r} inside them do "
+            "not pair up across stages (the gradients would be wrong). Use "
+            "schedule='gpipe' or schedule='circular' (with repeats > 1) with a "
+            f"context axis, or drop context_axis to keep {schedule!r}."
         )
