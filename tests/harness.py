@@ -430,3 +430,56 @@ def train_pipeline(schedule: str) -> Any:
     for batch in pipe_batches():
         state, _ = step(state, batch)
     return state
+
+
+# -- expert parallelism (tests/experts/, mp_scripts/experts.py) ----------------------
+
+MOE_D, MOE_H, MOE_E = 8, 16, 8  # width, expert hidden width, experts
+
+
+class MoENet(eqx.Module):
+    """An embedding, one `ed.MoE` (top-2 of `MOE_E` experts) and a head."""
+
+    embed: eqx.nn.Linear
+    moe: ed.MoE
+    head: eqx.nn.Linear
+
+    def __init__(self, key: Any, gated: bool = True) -> None:
+        k1, k2, k3 = jax.random.split(key, 3)
+        self.embed = eqx.nn.Linear(6, MOE_D, key=k1)
+        self.moe = ed.MoE(MOE_D, MOE_H, MOE_E, top_k=2, key=k2, gated=gated)
+        self.head = eqx.nn.Linear(MOE_D, 4, key=k3)
+
+
+def moe_forward(model: MoENet, x: Any) -> tuple:
+    """The logits of rows `x` (all of them routed together) and the MoE's aux."""
+    h = jax.vmap(model.embed)(x)
+    y, aux = model.moe(h)
+    return jax.vmap(model.head)(h + y), aux
+
+
+def moe_loss(model: MoENet, batch: dict, key: Any) -> tuple:
+    """Cross-entropy plus the MoE's load-balancing and router-z losses."""
+    logits, aux = moe_forward(model, batch["x"])
+    ce = optax.softmax_cross_entropy_with_integer_labels(logits, batch["y"])
+    loss = ce.mean() + 0.01 * aux["load_balance_loss"] + 1e-3 * aux["router_z_loss"]
+    return loss, {"ce": (ce.sum(), ce.shape[0])}
+
+
+def train_experts(rows: slice = slice(None)) -> Any:
+    """`MoENet` trained 2 steps (AdamW) with its experts split over the data axis
+    of `{"data": 8}` and FSDP sharding the rest, on `rows` of each 32-row batch:
+    all of them in one process, each process's own half across two
+    (mp_scripts/experts.py), where the data axis, and so the experts, span the
+    processes."""
+    layout = ed.Layout(
+        ed.create_device_mesh({"data": 8}),
+        expert_axis="data",
+        strategy="fsdp",
+        min_weight_size=16,
+    )
+    step = ed.make_train_step(moe_loss, ADAMW, layout)
+    state = ed.TrainState.create(MoENet(jax.random.key(0)), ADAMW, jax.random.key(1))
+    for b in batches(steps=2, rows=32, features=6, seed=11):
+        state, _ = step(state, {k: v[rows] for k, v in b.items()})
+    return state

@@ -12,36 +12,17 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from harness import (
+    MOE_D as D,
+    MOE_E as E,
+    MOE_H as H,
+    MoENet,
+    moe_forward as _forward,
+    moe_loss,
+)
 from jax.sharding import PartitionSpec as P
 
 import eqxdist as ed
-
-D, H, E = 8, 16, 8
-
-
-class MoENet(eqx.Module):
-    embed: eqx.nn.Linear
-    moe: ed.MoE
-    head: eqx.nn.Linear
-
-    def __init__(self, key, gated=True):
-        k1, k2, k3 = jax.random.split(key, 3)
-        self.embed = eqx.nn.Linear(6, D, key=k1)
-        self.moe = ed.MoE(D, H, E, top_k=2, key=k2, gated=gated)
-        self.head = eqx.nn.Linear(D, 4, key=k3)
-
-
-def _forward(model, x):
-    h = jax.vmap(model.embed)(x)
-    y, aux = model.moe(h)
-    return jax.vmap(model.head)(h + y), aux
-
-
-def moe_loss(model, batch, key):
-    logits, aux = _forward(model, batch["x"])
-    ce = optax.softmax_cross_entropy_with_integer_labels(logits, batch["y"])
-    loss = ce.mean() + 0.01 * aux["load_balance_loss"] + 1e-3 * aux["router_z_loss"]
-    return loss, {"ce": (ce.sum(), ce.shape[0])}
 
 
 def weighted_loss(model, batch, key):
