@@ -227,6 +227,10 @@ def _is_moe(x: Any) -> bool:
     return isinstance(x, MoE)
 
 
+def _expert_weights(moe: Any) -> list[Any]:
+    return [getattr(moe, n) for n in EXPERT_LEAVES if getattr(moe, n) is not None]
+
+
 def expert_leaves(model: Any) -> tuple[bool, ...]:
     """Per leaf of `jax.tree.leaves(model)`: whether it is an `MoE`'s expert
     weight (inside an `ed.Stacked` too, the layer axis first)."""
@@ -236,8 +240,7 @@ def expert_leaves(model: Any) -> tuple[bool, ...]:
             marks.append(False)
             continue
         falses = jax.tree.map(lambda _: False, node)
-        for name in EXPERT_LEAVES:
-            if getattr(node, name) is not None:
-                falses = eqx.tree_at(lambda m, n=name: getattr(m, n), falses, True)
-        marks.extend(bool(x) for x in jax.tree.leaves(falses))
+        count = len(_expert_weights(node))
+        marked = eqx.tree_at(_expert_weights, falses, replace=[True] * count)
+        marks.extend(bool(x) for x in jax.tree.leaves(marked))
     return tuple(marks)
