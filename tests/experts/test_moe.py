@@ -266,13 +266,18 @@ def _placed(tree, mesh, specs):
     )
 
 
-@pytest.mark.parametrize("batched", [False, True], ids=["tokens", "vmap"])
-def test_global_view_equals_one_device(axis_types, batched):
+@pytest.mark.parametrize(
+    ("batched", "dispatch"),
+    [(False, "all_gather"), (True, "all_gather"), (True, "all_to_all")],
+    ids=["tokens", "vmap", "vmap-a2a"],
+)
+def test_global_view_equals_one_device(axis_types, batched, dispatch):
     """Whole arrays under `jax.set_mesh`: the layer shards itself over "data"
-    (tokens and experts), on Auto and Explicit meshes, under `jax.vmap` too."""
+    (tokens and experts), on Auto and Explicit meshes, under `jax.vmap` too,
+    with either dispatch."""
     kind = getattr(jax.sharding.AxisType, axis_types.capitalize())
     mesh = jax.make_mesh((8,), ("data",), axis_types=(kind,))
-    moe = ed.MoE(D, H, 8, top_k=2, key=jax.random.key(8))
+    moe = ed.MoE(D, H, 8, top_k=2, key=jax.random.key(8), dispatch=dispatch)
     sharded = with_expert_axis(moe, "data")
     params, static = eqx.partition(sharded, eqx.is_array)
     shape, x_spec = ((2, T, D), P(None, "data")) if batched else ((T, D), P("data"))
