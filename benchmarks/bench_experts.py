@@ -5,10 +5,12 @@ A small mixture-of-experts model (an embedding, `--layers` residual `ed.MoE`
 blocks of `--experts` experts, top-2, a head) on 8 simulated CPU devices, one
 process: `ed.Layout(mesh)` (data parallelism, every device holding every
 expert) against `ed.Layout(mesh, expert_axis="data")` (each device holding
-`experts / 8` of them, the tokens sent to them and back). Timing is
-interleaved: every repeat times both for `--steps` steps (the order
-alternating); the table gives median milliseconds per step, the median of the
-per-repeat ratios expert-parallel / replicated with their spread, the bytes of
+`experts / 8` of them, the tokens sent to them and back), once with the
+all-gather dispatch (`expert_parallel`) and once with `MoE(dispatch=
+"all_to_all")` (`expert_parallel_a2a`). Timing is interleaved: every repeat
+times all three for `--steps` steps (the order alternating); the table gives
+median milliseconds per step, the median of the per-repeat ratios of each pair
+with their spread, the bytes of
 expert weights device 0 holds and the collectives of each compiled step. On CPU
 the collectives are memory copies: the ratio says what the dispatch costs here,
 not on a GPU's interconnect.
@@ -46,10 +48,15 @@ class Net(eqx.Module):
     blocks: list[ed.MoE]
     head: eqx.nn.Linear
 
-    def __init__(self, layers: int, experts: int, key: Any) -> None:
+    def __init__(
+        self, layers: int, experts: int, key: Any, dispatch: str = "all_gather"
+    ) -> None:
         keys = jax.random.split(key, layers + 2)
         self.embed = eqx.nn.Linear(16, D_MODEL, key=keys[0])
-        self.blocks = [ed.MoE(D_MODEL, D_HIDDEN, experts, key=k) for k in keys[2:]]
+        self.blocks = [
+            ed.MoE(D_MODEL, D_HIDDEN, experts, key=k, dispatch=dispatch)
+            for k in keys[2:]
+        ]
         self.head = eqx.nn.Linear(D_MODEL, 4, key=keys[1])
 
 
@@ -83,10 +90,12 @@ def _expert_bytes(state: ed.TrainState) -> int:
     return sum(x.addressable_shards[0].data.nbytes for x in leaves)
 
 
-def _setup(layout: ed.Layout, args: argparse.Namespace) -> dict[str, Any]:
+def _setup(
+    layout: ed.Layout, args: argparse.Namespace, dispatch: str = "all_gather"
+) -> dict[str, Any]:
     optimizer = optax.adamw(1e-3)
     step = ed.make_train_step(loss_fn, optimizer, layout)
-    model = Net(args.layers, args.experts, jax.random.key(0))
+    model = Net(args.layers, args.experts, jax.random.key(0), dispatch)
     state = step.init_state(
         lambda k: ed.TrainState.create(model, optimizer, k), jax.random.key(1)
     )
@@ -114,14 +123,23 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     runs = {
         "replicated": _setup(ed.Layout(mesh), args),
         "expert_parallel": _setup(ed.Layout(mesh, expert_axis="data"), args),
+        "expert_parallel_a2a": _setup(
+            ed.Layout(mesh, expert_axis="data"), args, dispatch="all_to_all"
+        ),
     }
     times: dict[str, list[float]] = {name: [] for name in runs}
-    ratios = []
+    pairs = (
+        ("expert_parallel", "replicated"),
+        ("expert_parallel_a2a", "replicated"),
+        ("expert_parallel_a2a", "expert_parallel"),
+    )
+    ratios: dict[tuple[str, str], list[float]] = {pair: [] for pair in pairs}
     for r in range(args.repeats):
         order = list(runs) if r % 2 == 0 else list(runs)[::-1]
         for name in order:
             times[name].append(_time(runs[name], args.steps))
-        ratios.append(times["expert_parallel"][-1] / times["replicated"][-1])
+        for a, b in pairs:
+            ratios[a, b].append(times[a][-1] / times[b][-1])
     return {
         name: {
             "ms": statistics.median(times[name]),
@@ -129,7 +147,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             "collectives": runs[name]["counts"],
         }
         for name in runs
-    } | {"ratio": (statistics.median(ratios), min(ratios), max(ratios))}
+    } | {
+        "ratios": {
+            pair: (statistics.median(r), min(r), max(r)) for pair, r in ratios.items()
+        }
+    }
 
 
 class DenseMLP(eqx.Module):
@@ -203,12 +225,12 @@ def main(argv: list[str]) -> None:
         f"{args.layers} MoE layers of {args.experts} experts, d_model {D_MODEL}, "
         f"d_hidden {D_HIDDEN}, {ROWS} x {LENGTH} tokens per step, 8 CPU devices"
     )
-    print(f"{'layout':<16} {'ms/step':>8} {'expert bytes/dev':>17}  collectives")
-    for name in ("replicated", "expert_parallel"):
+    print(f"{'layout':<20} {'ms/step':>8} {'expert bytes/dev':>17}  collectives")
+    for name in ("replicated", "expert_parallel", "expert_parallel_a2a"):
         row = out[name]
-        print(f"{name:<16} {row['ms']:>8.2f} {row['bytes']:>17,}  {row['collectives']}")
-    median, low, high = out["ratio"]
-    print(f"expert_parallel / replicated: {median:.2f}x ({low:.2f}-{high:.2f})")
+        print(f"{name:<20} {row['ms']:>8.2f} {row['bytes']:>17,}  {row['collectives']}")
+    for (a, b), (median, low, high) in out["ratios"].items():
+        print(f"{a} / {b}: {median:.2f}x ({low:.2f}-{high:.2f})")
     one = one_device(args)
     print(
         f"one device, {ROWS * LENGTH} tokens: MoE step {one['moe_ms']:.2f} ms, dense "

@@ -2,11 +2,12 @@
 (device i of n holds experts `[i*E/n, (i+1)*E/n)`), each token's assignments
 computed where their experts are, the outputs brought back to their tokens.
 
-The dispatch is an all-gather of the tokens over the axis (each device then
-routes them all, with the replicated router) and a reduce-scatter of the
+The default dispatch is an all-gather of the tokens over the axis (each device
+then routes them all, with the replicated router) and a reduce-scatter of the
 outputs: dropless, with no sizes to exchange first, and never a weight moved
 (`ragged_all_to_all`, the other dropless dispatch, is not implemented by
-XLA:CPU in JAX 0.10).
+XLA:CPU in JAX 0.10). `MoE(dispatch="all_to_all")` takes `exchange.py`'s two
+all-to-alls instead (`DISPATCHES`).
 
 - the *device view* (`experts_device_view`): the axis is bound, the weights are
   this device's block. `tokens_split` says whether the axis holds different
@@ -24,6 +25,7 @@ from jax.sharding import PartitionSpec as P
 from jaxtyping import Array, Float
 
 from .._long.views import run_global, shard_over, size_in_context
+from .exchange import exchanged
 from .grouped import Experts, grouped_ffn
 from .routing import Config, Routing, route
 
@@ -134,6 +136,10 @@ def _gathered(
     return mine
 
 
+# `MoE.dispatch` -> the computation with the tokens split over the axis.
+DISPATCHES = {"all_gather": _gathered, "all_to_all": exchanged}
+
+
 def _replicated(
     experts: Experts, router: Array, x: Array, config: Config, axis: str
 ) -> Array:
@@ -168,6 +174,7 @@ def experts_device_view(
     config: Config,
     axis: str,
     tokens_split: bool,
+    dispatch: str = "all_gather",
 ) -> Float[Array, "T d"]:
     """The experts' combined output for this device's tokens `x`, inside
     `jax.shard_map` over `axis`, with `experts` this device's block.
@@ -177,7 +184,11 @@ def experts_device_view(
     the experts' gradient is the mean over `axis` of every device's loss's, as
     FSDP's sharded leaves get it; the router's and the tokens' are this
     device's part of the sum, which the step's mean over the data axes
-    completes. Without it, every gradient is the whole loss's, on each device."""
+    completes. Without it, every gradient is the whole loss's, on each device.
+
+    `dispatch` (a key of `DISPATCHES`) picks how split tokens reach their
+    experts; replicated tokens need no dispatch (each device already has them
+    all) and take Megatron's f/g pair whichever is picked."""
     size = jax.lax.axis_size(axis)
     check_block(experts, config.num_experts, size, axis)
     if not tokens_split:
@@ -188,7 +199,7 @@ def experts_device_view(
         None if w_gate is None else _mean_grad(w_gate, size),
         _mean_grad(w_out, size),
     )
-    return _gathered(weights, router, x, config, axis)
+    return DISPATCHES[dispatch](weights, router, x, config, axis)
 
 
 def experts_global_view(
@@ -198,6 +209,7 @@ def experts_global_view(
     *,
     config: Config,
     axis: str,
+    dispatch: str = "all_gather",
 ) -> Float[Array, "T d"]:
     """The experts' combined output for all of `x`, whole arrays under a context
     mesh with `axis`: the tokens split over `axis`, the experts sharded over it
@@ -216,7 +228,8 @@ def experts_global_view(
     def device(x: Array, router: Array, *weights: Array | None) -> Array:
         w_in, w_gate, w_out = weights
         assert w_in is not None and w_out is not None  # only w_gate may be None
-        return _gathered(Experts(w_in, w_gate, w_out), router, x, config, axis)
+        weights = Experts(w_in, w_gate, w_out)
+        return DISPATCHES[dispatch](weights, router, x, config, axis)
 
     def body(*args: Array | None) -> Array:
         specs = tuple(None if a is None else P(axis) for a in args)

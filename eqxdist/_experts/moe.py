@@ -13,7 +13,7 @@ from jaxtyping import Array, Float, PRNGKeyArray
 
 from .._long.views import view_of
 from .._utils import checked_first
-from .dispatch import experts_device_view, experts_global_view
+from .dispatch import DISPATCHES, experts_device_view, experts_global_view
 from .grouped import Experts, grouped_ffn
 from .routing import ROUTERS, Config, Routing, aux_values, route
 
@@ -56,6 +56,7 @@ def _check_init(
     *,
     top_k: Any = 2,
     router: Any = "softmax",
+    dispatch: Any = "all_gather",
     **__: Any,
 ) -> None:
     """The sizes and the router, before the annotations are checked: a few
@@ -65,6 +66,11 @@ def _check_init(
         raise ValueError(
             f"MoE: `router`={router!r} is not one of {ROUTERS}; pass "
             "router='softmax' (or 'sigmoid', DeepSeek-V3's)."
+        )
+    if not isinstance(dispatch, str) or dispatch not in DISPATCHES:
+        raise ValueError(
+            f"MoE: `dispatch`={dispatch!r} is not one of {tuple(DISPATCHES)}; pass "
+            "dispatch='all_gather' (the default) or 'all_to_all'."
         )
 
 
@@ -108,6 +114,13 @@ class MoE(eqx.Module):
     - `gated`: `(activation(x @ w_in) * (x @ w_gate)) @ w_out` (SwiGLU-style)
       when True, `activation(x @ w_in) @ w_out` when False.
     - `router`: `"softmax"` or `"sigmoid"`, the router's probabilities.
+    - `dispatch`: how tokens reach their experts under expert parallelism when
+      the expert axis splits the tokens (a data axis): `"all_gather"` (every
+      device's tokens gathered, the outputs reduce-scattered back) or
+      `"all_to_all"` (each token-expert assignment sent to its expert's device
+      and its output sent back: two `all_to_all`s of buffers padded to the worst
+      case). Both dropless, same values and gradients; no effect without an
+      expert axis, or when the axis holds the same tokens on every device.
 
     Call it on `x` of shape `(tokens, d_model)`: `y, aux = moe(x)`, `aux` a dict
     of `load_balance_loss`, `router_z_loss` (for the loss, with your weights) and
@@ -135,6 +148,7 @@ class MoE(eqx.Module):
     # Whether `expert_axis` holds different tokens on each device (a data axis)
     # or the same ones (an axis of its own); set with `with_expert_axis`.
     tokens_split: bool = eqx.field(static=True, default=True)
+    dispatch: str = eqx.field(static=True, default="all_gather")
 
     @checked_first(_check_init)
     def __init__(
@@ -148,6 +162,7 @@ class MoE(eqx.Module):
         activation: Callable[[Array], Array] = jax.nn.silu,
         gated: bool = True,
         router: str = "softmax",
+        dispatch: str = "all_gather",
     ):
         k_router, k_in, k_gate, k_out = jax.random.split(key, 4)
         self.router = eqx.nn.Linear(d_model, num_experts, use_bias=False, key=k_router)
@@ -158,6 +173,7 @@ class MoE(eqx.Module):
         self.num_experts, self.top_k = num_experts, top_k
         self.activation, self.gated, self.router_kind = activation, gated, router
         self.expert_axis, self.tokens_split = None, True
+        self.dispatch = dispatch
 
     @checked_first(_check_call)
     def __call__(
@@ -175,11 +191,13 @@ class MoE(eqx.Module):
             y = experts_device_view(
                 experts, self.router.weight, x,
                 config=config, axis=axis, tokens_split=self.tokens_split,
+                dispatch=self.dispatch,
             )  # fmt: skip
         else:
             y = experts_global_view(
-                experts, self.router.weight, x, config=config, axis=axis
-            )
+                experts, self.router.weight, x,
+                config=config, axis=axis, dispatch=self.dispatch,
+            )  # fmt: skip
         return y, aux
 
 

@@ -183,9 +183,17 @@ def _reference_grads(moe, x, c, shards):
     return jax.value_and_grad(loss, argnums=(0, 1))(moe, x)
 
 
-@pytest.mark.parametrize(("num_experts", "gated"), [(8, True), (16, False)])
-def test_device_view_tokens_split_over_the_expert_axis(mesh8, num_experts, gated):
-    moe = ed.MoE(D, H, num_experts, top_k=2, key=jax.random.key(5), gated=gated)
+@pytest.mark.parametrize(
+    ("num_experts", "gated", "dispatch"),
+    [(8, True, "all_gather"), (16, False, "all_gather"), (16, True, "all_to_all")],
+)
+def test_device_view_tokens_split_over_the_expert_axis(
+    mesh8, num_experts, gated, dispatch
+):
+    moe = ed.MoE(
+        D, H, num_experts, top_k=2, key=jax.random.key(5), gated=gated,
+        dispatch=dispatch,
+    )  # fmt: skip
     x, c = _tokens(), _weights((T, D))
     value, grads, gx = _device_grads(with_expert_axis(moe, "data"), x, c, mesh8, "data")
     want, (want_g, want_gx) = _reference_grads(moe, x, c, 8)
@@ -258,13 +266,18 @@ def _placed(tree, mesh, specs):
     )
 
 
-@pytest.mark.parametrize("batched", [False, True], ids=["tokens", "vmap"])
-def test_global_view_equals_one_device(axis_types, batched):
+@pytest.mark.parametrize(
+    ("batched", "dispatch"),
+    [(False, "all_gather"), (True, "all_gather"), (True, "all_to_all")],
+    ids=["tokens", "vmap", "vmap-a2a"],
+)
+def test_global_view_equals_one_device(axis_types, batched, dispatch):
     """Whole arrays under `jax.set_mesh`: the layer shards itself over "data"
-    (tokens and experts), on Auto and Explicit meshes, under `jax.vmap` too."""
+    (tokens and experts), on Auto and Explicit meshes, under `jax.vmap` too,
+    with either dispatch."""
     kind = getattr(jax.sharding.AxisType, axis_types.capitalize())
     mesh = jax.make_mesh((8,), ("data",), axis_types=(kind,))
-    moe = ed.MoE(D, H, 8, top_k=2, key=jax.random.key(8))
+    moe = ed.MoE(D, H, 8, top_k=2, key=jax.random.key(8), dispatch=dispatch)
     sharded = with_expert_axis(moe, "data")
     params, static = eqx.partition(sharded, eqx.is_array)
     shape, x_spec = ((2, T, D), P(None, "data")) if batched else ((T, D), P("data"))
@@ -333,6 +346,60 @@ def test_the_dispatch_communicates_tokens_never_weights(mesh8):
             assert counts["all-reduce"] == 0, counts
 
 
+@pytest.mark.parametrize("top_k", [1, 2])
+def test_all_to_all_every_token_to_one_expert_is_dropless(mesh8, top_k):
+    """`dispatch="all_to_all"`, every device's tokens all routed to expert 2
+    (then 0), both on device 1: its buffers full, the others' empty; nothing is
+    dropped, and values and gradients equal one device's."""
+    moe = ed.MoE(D, H, 8, top_k=top_k, key=jax.random.key(0), dispatch="all_to_all")
+    rows = jnp.asarray([[1.0] * D, [-1.0] * D, [3.0] * D] + [[-1.0] * D] * 5)
+    moe = eqx.tree_at(lambda m: m.router.weight, moe, rows)
+    x, c = jnp.abs(_tokens()) + 0.1, _weights((T, D))
+    value, grads, gx = _device_grads(with_expert_axis(moe, "data"), x, c, mesh8, "data")
+    want, (want_g, want_gx) = _reference_grads(moe, x, c, 8)
+    np.testing.assert_allclose(value, want, **TOL)
+    _assert_trees_close(
+        eqx.filter(grads, eqx.is_array), eqx.filter(want_g, eqx.is_array)
+    )
+    np.testing.assert_allclose(gx / 8, want_gx, **TOL)
+    assert np.abs(np.asarray(want_g.w_in[2])).max() > 0  # expert 2 did train
+
+
+def test_all_to_all_dispatch_is_two_all_to_alls(mesh8):
+    """The forward of one call: two all-to-alls (the assignments with their ids
+    out, the outputs back), no gather or scatter; no collective moves an expert
+    weight, forward or backward."""
+    moe = ed.MoE(8, 16, 16, top_k=2, key=jax.random.key(9), dispatch="all_to_all")
+    moe = with_expert_axis(moe, "data")
+    params, static = eqx.partition(moe, eqx.is_array)
+    specs = _specs(moe, "data")
+
+    def forward(params, x):
+        return eqx.combine(params, static)(x)[0]
+
+    def gradient(params, x):
+        return jax.grad(lambda p: jnp.sum(forward(p, x) ** 2))(params)
+
+    x = _tokens(shape=(64, 8))
+    for fn, out in ((forward, P("data")), (gradient, specs)):
+        mapped = jax.shard_map(
+            fn, mesh=mesh8, in_specs=(specs, P("data")), out_specs=out,
+            check_vma=False,
+        )  # fmt: skip
+        compiled = jax.jit(mapped).lower(params, x).compile()
+        counts = ed.count_collectives(compiled)
+        shapes = {s for _, s in _hlo_collectives(compiled.as_text())}
+        weights = {f"f32[{a},{b},{c}]" for a in (2, 16) for b, c in ((8, 16), (16, 8))}
+        assert not shapes & weights, shapes
+        if fn is forward:
+            assert counts["all-to-all"] == 2, counts
+            others = ("all-gather", "reduce-scatter", "all-reduce")
+            assert all(counts[k] == 0 for k in others), counts
+        else:
+            # The forward's two, and their transposes (XLA may merge some).
+            assert 2 <= counts["all-to-all"] <= 4, counts
+
+
 def test_with_expert_axis_sets_every_moe_and_shares_the_leaves():
     moes = {"a": ed.MoE(D, H, 4, key=jax.random.key(0)), "b": [1.0]}
     moes["c"] = [ed.MoE(D, H, 4, key=jax.random.key(1))]
@@ -349,6 +416,7 @@ def test_with_expert_axis_sets_every_moe_and_shares_the_leaves():
         ({"top_k": 0}, ["top_k", "positive"]),
         ({"top_k": 5}, ["top_k", "[1, num_experts=4]"]),
         ({"router": "relu"}, ["router", "softmax"]),
+        ({"dispatch": "ring"}, ["dispatch", "'ring'", "all_gather", "all_to_all"]),
     ],
 )
 def test_bad_arguments_say_what_to_change(kwargs, words):

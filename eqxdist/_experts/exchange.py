@@ -1,0 +1,88 @@
+"""The all-to-all dispatch of expert parallelism (`MoE(dispatch="all_to_all")`):
+each device sends each token-expert assignment to the device holding the
+expert, that device runs its experts on what it got, and the outputs come back
+the same way. Dropless with fixed sizes: `jax.lax.all_to_all` needs the same
+buffer for every destination, so each is sized for the worst case (all of a
+device's `T * k` assignments going to one device) and padded; a padded row
+carries the expert id one past the holder's block, which the grouped products
+leave out (`grouped_ffn`), so no counts need exchanging first.
+(`ragged_all_to_all`, which sends only the rows used, is not implemented by
+XLA:CPU in JAX 0.10.)
+
+Against the all-gather dispatch (`dispatch.py`) it moves `n * T * k` rows each
+way instead of `n * T` tokens and outputs, and routes only this device's tokens.
+"""
+
+import jax
+import jax.numpy as jnp
+from jaxtyping import Array, Float, Int
+
+from .grouped import Experts, grouped_ffn
+from .routing import Config, Routing, route
+
+
+def _slots(dest: Int[Array, " A"], size: int) -> Int[Array, " A"]:
+    """Each assignment's row in its destination's buffer: how many assignments
+    before it go to the same device (their order kept)."""
+    hits = jax.nn.one_hot(dest, size, dtype=jnp.int32)
+    before = jnp.cumsum(hits, axis=0) - hits
+    slot: Array = jnp.take_along_axis(before, dest[:, None], axis=1)[:, 0]
+    return slot
+
+
+def _holders_out(
+    rows: Float[Array, "R d"],
+    ids: Int[Array, " R"],
+    experts: Experts,
+    config: Config,
+) -> Float[Array, "R d"]:
+    """Each received row through its expert of this device's block, ungated
+    (the sender applies the gates); padded rows (id past the block) give 0."""
+    local = experts.w_in.shape[0]
+    gates = (ids < local).astype(rows.dtype)[:, None]
+    routing = Routing(ids[:, None], gates)
+    return grouped_ffn(rows, routing, experts, config.activation)
+
+
+def _send(
+    rows: Float[Array, "R d"], ids: Int[Array, " R"], *, largest: int, axis: str
+) -> tuple[Float[Array, "R d"], Int[Array, " R"]]:
+    """The rows and their expert ids to their devices in one `all_to_all`: the
+    ids ride as one more column when the rows' dtype holds every id up to
+    `largest` exactly (a few experts per device; a second exchange otherwise)."""
+    exact = 2 ** (jnp.finfo(rows.dtype).nmant + 1)
+    if largest >= exact:
+        moved = jax.lax.all_to_all(rows, axis, 0, 0, tiled=True)
+        return moved, jax.lax.all_to_all(ids, axis, 0, 0, tiled=True)
+    column = jax.lax.stop_gradient(ids.astype(rows.dtype))[:, None]
+    both = jax.lax.all_to_all(
+        jnp.concatenate([rows, column], axis=1), axis, 0, 0, tiled=True
+    )
+    return both[:, :-1], jnp.round(both[:, -1]).astype(jnp.int32)
+
+
+def exchanged(
+    experts: Experts, router: Array, x: Float[Array, "T d"], config: Config, axis: str
+) -> Float[Array, "T d"]:
+    """Different tokens on each device: routed here, each assignment sent to its
+    expert's device and its output sent back (two `all_to_all`s), combined with
+    the gates here. Inside `jax.shard_map` over `axis`, `experts` this device's
+    block; the gradients flow back through the same two exchanges."""
+    size = jax.lax.axis_size(axis)
+    local = experts.w_in.shape[0]
+    routing = route(router, x, config).routing
+    tokens, k = routing.experts.shape
+    flat = routing.experts.reshape(-1)
+    dest, slot = flat // local, _slots(flat // local, size)
+    width = tokens * k  # the worst case: every assignment to one device
+    send = jnp.zeros((size, width, x.shape[1]), x.dtype)
+    send = send.at[dest, slot].set(jnp.repeat(x, k, axis=0))
+    ids = jnp.full((size, width), local, jnp.int32).at[dest, slot].set(flat % local)
+    rows, got = _send(
+        send.reshape(size * width, -1), ids.reshape(-1), largest=local, axis=axis
+    )
+    out = _holders_out(rows, got, experts, config)
+    back = jax.lax.all_to_all(out, axis, 0, 0, tiled=True)
+    mine = back.reshape(size, width, -1)[dest, slot].reshape(tokens, k, -1)
+    combined: Array = jnp.einsum("tk,tkd->td", routing.gates.astype(x.dtype), mine)
+    return combined
