@@ -109,9 +109,11 @@ def test_help_describes_every_option(script_env: dict[str, str]) -> None:
 def test_pipeline_stages_agree_with_data_parallel(
     tmp_path: Path, script_env: dict[str, str]
 ) -> None:
-    """`--pipeline-parallel 2 --schedule 1f1b`: the blocks, an `ed.Stacked`, in 2
-    stages of a `{"stage": 2, "data": 4}` mesh, each device's 4 rows in 2
-    microbatches; the same parameters as plain data parallelism."""
+    """`--pipeline-parallel 2 --schedule 1f1b --experts 4 --expert-parallel`: the
+    blocks, an `ed.Stacked` of MoE blocks (their aux losses out of the stack),
+    in 2 stages of a `{"stage": 2, "data": 4}` mesh, each device's 4 rows in 2
+    microbatches, each device holding 1 of every layer's 4 experts; the same
+    parameters as plain data parallelism."""
     out = _run(
         script_env,
         *("--out", str(tmp_path)),
@@ -119,6 +121,7 @@ def test_pipeline_stages_agree_with_data_parallel(
         *("--batch-size", "16", "--seq-len", "16", "--d-model", "32"),
         *("--sample-chars", "0", "--min-weight-size", "64", "--min-len", "2"),
         *("--pipeline-parallel", "2", "--microbatches", "2", "--schedule", "1f1b"),
+        *("--experts", "4", "--expert-parallel"),
     )
     assert out.returncode == 0, out.stdout + out.stderr
     text = out.stdout
@@ -130,6 +133,8 @@ def test_pipeline_stages_agree_with_data_parallel(
     # Each stage holds its layer, sharded over "data" too (FSDP).
     assert re.search(r"attn\.query\.weight\s+P\('stage', 'data', None\)", text)
     assert re.search(r"norm1\.weight\s+P\('stage',\)", text)
+    # Each device holds its stage's layer's expert: split by expert over "data".
+    assert re.search(r"mlp\.w_in\s+P\('stage', 'data'\)", text)
     losses = [float(x) for x in re.findall(r"loss (\d+\.\d+)  perplexity", text)]
     assert len(losses) == 2 and all(math.isfinite(x) and x > 0 for x in losses)
     assert losses[1] < losses[0]
