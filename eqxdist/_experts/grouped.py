@@ -1,7 +1,8 @@
 """The experts' computation, dropless: the token-expert assignments sorted by
-expert and run through grouped matrix products (`jax.lax.ragged_dot`), then put
-back in token order and combined with their gates. No capacity: an expert
-takes every assignment it gets, however many."""
+expert and run through grouped matrix products (`grouped_matmul`: tiles on CPU,
+`jax.lax.ragged_dot` elsewhere), then put back in token order and combined with
+their gates. No capacity: an expert takes every assignment it gets, however
+many."""
 
 import functools
 from collections.abc import Callable
@@ -10,10 +11,13 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jaxtyping import Array, Float
+from jaxtyping import Array, Float, Int
 
 from .batching import one_token_set
 from .routing import Routing
+from .tiles import tiled_matmul
+
+METHODS = ("auto", "tiled", "ragged_dot")
 
 
 class Experts(NamedTuple):
@@ -22,6 +26,42 @@ class Experts(NamedTuple):
     w_in: Float[Array, "E d h"]
     w_gate: Float[Array, "E d h"] | None  # None: not gated
     w_out: Float[Array, "E h d"]
+
+
+def _tile_rows(rows: int, groups: int) -> int:
+    """Half a mean group, a power of two in [16, 128]: the padding (under half a
+    tile per group) stays near a quarter of the rows, and the tiles big enough
+    for a fast product. Measured on XLA:CPU (d 64, h 128; rows 512 to 8192,
+    8 to 64 groups)."""
+    half = max(rows // (2 * max(groups, 1)), 1)
+    return int(min(max(1 << (half.bit_length() - 1), 16), 128))
+
+
+def grouped_matmul(
+    x_sorted: Float[Array, "rows d"],
+    w: Float[Array, "E d h"],
+    group_sizes: Int[Array, " E"],
+    *,
+    method: str = "auto",
+) -> Float[Array, "rows h"]:
+    """Row i of group g (the rows sorted by group, `group_sizes[g]` of them)
+    times `w[g]`; zeros for the rows past the groups.
+
+    `method`: `"ragged_dot"` (`jax.lax.ragged_dot`, the fused kernel on GPU and
+    TPU), `"tiled"` (each group padded to whole tiles, one batched product: on
+    XLA:CPU `ragged_dot` is an order of magnitude slower) or `"auto"`, tiles
+    when JAX's default backend is the CPU at trace time."""
+    if method not in METHODS:
+        raise ValueError(
+            f"grouped_matmul: method={method!r}; expected one of {METHODS}. "
+            "Pass 'auto' to choose by backend."
+        )
+    if method == "auto":
+        method = "tiled" if jax.default_backend() == "cpu" else "ragged_dot"
+    if method == "ragged_dot":
+        return jax.lax.ragged_dot(x_sorted, w, group_sizes)
+    tile = _tile_rows(x_sorted.shape[0], w.shape[0])
+    return tiled_matmul(x_sorted, w, group_sizes, tile=tile)
 
 
 def _ffn(
@@ -37,10 +77,10 @@ def _ffn(
     rows = x[order // k]
     # Ids past the last group are dropped by `length`: they belong to no group.
     sizes = jnp.bincount(flat, length=groups).astype(jnp.int32)
-    hidden = activation(jax.lax.ragged_dot(rows, experts.w_in, sizes))
+    hidden = activation(grouped_matmul(rows, experts.w_in, sizes))
     if experts.w_gate is not None:
-        hidden = hidden * jax.lax.ragged_dot(rows, experts.w_gate, sizes)
-    out = jax.lax.ragged_dot(hidden, experts.w_out, sizes)
+        hidden = hidden * grouped_matmul(rows, experts.w_gate, sizes)
+    out = grouped_matmul(hidden, experts.w_out, sizes)
     out = out * routing.gates.reshape(-1)[order][:, None]
     back = jnp.zeros_like(order).at[order].set(jnp.arange(order.size))
     combined: Array = out[back].reshape(tokens, k, -1).sum(axis=1)
@@ -83,7 +123,7 @@ def grouped_ffn(
 
     An assignment whose expert id is `len(experts.w_in)` (one past the last) is
     none of these experts' (another device's): it sits after the groups, where
-    `ragged_dot` gives zeros, and its gate must be 0."""
+    `grouped_matmul` gives zeros, and its gate must be 0."""
     y: Array = _forward(activation)((x, routing), experts)[0]
     return y
 
