@@ -315,11 +315,12 @@ def _hlo_collectives(text):
     return [(kind, shape) for shape, kind in found]
 
 
-def test_the_dispatch_communicates_tokens_never_weights(mesh8):
-    """The device view's forward: one all-gather of the tokens, one
-    reduce-scatter of the outputs; forward and backward: no collective moves an
-    expert weight (or a block of one)."""
-    moe = with_expert_axis(ed.MoE(8, 16, 16, top_k=2, key=jax.random.key(9)), "data")
+def _dispatch_collectives(mesh8, dispatch):
+    """`(is_forward, counts)` of the compiled device view of a 16-expert MoE over
+    "data" with `dispatch`, forward and gradient, after checking that no
+    collective of either moves an expert weight (or a block of one)."""
+    moe = ed.MoE(8, 16, 16, top_k=2, key=jax.random.key(9), dispatch=dispatch)
+    moe = with_expert_axis(moe, "data")
     params, static = eqx.partition(moe, eqx.is_array)
     specs = _specs(moe, "data")
 
@@ -336,12 +337,19 @@ def test_the_dispatch_communicates_tokens_never_weights(mesh8):
             check_vma=False,
         )  # fmt: skip
         compiled = jax.jit(mapped).lower(params, x).compile()
-        counts = ed.count_collectives(compiled)
-        assert counts["all-to-all"] == 0
         shapes = {s for _, s in _hlo_collectives(compiled.as_text())}
         weights = {f"f32[{a},{b},{c}]" for a in (2, 16) for b, c in ((8, 16), (16, 8))}
         assert not shapes & weights, shapes
-        if fn is forward:
+        yield fn is forward, ed.count_collectives(compiled)
+
+
+def test_the_dispatch_communicates_tokens_never_weights(mesh8):
+    """The device view's forward: one all-gather of the tokens, one
+    reduce-scatter of the outputs; forward and backward: no collective moves an
+    expert weight (or a block of one)."""
+    for is_forward, counts in _dispatch_collectives(mesh8, "all_gather"):
+        assert counts["all-to-all"] == 0
+        if is_forward:
             assert counts["all-gather"] == counts["reduce-scatter"] == 1, counts
             assert counts["all-reduce"] == 0, counts
 
@@ -369,29 +377,8 @@ def test_all_to_all_dispatch_is_two_all_to_alls(mesh8):
     """The forward of one call: two all-to-alls (the assignments with their ids
     out, the outputs back), no gather or scatter; no collective moves an expert
     weight, forward or backward."""
-    moe = ed.MoE(8, 16, 16, top_k=2, key=jax.random.key(9), dispatch="all_to_all")
-    moe = with_expert_axis(moe, "data")
-    params, static = eqx.partition(moe, eqx.is_array)
-    specs = _specs(moe, "data")
-
-    def forward(params, x):
-        return eqx.combine(params, static)(x)[0]
-
-    def gradient(params, x):
-        return jax.grad(lambda p: jnp.sum(forward(p, x) ** 2))(params)
-
-    x = _tokens(shape=(64, 8))
-    for fn, out in ((forward, P("data")), (gradient, specs)):
-        mapped = jax.shard_map(
-            fn, mesh=mesh8, in_specs=(specs, P("data")), out_specs=out,
-            check_vma=False,
-        )  # fmt: skip
-        compiled = jax.jit(mapped).lower(params, x).compile()
-        counts = ed.count_collectives(compiled)
-        shapes = {s for _, s in _hlo_collectives(compiled.as_text())}
-        weights = {f"f32[{a},{b},{c}]" for a in (2, 16) for b, c in ((8, 16), (16, 8))}
-        assert not shapes & weights, shapes
-        if fn is forward:
+    for is_forward, counts in _dispatch_collectives(mesh8, "all_to_all"):
+        if is_forward:
             assert counts["all-to-all"] == 2, counts
             others = ("all-gather", "reduce-scatter", "all-reduce")
             assert all(counts[k] == 0 for k in others), counts
