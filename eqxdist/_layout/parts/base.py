@@ -12,6 +12,20 @@ from typing import Any
 
 from jax.sharding import Mesh, PartitionSpec as P
 
+from ..._utils import check_axis_in_mesh
+
+
+def check_axis_keyword(caller: str, mesh: Mesh, value: Any, keyword: str) -> str:
+    """A part's keyword naming one mesh axis: a `TypeError` unless a str, a
+    `ValueError` (the mesh's axes, a close name) unless an axis of `mesh`."""
+    if not isinstance(value, str):
+        raise TypeError(
+            f"{caller}: `{keyword}` must be the name of one mesh axis (a str); "
+            f"got {value!r}."
+        )
+    check_axis_in_mesh(mesh, value, caller, keyword)
+    return value
+
 
 @dataclasses.dataclass(frozen=True)
 class LossView:

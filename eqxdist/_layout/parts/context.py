@@ -14,8 +14,8 @@ import numpy as np
 from jax.sharding import Mesh, PartitionSpec as P
 
 from ..._long.order import balance
-from ..._utils import check_axis_in_mesh, is_array
-from .base import Part
+from ..._utils import is_array
+from .base import Part, check_axis_keyword
 from .tensor import check_rules_spare
 
 
@@ -43,12 +43,7 @@ class ContextPart(Part):
     ) -> "ContextPart":
         """`context_axis` checked: one axis of `mesh`, none of the axes other
         parts have `taken` (`{axis: what it is}`), named by no rule."""
-        if not isinstance(context_axis, str):
-            raise TypeError(
-                f"{caller}: `context_axis` must be the name of one mesh axis (a "
-                f"str); got {context_axis!r}."
-            )
-        check_axis_in_mesh(mesh, context_axis, caller, "context_axis")
+        check_axis_keyword(caller, mesh, context_axis, "context_axis")
         if context_axis in taken:
             raise ValueError(
                 f"{caller}: `context_axis`={context_axis!r} is also "

@@ -13,9 +13,9 @@ import numpy as np
 from jax.sharding import Mesh, PartitionSpec as P
 
 from ..._experts.moe import expert_leaves, with_expert_axis
-from ..._utils import check_axis_in_mesh, path_str
+from ..._utils import path_str
 from ..plan import ExpertPlan
-from .base import LossView, Part
+from .base import LossView, Part, check_axis_keyword
 from .tensor import check_rules_spare
 
 
@@ -38,12 +38,7 @@ class ExpertPart(Part):
         taken: dict[str, str],
         param_rules: Sequence[tuple[str, P]],
     ) -> "ExpertPart":
-        if not isinstance(expert_axis, str):
-            raise TypeError(
-                f"{caller}: `expert_axis` must be the name of one mesh axis (a "
-                f"str); got {expert_axis!r}."
-            )
-        check_axis_in_mesh(mesh, expert_axis, caller, "expert_axis")
+        check_axis_keyword(caller, mesh, expert_axis, "expert_axis")
         other = {a: what for a, what in taken.items() if a not in data_axes}
         if expert_axis in other:
             raise ValueError(
