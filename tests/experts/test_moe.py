@@ -183,6 +183,23 @@ def _reference_grads(moe, x, c, shards):
     return jax.value_and_grad(loss, argnums=(0, 1))(moe, x)
 
 
+def _assert_split_device_view_is_one_device(moe, x, mesh8):
+    """`moe` with its experts over "data" and the tokens `x` split over it,
+    inside `shard_map`: its value and gradients (weights, tokens) equal one
+    device's. Returns the reference's weight gradients."""
+    c = _weights((T, D))
+    value, grads, gx = _device_grads(with_expert_axis(moe, "data"), x, c, mesh8, "data")
+    want, (want_g, want_gx) = _reference_grads(moe, x, c, 8)
+    np.testing.assert_allclose(value, want, **TOL)
+    _assert_trees_close(
+        eqx.filter(grads, eqx.is_array), eqx.filter(want_g, eqx.is_array)
+    )
+    # A device's tokens' gradient is its part of the sum of the devices' losses'
+    # (upstream replicated leaves are averaged over the data devices after).
+    np.testing.assert_allclose(gx / 8, want_gx, **TOL)
+    return want_g
+
+
 @pytest.mark.parametrize(
     ("num_experts", "gated", "dispatch"),
     [(8, True, "all_gather"), (16, False, "all_gather"), (16, True, "all_to_all")],
@@ -194,16 +211,7 @@ def test_device_view_tokens_split_over_the_expert_axis(
         D, H, num_experts, top_k=2, key=jax.random.key(5), gated=gated,
         dispatch=dispatch,
     )  # fmt: skip
-    x, c = _tokens(), _weights((T, D))
-    value, grads, gx = _device_grads(with_expert_axis(moe, "data"), x, c, mesh8, "data")
-    want, (want_g, want_gx) = _reference_grads(moe, x, c, 8)
-    np.testing.assert_allclose(value, want, **TOL)
-    _assert_trees_close(
-        eqx.filter(grads, eqx.is_array), eqx.filter(want_g, eqx.is_array)
-    )
-    # A device's tokens' gradient is its part of the sum of the devices' losses'
-    # (upstream replicated leaves are averaged over the data devices after).
-    np.testing.assert_allclose(gx / 8, want_gx, **TOL)
+    _assert_split_device_view_is_one_device(moe, _tokens(), mesh8)
 
 
 def test_device_view_under_vmap_over_rows(mesh8):
@@ -362,14 +370,9 @@ def test_all_to_all_every_token_to_one_expert_is_dropless(mesh8, top_k):
     moe = ed.MoE(D, H, 8, top_k=top_k, key=jax.random.key(0), dispatch="all_to_all")
     rows = jnp.asarray([[1.0] * D, [-1.0] * D, [3.0] * D] + [[-1.0] * D] * 5)
     moe = eqx.tree_at(lambda m: m.router.weight, moe, rows)
-    x, c = jnp.abs(_tokens()) + 0.1, _weights((T, D))
-    value, grads, gx = _device_grads(with_expert_axis(moe, "data"), x, c, mesh8, "data")
-    want, (want_g, want_gx) = _reference_grads(moe, x, c, 8)
-    np.testing.assert_allclose(value, want, **TOL)
-    _assert_trees_close(
-        eqx.filter(grads, eqx.is_array), eqx.filter(want_g, eqx.is_array)
+    want_g = _assert_split_device_view_is_one_device(
+        moe, jnp.abs(_tokens()) + 0.1, mesh8
     )
-    np.testing.assert_allclose(gx / 8, want_gx, **TOL)
     assert np.abs(np.asarray(want_g.w_in[2])).max() > 0  # expert 2 did train
 
 
