@@ -58,6 +58,23 @@ def run_slots(
     return carry
 
 
+def microbatch_key(
+    key: Any, micro: Any, microbatches: int, data: tuple[str, ...] = ()
+) -> Any:
+    """The key microbatch `micro` (of `microbatches`, a traced index) calls the
+    stack's layers with when the stack's `key` is not per row: `fold_in(key,
+    g)`, g the microbatch's index among the rows the stack was called on: `micro`
+    in the device view (each device's key is its own), d M + `micro` in the
+    global view, d the data shard's index over the axes `data` (bound), whose
+    rows come d-th. Each layer's key is then `jax.random.split(fold_in(key, g),
+    L)[layer]`, the global layer's: no two microbatches (or data shards) draw
+    the same noise, and how many stages hold the layers changes no key."""
+    g = micro
+    if data:
+        g = jax.lax.axis_index(data) * microbatches + micro
+    return jax.random.fold_in(key, g)
+
+
 def run_stage(
     stacked: Stacked,
     plan: StagePlan,
@@ -69,15 +86,21 @@ def run_stage(
     remat: Any,
     acc: Any = None,
     chunk: Any = 0,
+    micro: Any = 0,
+    data: tuple[str, ...] = (),
 ) -> Any:
     """This stage's layers of the pipelined `stacked` (its leaves this stage's
     L/P layers, in chunk order with `repeats`; the stage axis bound) on the
-    rows `h`, as `run_layers` runs them: with R > 1 repeats, only its `chunk`
-    (a traced index) of L/(P R) layers, global chunk `chunk` P + s. `remat`:
-    the step's (`UNSET`: the stack's own). For blocks that return `(x, aux)`,
+    rows `h`, microbatch `micro` (a traced index), as `run_layers` runs them:
+    with R > 1 repeats, only its `chunk` (a traced index) of L/(P R) layers,
+    global chunk `chunk` P + s. A `key` not per row is the microbatch's
+    (`microbatch_key`; `data`: the global view's data axes). `remat`: the
+    step's (`UNSET`: the stack's own). For blocks that return `(x, aux)`,
     `(h, acc)` with these layers' aux written into `acc`, the microbatch's
     accumulator (`stack_aux.place_aux`)."""
     leaves, layer = layer_function(stacked, with_key=key is not None)
+    if key is not None and not key_rows:
+        key = microbatch_key(key, micro, plan.pipeline.microbatches, data)
     repeats = plan.pipeline.repeats
     count = stacked.num_layers // (plan.stages * repeats)
     s = jax.lax.axis_index(plan.axis)
@@ -131,6 +154,7 @@ class ForwardEngine:
     sum_input: bool
     unroll: bool = False
     aux: Any = None  # blocks returning `(x, aux)`: one microbatch's accumulator
+    data: tuple[str, ...] = ()  # the global view's data axes (`microbatch_key`)
 
     def __call__(self, leaves: list[Any], x: Any, key: Any) -> Any:
         stages, m_total, repeats = self.stages, self.microbatches, self.repeats
@@ -216,6 +240,8 @@ class ForwardEngine:
             key, rows_keys, m = keys
             if self.key_rows:
                 key = jax.lax.dynamic_index_in_dim(rows_keys, m, 0, keepdims=False)
+            else:
+                key = microbatch_key(key, m, self.microbatches, self.data)
             keys = key
         return run_layers(
             self.layer,

@@ -100,8 +100,10 @@ class StageSlots:
       microbatch's other inputs `r` and the stack's output `y` (leaves), its
       outputs' first the loss (the step's callback: `_step.cut_loss`).
     - `key_tree`: the structure of the stack's key (`None` without one).
-    - `stage`: `stage(params, h, key, chunk) -> y`, this stage's chunk `chunk`
-      of layers on the rows `h` (leaves in, leaves out).
+    - `stage`: `stage(params, h, key, chunk, micro) -> y`, this stage's chunk
+      `chunk` of layers on microbatch `micro`'s rows `h` (leaves in, leaves
+      out); a backward entry recomputes it with the forward's key and `micro`,
+      so it draws the forward's noise.
     - `params`: the parameter leaves; `rest`: the microbatches' other inputs
       of `post`, stacked; `xs`, `keys`: the stack's input and key leaves per
       microbatch (stage 0 reads `xs`).
@@ -159,7 +161,7 @@ class StageSlots:
             for x, f in zip(self.xs, inbox_f, strict=True)
         ]
         stash = [_set(b, e["stash"], v) for b, v in zip(stash, h, strict=True)]
-        y = self.stage(self.params, h, self._key(m), r)
+        y = self.stage(self.params, h, self._key(m), r, m)
 
         def last(args: Any) -> Any:
             inbox_b, grads, outs = args
@@ -190,13 +192,13 @@ class StageSlots:
         dy = [_index(b, e["read"]) for b in inbox_b]
         key, params = self._key(m), self.params
         if wrt == "input":
-            y, vjp = jax.vjp(lambda h: self.stage(params, h, key, r), h)
+            y, vjp = jax.vjp(lambda h: self.stage(params, h, key, r, m), h)
             dp, (dh,) = None, vjp([cotangent(d, v) for d, v in zip(dy, y, strict=True)])
         elif wrt == "weights":
-            y, vjp = jax.vjp(lambda p: self.stage(p, h, key, r), params)
+            y, vjp = jax.vjp(lambda p: self.stage(p, h, key, r, m), params)
             (dp,), dh = vjp([cotangent(d, v) for d, v in zip(dy, y, strict=True)]), None
         else:
-            y, vjp = jax.vjp(lambda p, h: self.stage(p, h, key, r), params, h)
+            y, vjp = jax.vjp(lambda p, h: self.stage(p, h, key, r, m), params, h)
             dp, dh = vjp([cotangent(d, v) for d, v in zip(dy, y, strict=True)])
         if dp is not None:
             grads = [a + b for a, b in zip(grads, dp, strict=True)]

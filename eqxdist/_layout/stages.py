@@ -165,6 +165,7 @@ class PipelinedStack(eqx.Module):
             # transpose is never taken, the engine does both.
             sum_input=not self.manual,
             aux=aux,
+            data=data,
         )
         if not self.manual:  # the device view: the step's shard_map binds the stages
             return engine(leaves, x, key)

@@ -194,14 +194,18 @@ class DeviceGradients:
 
     def _stage(self, frozen: Any) -> Callable[..., Any]:
         """Inside the step's `shard_map`: `stage(params, h, key, key_rows,
-        per_row, acc, chunk)`, this stage's layers (its `chunk` of them, with
-        repeats) of the pipelined `Stacked` on the rows `h` (the stage of the
-        schedules whose backward is written out; `params`: the trained leaves;
-        `acc`: the microbatch's aux accumulator, `None` without aux)."""
+        per_row, acc, chunk, micro)`, this stage's layers (its `chunk` of them,
+        with repeats) of the pipelined `Stacked` on microbatch `micro`'s rows
+        `h` (the stage of the schedules whose backward is written out;
+        `params`: the trained leaves; `acc`: the microbatch's aux accumulator,
+        `None` without aux). A stack key not per row is the microbatch's
+        (`engine.microbatch_key`; in the global view numbered over the batch's
+        data shards)."""
         inputs = self.inputs
         stages = inputs.plan.stages
         assert stages is not None
         remat = self.options.remat
+        data = inputs.layout.data_axes if self.options.view == "global" else ()
 
         def stage(
             params: Any,
@@ -211,6 +215,7 @@ class DeviceGradients:
             per_row: bool,
             acc: Any,
             chunk: Any,
+            micro: Any,
         ) -> Any:
             params = cast_floating(params, self.options.compute_dtype)
             model = inputs.model(params, frozen, pipelined=False)
@@ -224,6 +229,8 @@ class DeviceGradients:
                 remat=remat,
                 acc=acc,
                 chunk=chunk,
+                micro=micro,
+                data=data,
             )
 
         return stage

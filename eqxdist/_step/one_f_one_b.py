@@ -59,11 +59,12 @@ class OneFOneB:
     - `marked`: `marked(params, model_state, minibatch, key, seen)`, the checked
       loss (`CheckedLoss`'s output) on a model whose pipelined stack is a
       `MarkedStack` recording into `seen`.
-    - `stage`: `stage(params, h, key, key_rows, per_row, acc) -> h`, this
-      stage's layers on the rows `h` (`key`: the rows' keys (`key_rows`) or the
-      stack's key, or `None`; `per_row`: each block called per row, else on all
-      of `h`); for blocks that return `(x, aux)`, `(h, acc)` with this stage's
-      aux written into the microbatch's accumulator `acc` (else `None`).
+    - `stage`: `stage(params, h, key, key_rows, per_row, acc, chunk, micro) ->
+      h`, this stage's layers (chunk `chunk`) on microbatch `micro`'s rows `h`
+      (`key`: the rows' keys (`key_rows`) or the stack's key, or `None`;
+      `per_row`: each block called per row, else on all of `h`); for blocks
+      that return `(x, aux)`, `(h, acc)` with this stage's aux written into the
+      microbatch's accumulator `acc` (else `None`).
     - `plan`: the pipeline; `specs`: the model's specs (`ModelPlan.specs`),
       which say which leaves are a stage's own layers.
     - `checked`: the user's loss, checked (`weighted` is read after tracing).
@@ -149,11 +150,14 @@ class OneFOneB:
         accs = jax.tree.leaves(zeros(loss.aux, (micro,)))
         acc_tree = jax.tree.structure(loss.aux)
 
-        def stage(p: list[Any], h: list[Any], key: Any, chunk: Any) -> list[Any]:
+        def stage(
+            p: list[Any], h: list[Any], key: Any, chunk: Any, m: Any
+        ) -> list[Any]:
             x = jax.tree.unflatten(loss.x_tree, h[:n_x])
             acc = None if loss.aux is None else jax.tree.unflatten(acc_tree, h[n_x:])
             params = jax.tree.unflatten(p_tree, p)
-            out = self.stage(params, x, key, loss.key_rows, loss.per_row, acc, chunk)
+            rows = loss.key_rows, loss.per_row
+            out = self.stage(params, x, key, *rows, acc, chunk, m)
             return list(jax.tree.leaves(out))
 
         slots = StageSlots(
