@@ -97,6 +97,10 @@ from ._step.train_step import (
     TrainStep as TrainStep,
     make_train_step as make_train_step,
 )
+from ._weights import (
+    load_safetensors as load_safetensors,
+    save_safetensors as save_safetensors,
+)
 
 __version__ = "0.5.0.dev0"
 

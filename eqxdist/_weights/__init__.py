@@ -1,0 +1,5 @@
+"""Weights in and out: safetensors files in Hugging Face's layout, read straight
+into a layout, and LoRA adapters."""
+
+from .load import load_safetensors as load_safetensors
+from .save import save_safetensors as save_safetensors
