@@ -69,7 +69,7 @@ def _read(file: Path, name: str, index: Sequence[slice]) -> np.ndarray:
         part = f.get_slice(name)
         if not part.get_shape():
             return np.asarray(f.get_tensor(name))
-        return np.array(part[tuple(index)])
+        return np.asarray(part[tuple(index)])
 
 
 def _reader(entry: Entry, files: dict[str, Path]) -> Any:
@@ -79,17 +79,35 @@ def _reader(entry: Entry, files: dict[str, Path]) -> Any:
     def callback(index: tuple[slice, ...]) -> np.ndarray:
         if not entry.stacked:
             value = _read(files[entry.names[0]], entry.names[0], index)
-        else:
-            layers = range(*index[0].indices(shape[0]))
-            value = np.stack(
-                [
-                    _read(files[entry.names[i]], entry.names[i], index[1:])
-                    for i in layers
-                ]
-            )
-        return value if value.dtype == dtype else value.astype(dtype)
+            return value if value.dtype == dtype else value.astype(dtype)
+        layers = range(*index[0].indices(shape[0]))
+        inner = tuple(
+            len(range(*s.indices(n))) for s, n in zip(index[1:], shape[1:], strict=True)
+        )
+        out = np.empty((len(layers), *inner), dtype)
+        for j, i in enumerate(layers):  # each layer's slice straight into place
+            out[j] = _read(files[entry.names[i]], entry.names[i], index[1:])
+        return out
 
     return callback
+
+
+def _build(shape: tuple[int, ...], sharding: Any, read: Any) -> jax.Array:
+    """`jax.make_array_from_callback`, one device at a time: each slice is on its
+    device before the next is read, so at most one slice is in host memory
+    beside the shards (the callback form reads every local slice first). A
+    slice replicated on several devices is read once."""
+    arrays = []
+    last: tuple[Any, jax.Array] | None = None
+    for device, index in sharding.addressable_devices_indices_map(shape).items():
+        key = tuple((s.start, s.stop, s.step) for s in index)
+        if last is None or last[0] != key:
+            last = (key, jax.device_put(read(index), device))
+            arrays.append(last[1])
+        else:
+            arrays.append(jax.device_put(last[1], device))
+        jax.block_until_ready(arrays[-1])
+    return jax.make_array_from_single_device_arrays(shape, sharding, arrays)
 
 
 def load_safetensors(
@@ -116,9 +134,9 @@ def load_safetensors(
     - `layout`: an `ed.Layout`; each leaf is placed as `layout.model_specs(like)`
       says. Without one, on this process's first device.
 
-    Each process reads only the parts of each tensor that its devices hold
-    (`jax.make_array_from_callback`), through the file's memory map, opened
-    per part: a model loaded under FSDP over `n` processes costs each about
+    Each process reads only the parts of each tensor that its devices hold,
+    one device's slice at a time, through the file's memory map, opened per
+    slice: a model loaded under FSDP over `n` processes costs each about
     its `1/n` share of host memory plus the largest single slice, never the
     whole checkpoint. Save then load is bit-exact for every dtype.
 
@@ -149,9 +167,5 @@ def load_safetensors(
             leaves.append(leaf)
             continue
         sharding = default if layout is None else NamedSharding(layout.mesh, spec)
-        leaves.append(
-            jax.make_array_from_callback(
-                tuple(leaf.shape), sharding, _reader(entry, files), dtype=leaf.dtype
-            )
-        )
+        leaves.append(_build(tuple(leaf.shape), sharding, _reader(entry, files)))
     return jax.tree.unflatten(jax.tree.structure(like), leaves)
