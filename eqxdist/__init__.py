@@ -98,7 +98,11 @@ from ._step.train_step import (
     make_train_step as make_train_step,
 )
 from ._weights import (
+    LoRALinear as LoRALinear,
     load_safetensors as load_safetensors,
+    lora as lora,
+    lora_trainable as lora_trainable,
+    merge_lora as merge_lora,
     save_safetensors as save_safetensors,
 )
 
