@@ -97,6 +97,14 @@ from ._step.train_step import (
     TrainStep as TrainStep,
     make_train_step as make_train_step,
 )
+from ._weights import (
+    LoRALinear as LoRALinear,
+    load_safetensors as load_safetensors,
+    lora as lora,
+    lora_trainable as lora_trainable,
+    merge_lora as merge_lora,
+    save_safetensors as save_safetensors,
+)
 
 __version__ = "0.5.0.dev0"
 

@@ -230,3 +230,25 @@ def test_multi_process_example_restarts_past_a_crash(tmp_path: Path) -> None:
     assert "[0] resumed from step 5" in out.stdout
     assert "[0] === Steps 8-11 ===" in out.stdout
     assert ed.latest_step(tmp_path) == 12
+
+
+@pytest.mark.slow
+def test_finetune_lora_under_a_pipeline(
+    tmp_path: Path, script_env: dict[str, str]
+) -> None:
+    """examples/finetune_lora.py at a few steps under its 1F1B pipeline layout:
+    the checkpoint loads to the NumPy reference's logits, the loss falls, and the
+    merged model written back reloads to the fine-tuned logits (its asserts)."""
+    out = _run(
+        script_env,
+        "examples/finetune_lora.py",
+        "--out",
+        str(tmp_path),
+        "--layout",
+        "pipeline",
+        "--steps",
+        "4",
+    )
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "logits vs the NumPy reference" in out.stdout
+    assert (tmp_path / "merged" / "model.safetensors").exists()

@@ -266,11 +266,19 @@ class ParamRules:
         return bool(self.rules)
 
     def match(self, paths: Sequence[str], leaves: Sequence[Any]) -> list[P | None]:
-        """The rule spec of each leaf (`None`: no rule matched, or not an array)."""
+        """The rule spec of each leaf (`None`: no rule matched, or not an array).
+        A LoRA adapter (`lora_a`/`lora_b` beside a `weight`, `adapters`) whose
+        weight has a rule is placed by it (`adapter_spec`), not matched itself."""
         out: list[P | None] = [None] * len(leaves)
         used = [False] * len(self.rules)
-        for j, (path, leaf) in enumerate(zip(paths, leaves, strict=True)):
+        adapted = adapters(paths, leaves)
+        for j in [*(j for j in range(len(leaves)) if j not in adapted), *adapted]:
+            path, leaf = paths[j], leaves[j]
             if not is_array_like(leaf):
+                continue
+            if j in adapted and out[adapted[j][0]] is not None:
+                weight, kind = adapted[j]
+                out[j] = adapter_spec(out[weight], kind, len(leaf.shape))  # type: ignore[arg-type]
                 continue
             for r, (pattern, spec) in enumerate(self.rules):
                 if pattern.search(path):
@@ -305,6 +313,37 @@ class ParamRules:
                     f"{dim} of {path} (shape {shape}) has size {shape[dim]}, not "
                     f"divisible by the {plural(size, 'device')} of {entry!r}."
                 )
+
+
+def adapters(paths: Sequence[str], leaves: Sequence[Any]) -> dict[int, tuple[int, str]]:
+    """The LoRA adapters among `leaves`: `{adapter: (its weight, "lora_a" or
+    "lora_b")}`, a leaf `<m>.lora_a` `(..., rank, in)` or `<m>.lora_b` `(...,
+    out, rank)` beside `<m>.weight` `(..., out, in)` (`ed.LoRALinear`)."""
+    index = {path: j for j, path in enumerate(paths)}
+    found = {}
+    for j, path in enumerate(paths):
+        for kind, dim in (("lora_a", -1), ("lora_b", -2)):
+            w = index.get(path[: -len(kind)] + "weight", -1)
+            if not path.endswith("." + kind) or w < 0:
+                continue
+            a, b = leaves[j], leaves[w]
+            if (
+                is_array_like(a)
+                and is_array_like(b)
+                and len(a.shape) == len(b.shape) >= 2
+                and a.shape[dim] == b.shape[dim]
+            ):
+                found[j] = (w, kind)
+    return found
+
+
+def adapter_spec(weight: P, kind: str, ndim: int) -> P:
+    """An adapter's spec from its weight's rule: the weight's output-dimension
+    axis on `lora_b`'s output dimension, its input-dimension axis on `lora_a`'s
+    input dimension, leading (layer) axes kept; the rank never split."""
+    entries = [*weight, *[None] * (ndim - len(weight))]
+    entries[-2 if kind == "lora_a" else -1] = None  # the rank
+    return P(*entries)
 
 
 def merge_specs(rule: P | None, own: P | None, path: str, caller: str) -> P | None:

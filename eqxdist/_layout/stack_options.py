@@ -7,6 +7,7 @@ from typing import Any
 
 import jax
 
+from .._utils import is_array_like
 from .remat import LEGACY, UNSET
 from .stacked import Stacked
 
@@ -56,3 +57,16 @@ def with_stack_options(model: Any, remat: Any, unroll: Any, caller: str) -> Any:
         model,
         is_leaf=_is_stacked,
     )
+
+
+def with_layers(stacked: Stacked, layers: Any) -> Stacked:
+    """`stacked` holding `layers` (the same number of layers, e.g. its blocks with
+    modules swapped in: `ed.lora`), its options kept."""
+    new = copy.copy(stacked)
+    object.__setattr__(new, "layers", layers)
+    object.__setattr__(
+        new,
+        "shapes",
+        tuple(tuple(x.shape) for x in jax.tree.leaves(layers) if is_array_like(x)),
+    )
+    return new
