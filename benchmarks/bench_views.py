@@ -22,6 +22,8 @@ and one generator step on one state (`part=`) against two hand-written
 `eqx.filter_jit` steps on the two halves.
 
     python benchmarks/bench_views.py [--quick] [--repeats 5] [--steps 10]
+    python benchmarks/bench_views.py --strategies fsdp --views global \\
+        --fsdp-layouts leading,largest --models "x @ W"
     python benchmarks/bench_views.py --gan
 
 The script sets up 8 simulated CPU devices itself (before JAX starts).
@@ -232,23 +234,56 @@ def time_rows(runs: dict[str, Callable], repeats: int, steps: int) -> dict[str, 
     return times
 
 
-def run(quick: bool, repeats: int, steps: int) -> list[dict[str, Any]]:
+def run(
+    quick: bool,
+    repeats: int,
+    steps: int,
+    models: str = "",
+    fsdp_layouts: tuple[Any, ...] = (None,),
+    strategies: tuple[str, ...] = ("dp", "fsdp"),
+    views: tuple[str, ...] = ("device", "global"),
+) -> list[dict[str, Any]]:
+    """Every model (those whose name contains `models`), each of `strategies`;
+    under fsdp each of `fsdp_layouts` (`None`: the step's default placement),
+    all of a model's variants timed side by side, each against the GSPMD step
+    on the placement of its own layout and, where `"largest"` is among them,
+    against the GSPMD step on `"largest"` (Equinox's own route: each weight
+    split on its largest dimension, docs/benchmarks.md)."""
     mesh = ed.create_data_parallel_mesh()
     rows = []
     for name, (build, batch, loss) in setups(quick).items():
-        for strategy in ("dp", "fsdp"):
-            options = {"strategy": strategy}
-            if strategy == "fsdp":
-                options["min_weight_size"] = MIN_WEIGHT_SIZE
-            runs = {}
-            for view in ("device", "global"):
-                step = ed.make_train_step(loss, OPTIMIZER, mesh, view=view, **options)
-                state = ed.TrainState.create(build(), OPTIMIZER, jax.random.key(1))
-                runs[view] = eqxdist_step(step, state, batch)
-            runs["gspmd"] = gspmd_step(step, loss, state, batch)
+        if models not in name:
+            continue
+        for strategy in strategies:
+            layouts = fsdp_layouts if strategy == "fsdp" else (None,)
+            runs, base = {}, {}
+            for fsdp_layout in layouts:
+                options: dict[str, Any] = {"strategy": strategy}
+                if strategy == "fsdp":
+                    options["min_weight_size"] = MIN_WEIGHT_SIZE
+                    if fsdp_layout is not None:
+                        options["fsdp_layout"] = fsdp_layout
+                tag = "" if len(layouts) == 1 else f":{fsdp_layout or 'default'}"
+                for view in views:
+                    step = ed.make_train_step(
+                        loss, OPTIMIZER, mesh, view=view, **options
+                    )
+                    state = ed.TrainState.create(build(), OPTIMIZER, jax.random.key(1))
+                    runs[view + tag] = eqxdist_step(step, state, batch)
+                    base[view + tag] = "gspmd" + tag
+                # The hand-written step on the last step's placement.
+                runs["gspmd" + tag] = gspmd_step(step, loss, state, batch)
+                base["gspmd" + tag] = "gspmd" + tag
             times = time_rows(runs, repeats, steps)
             for variant, ms in times.items():
-                ratios = [t / g for t, g in zip(ms, times["gspmd"], strict=True)]
+                ref = times[base[variant]]
+                ratios = [t / g for t, g in zip(ms, ref, strict=True)]
+                eqx_ref = times.get("gspmd:largest")
+                to_eqx = None
+                if eqx_ref is not None:
+                    to_eqx = statistics.median(
+                        t / g for t, g in zip(ms, eqx_ref, strict=True)
+                    )
                 count, mb = collectives(runs[variant].compiled)  # type: ignore[attr-defined]
                 rows.append(
                     {
@@ -260,6 +295,7 @@ def run(quick: bool, repeats: int, steps: int) -> list[dict[str, Any]]:
                         "range": (min(ratios), max(ratios)),
                         "collectives": count,
                         "mb": mb,
+                        "to_eqx": to_eqx,
                     }
                 )
                 print(_format(rows[-1]), flush=True)
@@ -268,10 +304,12 @@ def run(quick: bool, repeats: int, steps: int) -> list[dict[str, Any]]:
 
 def _format(row: dict[str, Any]) -> str:
     low, high = row["range"]
+    to_eqx = row.get("to_eqx")
     return (
-        f"{row['model']:22s} {row['strategy']:5s} {row['variant']:7s} "
+        f"{row['model']:22s} {row['strategy']:5s} {row['variant']:15s} "
         f"{row['ms']:8.2f} ms  {row['ratio']:.3f} ({low:.2f}-{high:.2f}) x gspmd  "
         f"{row['collectives']:3d} collectives {row['mb']:7.2f} MB"
+        + ("" if to_eqx is None else f"  {to_eqx:.3f} x gspmd:largest")
     )
 
 
@@ -360,11 +398,39 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--gan", action="store_true", help="the GAN comparison only")
+    parser.add_argument(
+        "--models", default="", help="only the models whose name contains this"
+    )
+    parser.add_argument(
+        "--strategies", default="dp,fsdp", help="comma-separated (dp, fsdp)"
+    )
+    parser.add_argument(
+        "--views", default="device,global", help="the eqxdist steps' views"
+    )
+    parser.add_argument(
+        "--fsdp-layouts",
+        default="",
+        help="under fsdp, these placements side by side (comma-separated: "
+        "'default', 'leading', 'largest'); default: the step's default only",
+    )
     args = parser.parse_args()
     if args.gan:
         run_gan(args.repeats, args.steps)
     else:
-        run(args.quick, args.repeats, args.steps)
+        layouts = tuple(
+            None if name == "default" else name
+            for name in args.fsdp_layouts.split(",")
+            if name
+        )
+        run(
+            args.quick,
+            args.repeats,
+            args.steps,
+            args.models,
+            layouts or (None,),
+            tuple(args.strategies.split(",")),
+            tuple(args.views.split(",")),
+        )
 
 
 if __name__ == "__main__":

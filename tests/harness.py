@@ -366,6 +366,8 @@ def launch(
 # -- pipeline parallelism (tests/layout/test_pipeline.py, mp_scripts/mp_pipeline.py)
 
 PIPE_WIDTH = 16
+MP_SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1")
+"""The schedules mp_pipeline.py runs across two processes (`train_pipeline`)."""
 
 
 class PipeBlock(eqx.Module):
@@ -423,7 +425,7 @@ def train_pipeline(schedule: str) -> Any:
     (mp_pipeline.py), where the stage axis spans the processes and both pass
     every row (the data axis is within each)."""
     mesh = ed.create_device_mesh({"stage": 2, "data": 4})
-    repeats = 2 if schedule == "circular" else 1
+    repeats = 2 if schedule in ("circular", "interleaved") else 1
     pipeline = ed.Pipeline("stage", 4, schedule=schedule, repeats=repeats)
     step = ed.make_train_step(pipe_loss, ADAMW, mesh, pipeline=pipeline)
     state = ed.TrainState.create(PipeNet(), ADAMW, jax.random.key(1))

@@ -38,15 +38,38 @@ contract says."""
 dimension, ties to the later one) and `"leading"` (the first divisible dimension, so
 every shard is one contiguous block of the row-major array)."""
 
+OUTPUTS = "outputs"
+"""The train step's third FSDP layout (`fsdp_layout="outputs"`, the global view's
+default under `"fsdp"`): each `eqx.nn.Linear` weight, stored `(out, in)`, on its
+leading dimension, every other leaf on its largest (ties to the later: a square
+`x @ W` weight on its columns). Either way a weight is split on its output
+features where its shape says which they are, and XLA's partitioner then splits
+the product instead of gathering the weight."""
+
 ParamRuleSpecs = Sequence[tuple[str, P]]
 
 
-def check_layout(layout: str, caller: str, argument: str = "layout") -> None:
-    if layout not in LAYOUTS:
+def check_layout(
+    layout: str, caller: str, argument: str = "layout", valid: tuple[str, ...] = LAYOUTS
+) -> None:
+    if layout not in valid:
         raise ValueError(
             f"{caller}: `{argument}`={layout!r} is not a layout; expected one of "
-            f"{LAYOUTS}."
+            f"{valid}."
         )
+
+
+def in_linear(tree: Any) -> list[bool]:
+    """Per leaf of `jax.tree.leaves(tree)`: whether it belongs to an
+    `eqx.nn.Linear` (`OUTPUTS` shards those on their leading dimension)."""
+    flags: list[bool] = []
+    for part in jax.tree.leaves(tree, is_leaf=_is_linear):
+        flags.extend([_is_linear(part)] * len(jax.tree.leaves(part)))
+    return flags
+
+
+def _is_linear(x: Any) -> bool:
+    return isinstance(x, eqx.nn.Linear)
 
 
 def is_spec_leaf(x: Any) -> bool:
@@ -121,17 +144,21 @@ def leaf_spec(
 @dataclasses.dataclass(frozen=True)
 class FsdpRule:
     """The FSDP rule over one data axis: `axis_name` of `axis_size` devices, leaves
-    of more than `min_weight_size` elements, the `layout`'s dimension."""
+    of more than `min_weight_size` elements, the `layout`'s dimension
+    (`"largest"`, `"leading"` or `OUTPUTS`)."""
 
     axis_name: str
     axis_size: int
     min_weight_size: int
     layout: str
 
-    def spec(self, shape: tuple[int, ...], rule: P | None = None) -> P:
+    def spec(
+        self, shape: tuple[int, ...], rule: P | None = None, linear: bool = False
+    ) -> P:
         """The spec of a leaf of `shape` whose parameter rule is `rule`: the FSDP
         rule on the dimensions `rule` leaves unsharded (`min_weight_size` compares
-        the leaf's full size), added to `rule`."""
+        the leaf's full size), added to `rule`. `linear`: the leaf belongs to an
+        `eqx.nn.Linear` (under `OUTPUTS`, its leading dimension)."""
         rule = rule or P()
         if math.prod(shape) <= self.min_weight_size or self.axis_name in spec_axes(
             rule
@@ -140,7 +167,10 @@ class FsdpRule:
             return rule
         taken = {d for d, e in enumerate(rule) if e is not None}
         free = tuple(1 if d in taken else n for d, n in enumerate(shape))
-        own = leaf_spec(free, self.axis_size, self.axis_name, 0, prefer=self.layout)
+        prefer = self.layout
+        if prefer == OUTPUTS:
+            prefer = "leading" if linear else "largest"
+        own = leaf_spec(free, self.axis_size, self.axis_name, 0, prefer=prefer)
         dim = sharded_dim(own, self.axis_name)
         if dim is None or dim in taken:
             return rule
@@ -401,6 +431,7 @@ def leaf_plan(
     n = len(jax.tree.leaves(tree))
     rules = [None] * n if rules is None else list(rules)
     paths = [""] * n if paths is None else list(paths)
+    linear = in_linear(tree) if fsdp.layout == OUTPUTS else [False] * n
     specs: list[P | None] = []
     own: list[bool] = []
     for part in jax.tree.leaves(tree, is_leaf=_is_self_gathering):
@@ -413,7 +444,8 @@ def leaf_plan(
             own.extend([False] * k)
         else:
             array = is_array_like(part)
-            specs.append(fsdp.spec(tuple(part.shape), rules[i]) if array else None)
+            spec = fsdp.spec(tuple(part.shape), rules[i], linear[i]) if array else None
+            specs.append(spec)
             own.append(True)
     return specs, own
 

@@ -17,7 +17,7 @@ from .._experts.moe import expert_leaves
 from .._utils import axis_is_bound, is_array, is_array_like
 from .collectives import gather_leaf
 from .remat import LEGACY, check_remat, check_unroll, loop_blocks
-from .rules import FsdpRule, SelfGathering, has_fsdp_modules
+from .rules import OUTPUTS, FsdpRule, SelfGathering, has_fsdp_modules, in_linear
 from .stack_aux import loop_output
 from .stack_blocks import stack_blocks
 
@@ -185,11 +185,13 @@ class Stacked(SelfGathering):
             )
         specs: list[P | None] = []
         leaves = jax.tree.leaves(self.layers)
-        for x, rule, path in zip(leaves, rules, paths, strict=True):
+        linear = in_linear(self.layers) if fsdp.layout == OUTPUTS else None
+        for i, (x, rule, path) in enumerate(zip(leaves, rules, paths, strict=True)):
+            is_linear = False if linear is None else linear[i]
             if not is_array_like(x):
                 specs.append(None)
             elif rule is None:
-                inner = fsdp.spec(tuple(x.shape[1:]))
+                inner = fsdp.spec(tuple(x.shape[1:]), linear=is_linear)
                 specs.append(P(None, *inner) if len(inner) else P())
             elif len(rule) and rule[0] is not None:
                 raise ValueError(
@@ -198,7 +200,8 @@ class Stacked(SelfGathering):
                     "spec with None."
                 )
             else:
-                specs.append(P(None, *fsdp.spec(tuple(x.shape[1:]), P(*rule[1:]))))
+                inner = fsdp.spec(tuple(x.shape[1:]), P(*rule[1:]), is_linear)
+                specs.append(P(None, *inner))
         return specs
 
     def _plan(self, leaves: list[Any], shapes: list[tuple[int, ...]]) -> list[Any]:

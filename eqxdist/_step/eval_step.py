@@ -373,4 +373,5 @@ def make_eval_step(
         )
     check_view(view, caller)
     dtype = check_compute_dtype(compute_dtype, caller)
+    chosen = chosen.for_view(view)
     return EvalStep(EvalMath(eval_fn, chosen, dtype, view=view, per_row=per_row))

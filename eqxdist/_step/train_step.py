@@ -367,6 +367,7 @@ def make_train_step(
         remat=remat,
         unroll=unroll,
     )
+    chosen = chosen.for_view(options.view)
     pipeline = chosen.part(PipelinePart)
     if pipeline is not None:
         context = chosen.part(ContextPart)

@@ -15,6 +15,7 @@ import numpy as np
 import optax
 import pytest
 from harness import (
+    MP_SCHEDULES,
     MP_SCRIPTS,
     PipeNet,
     launch,
@@ -144,16 +145,57 @@ def test_tensor_parallel_rules_minibatches_weighted_loss_and_step_info():
 
 
 def test_a_nan_row_skips_the_step():
+    """A NaN in one row of the second batch: every schedule skips that step as
+    GPipe does (the parameters those of one device's first step, the counter
+    still advancing), in either view."""
     data = _data(steps=2)
     data[1]["x"][3, 0] = np.nan
+    want = train_one_device(Net(), data[:1], SGD, loss_fn)
     mesh = ed.create_device_mesh({"stage": 4, "data": 2})
-    for schedule in ("gpipe", "1f1b"):
+    for schedule, view in [
+        ("gpipe", "device"),
+        ("1f1b", "device"),
+        ("interleaved", "device"),
+        ("zb-h1", "global"),
+    ]:
         state, outs, _ = _train(
-            mesh, _pipeline(4, 4, schedule), data, skip_nonfinite=True, step_info=True
+            mesh,
+            _pipeline(4, 4, schedule),
+            data,
+            skip_nonfinite=True,
+            step_info=True,
+            view=view,
         )
-        want = train_one_device(Net(), data[:1], SGD, loss_fn)
         assert max_diff(state.model, want.model) == pytest.approx(0.0, abs=1e-6)
-        assert float(outs[1].info["skipped"]) == 1.0 and int(state.step) == 2
+        skipped = [float(out.info["skipped"]) for out in outs]
+        assert skipped == [0.0, 1.0] and int(state.step) == 2, schedule
+
+
+def test_checkpoints_resume_under_another_schedule(tmp_path):
+    """Trained a step under ZB-H1, saved, restored and trained a step under the
+    interleaved schedule (whose stages hold their layers in another order),
+    saved again, restored and trained a step under GPipe: the parameters of
+    three uninterrupted steps on one device (AdamW, so its moments go through
+    both checkpoints)."""
+    adamw = optax.adamw(1e-2)
+    data = _data()
+    want = train_one_device(Net(), data, adamw, loss_fn)
+    mesh = ed.create_device_mesh({"stage": 2, "data": 4})
+    state = ed.TrainState.create(Net(), adamw, jax.random.key(1))
+    for i, schedule in enumerate(("zb-h1", "interleaved", "gpipe")):
+        step = ed.make_train_step(
+            loss_fn, adamw, mesh, pipeline=_pipeline(2, 4, schedule)
+        )
+        if i:  # a restarted job: a fresh state placed by this step, restored
+            blank = ed.TrainState.create(
+                Net(key=jax.random.key(5)), adamw, jax.random.key(0)
+            )
+            state = ed.restore_checkpoint(tmp_path, step.place_state(blank), step=i)
+            assert int(state.step) == i
+        state, _ = step(state, data[i])
+        ed.save_checkpoint(tmp_path, state, step=i + 1)
+    assert int(state.step) == 3
+    assert max_diff(state.model, want.model) < 1e-5
 
 
 def _compiled(step, state, batch):
@@ -420,10 +462,11 @@ def test_pipeline_mistakes_are_clear_errors():
 @pytest.mark.slow
 def test_stages_across_two_processes(tmp_path):
     """2 processes x 4 devices, the stage axis across the processes: the same
-    parameters as 1 process x 8 devices, for GPipe and 1F1B."""
-    result = launch(MP_SCRIPTS / "mp_pipeline.py", tmp_path, timeout=300)
+    parameters as 1 process x 8 devices, for GPipe, 1F1B, the interleaved
+    schedule and ZB-H1 (one launch runs them all)."""
+    result = launch(MP_SCRIPTS / "mp_pipeline.py", tmp_path, timeout=600)
     assert result.returncode == 0, result.stdout + result.stderr
-    for schedule in ("gpipe", "1f1b"):
+    for schedule in MP_SCHEDULES:
         state = train_pipeline(schedule)
         saved = np.load(tmp_path / f"{schedule}.npz")
         leaves = jax.tree_util.tree_flatten_with_path(

@@ -202,6 +202,61 @@ def test_frozen_leaves_init_state_cost_and_lower():
     assert max_diff(state.model.layers[0], _mlp().layers[0]) == 0.0
 
 
+class XwMLP(eqx.Module):
+    """An `eqx.nn.Linear` and a plain `x @ w` layer of its own, both 16 x 16."""
+
+    linear: eqx.nn.Linear
+    w: jax.Array
+    head: eqx.nn.Linear
+
+    def __init__(self, key):
+        k1, k2, k3 = jax.random.split(key, 3)
+        self.linear = eqx.nn.Linear(16, 16, key=k1)
+        self.w = jax.random.normal(k2, (16, 16)) / 4
+        self.head = eqx.nn.Linear(16, 4, key=k3)
+
+    def __call__(self, x):
+        return self.head(jnp.tanh(jnp.tanh(self.linear(x)) @ self.w))
+
+
+def test_the_default_fsdp_placement_is_each_weights_output_features():
+    """Under "fsdp" without `fsdp_layout` a global view's step shards each
+    weight on its output features ("outputs": an `eqx.nn.Linear`'s leading
+    dimension, any other leaf's largest, ties to the later one), where the
+    device view's shards every leaf on its leading dimension
+    (docs/guides/fsdp.md measures why); a given `fsdp_layout` is kept, and a
+    global eval step of the same layout places the state as the train step
+    does. The values are one device's."""
+    model = XwMLP(jax.random.key(0))
+    mesh = ed.create_data_parallel_mesh()
+    layout = ed.Layout(mesh, strategy="fsdp", min_weight_size=16)
+    state = ed.TrainState.create(model, SGD, jax.random.key(1))
+    leading = ed.Layout(
+        mesh, strategy="fsdp", min_weight_size=16, fsdp_layout="leading"
+    )
+    specs = {}
+    for view, given in [("global", layout), ("device", layout), ("global", leading)]:
+        step = ed.make_train_step(loss_fn, SGD, given, view=view)
+        model_specs = step.state_specs(state).model
+        specs[view, given is layout] = (model_specs.linear.weight, model_specs.w)
+    # The Linear's (out, in) = (16, 16) weight and the (in, out) = (16, 16) `w`.
+    assert specs["global", True] == (P("data", None), P(None, "data"))
+    assert specs["device", True] == (P("data", None), P("data", None))
+    assert specs["global", False] == specs["device", True]
+    step = ed.make_train_step(loss_fn, SGD, layout, view="global")
+    assert "fsdp_layout='outputs'" in repr(step.layout)
+    assert layout.for_view("device") is layout
+    evaluate = ed.make_eval_step(lambda model, batch, mask: {}, layout, view="global")
+    assert evaluate.layout is step.layout
+
+    data = batches(steps=2, features=16)
+    want = train_one_device(model, data, SGD, loss_fn)
+    for batch in data:
+        state, _ = step(state, batch)
+    assert max_diff(state.model, want.model) < 1e-5
+    assert state.model.w.sharding.spec == P(None, "data")
+
+
 def test_mesh_axes_in_a_global_loss_are_clear_errors():
     def collective(model, batch, key):
         loss = jnp.mean(jax.vmap(model)(batch["x"]))

@@ -11,13 +11,24 @@ from jax.sharding import Mesh
 
 from ..._utils import check_min_weight_size
 from ..partitioned import LINEAR_MODES
-from ..rules import DEFAULT_LAYOUT, FsdpRule, check_layout
+from ..rules import DEFAULT_LAYOUT, LAYOUTS, OUTPUTS, FsdpRule, check_layout
 from .base import Part
 
 STRATEGIES = ("dp", "fsdp", "zero1")
 """`"dp"`: everything replicated over the data axes; `"fsdp"`: parameters and
 their optimizer state sharded over `fsdp_axis`; `"zero1"`: only the optimizer
 state sharded."""
+
+GLOBAL_VIEW_LAYOUT = OUTPUTS
+"""The FSDP rule's dimension in the global view when `fsdp_layout` is not given
+(the device view's is `rules.DEFAULT_LAYOUT`, `"leading"`): each `eqx.nn.Linear`
+weight on its leading dimension, every other leaf on its largest, so that XLA's
+partitioner splits a plain `x @ W` by `W`'s columns instead of gathering `W` and
+an `eqx.nn.Linear` by its weight's rows (docs/guides/fsdp.md, "The default
+placement in each view", measured by `benchmarks/bench_views.py`)."""
+
+STEP_LAYOUTS = (*LAYOUTS, OUTPUTS)
+"""The values of a layout's `fsdp_layout`."""
 
 FSDP_GATHERS = ("step", "minibatch")
 """`fsdp_gather`: gather once per step, or per minibatch."""
@@ -45,7 +56,9 @@ class FsdpOptions:
 
     - `axis`: the data axis leaves are sharded over (`None`: the last data axis).
     - `min_weight_size`: leaves this small or smaller stay replicated.
-    - `layout`: the FSDP rule's dimension, `"leading"` or `"largest"`.
+    - `layout`: the FSDP rule's dimension, `"leading"`, `"largest"` or
+      `"outputs"` (`rules.OUTPUTS`; not given: `"leading"`, and `"outputs"` in a
+      global view's step under `"fsdp"`, `Layout.for_view`).
     - `gather`: with minibatches, gather once per `"step"` or per `"minibatch"`.
     - `linears`: how `eqx.nn.Linear` layers run, `"auto"`, `"gather"` or
       `"partition"` (`_layout.partitioned`).
@@ -106,7 +119,7 @@ def fsdp_options(
     `strategy` does not use (never silently ignored)."""
     check_min_weight_size(given["min_weight_size"], caller)
     if given["fsdp_layout"] is not None:
-        check_layout(given["fsdp_layout"], caller, "fsdp_layout")
+        check_layout(given["fsdp_layout"], caller, "fsdp_layout", STEP_LAYOUTS)
     _check_choice(caller, "fsdp_gather", given["fsdp_gather"], FSDP_GATHERS)
     _check_choice(caller, "fsdp_linears", given["fsdp_linears"], LINEAR_MODES)
     for name, uses in _APPLIES.items():
