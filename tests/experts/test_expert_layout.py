@@ -122,6 +122,18 @@ CASES = {
         {},
     ),
     "own_axis": ({"data": 4, "expert": 2}, dict(expert_axis="expert"), {}),
+    # The global view beside another axis: the layer's `shard_map` is over some
+    # of the mesh's axes (once a JAX AssertionError in `jnp.searchsorted`).
+    "own_axis_global": (
+        {"data": 4, "expert": 2},
+        dict(expert_axis="expert"),
+        dict(view="global"),
+    ),
+    "tp_global": (
+        {"data": 4, "model": 2},
+        dict(expert_axis="data", param_rules=TP_RULES),
+        dict(view="global"),
+    ),
     "hsdp": (
         {"replica": 2, "data": 4},
         dict(
