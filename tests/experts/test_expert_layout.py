@@ -275,6 +275,13 @@ def _plain_stacked_loss(model, batch, key):
 
 STACKED_CASES = {
     "stacked_fsdp": ({"data": 8}, dict(strategy="fsdp", min_weight_size=16)),
+    # The experts over an axis of their own: the stack's leaves arrive sharded
+    # over it, not over the data axis it gathers (once refused by `Stacked`).
+    "stacked_own_axis": ({"data": 4, "expert": 2}, dict(expert_axis="expert")),
+    "stacked_own_axis_fsdp": (
+        {"data": 4, "expert": 2},
+        dict(expert_axis="expert", strategy="fsdp", min_weight_size=16),
+    ),
     "gpipe": ({"stage": 2, "data": 4}, dict(pipeline=ed.Pipeline("stage", 2))),
     "1f1b": (
         {"stage": 2, "data": 4},
@@ -290,7 +297,8 @@ def test_moe_blocks_of_a_stacked_and_a_pipeline_train_as_on_one_device(name):
     pipeline: the stack never gathers an expert weight, and training equals
     one device's."""
     shape, where = STACKED_CASES[name]
-    layout = ed.Layout(ed.create_device_mesh(shape), expert_axis="data", **where)
+    where = {"expert_axis": "data", **where}
+    layout = ed.Layout(ed.create_device_mesh(shape), **where)
     optimizer = optax.sgd(0.1)
     model = _StackedNet(jax.random.key(0))
     step = ed.make_train_step(_stacked_loss, optimizer, layout)
