@@ -234,6 +234,51 @@ def test_expert_axis_errors():
     assert "experts" in layout.describe().splitlines()[1]
 
 
+def _sequence_loss(model, batch, key):
+    """`jax.vmap(moe)` over sequences: each row's tokens routed together."""
+    h = jax.vmap(jax.vmap(model.embed))(batch["x"])
+    y, aux = jax.vmap(model.moe)(h)
+    logits = jax.vmap(jax.vmap(model.head))(h + y)
+    ce = optax.softmax_cross_entropy_with_integer_labels(logits, batch["y"])
+    return ce.mean() + 0.01 * aux["load_balance_loss"].mean(), {}
+
+
+@pytest.mark.parametrize(
+    ("shape", "where", "options"),
+    [
+        ({"data": 8}, {}, dict(num_minibatches=2)),
+        ({"data": 4, "context": 2}, dict(context_axis="context"), {}),
+    ],
+    ids=["minibatches", "context"],
+)
+def test_global_view_vmap_over_sequences_trains_as_one_device(shape, where, options):
+    """The global view, `jax.vmap(moe)` over sequences of 4 tokens, with
+    minibatches (on 8 devices: each sequence padded for the split), or beside a
+    context axis (the layer's `shard_map` over some of the mesh's axes)."""
+    layout = ed.Layout(ed.create_device_mesh(shape), expert_axis="data", **where)
+    optimizer = optax.sgd(0.1)
+    model = MoENet(jax.random.key(0))
+    step = ed.make_train_step(
+        _sequence_loss, optimizer, layout, view="global", **options
+    )
+    state = ed.TrainState.create(model, optimizer, jax.random.key(1))
+    rng = np.random.default_rng(0)
+    batches = [
+        {
+            "x": rng.normal(size=(16, 4, 6)).astype(np.float32),
+            "y": rng.integers(0, 4, (16, 4)).astype(np.int32),
+        }
+        for _ in range(2)
+    ]
+    for batch in batches:
+        state, _ = step(state, batch)
+    expected = _reference(
+        model, batches, optimizer, _sequence_loss,
+        devices=1, minibatches=1, view="global",
+    )  # fmt: skip
+    assert _max_diff(state.model, expected) < 1e-5
+
+
 class _Block(eqx.Module):
     moe: ed.MoE
 
