@@ -35,16 +35,17 @@ def _check_sizes(d_model: Any, d_hidden: Any, num_experts: Any, top_k: Any) -> N
                 f"MoE: `{name}` must be an int; got {type(value).__name__} "
                 f"{value!r}. Fix: pass e.g. {name}=8."
             )
-        if value < 1:
+        if value < 1 and name != "top_k":
             raise ValueError(
                 f"MoE: `{name}` must be a positive int; got {value!r}. Fix: pass "
                 f"e.g. {name}=8."
             )
-    if top_k > num_experts:
+    if not 1 <= top_k <= num_experts:
+        more = " (or more experts)" if top_k > num_experts else ""
         raise ValueError(
             f"MoE: `top_k`={top_k} is outside [1, num_experts={num_experts}]; each "
-            f"token picks top_k of the experts: pass top_k <= {num_experts} (or "
-            "more experts)."
+            f"token picks top_k of the experts: pass a top_k in 1..{num_experts}"
+            f"{more}."
         )
 
 

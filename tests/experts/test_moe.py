@@ -411,8 +411,8 @@ def test_with_expert_axis_sets_every_moe_and_shares_the_leaves():
 @pytest.mark.parametrize(
     ("kwargs", "words"),
     [
-        ({"top_k": 0}, ["top_k", "positive"]),
-        ({"top_k": 5}, ["top_k", "[1, num_experts=4]"]),
+        ({"top_k": 0}, ["top_k", "[1, num_experts=4]", "in 1..4."]),
+        ({"top_k": 5}, ["top_k", "in 1..4 (or more experts)"]),
         ({"router": "relu"}, ["router", "softmax"]),
         ({"dispatch": "ring"}, ["dispatch", "'ring'", "all_gather", "all_to_all"]),
     ],
