@@ -175,6 +175,7 @@ def experts_device_view(
     axis: str,
     tokens_split: bool,
     dispatch: str = "all_gather",
+    mean_grad: bool = True,
 ) -> Float[Array, "T d"]:
     """The experts' combined output for this device's tokens `x`, inside
     `jax.shard_map` over `axis`, with `experts` this device's block.
@@ -188,11 +189,17 @@ def experts_device_view(
 
     `dispatch` (a key of `DISPATCHES`) picks how split tokens reach their
     experts; replicated tokens need no dispatch (each device already has them
-    all) and take Megatron's f/g pair whichever is picked."""
+    all) and take Megatron's f/g pair whichever is picked.
+
+    `mean_grad=False`: the map is differentiated as a whole (the global view's
+    pipeline), every device's output cotangent the loss's own; the experts'
+    gradient is then the loss's, with no mean to take."""
     size = jax.lax.axis_size(axis)
     check_block(experts, config.num_experts, size, axis)
     if not tokens_split:
         return _replicated(experts, router, x, config, axis)
+    if not mean_grad:
+        return DISPATCHES[dispatch](experts, router, x, config, axis)
     w_in, w_gate, w_out = experts
     weights = Experts(
         _mean_grad(w_in, size),

@@ -332,6 +332,12 @@ STACKED_CASES = {
         {"stage": 2, "data": 4},
         dict(pipeline=ed.Pipeline("stage", 2, schedule="1f1b")),
     ),
+    # The schedule's own `shard_map` binds the data axis: the experts enter it
+    # split, and take the loss's gradient (JAX differentiates it whole).
+    "gpipe_global": (
+        {"stage": 2, "data": 4},
+        dict(pipeline=ed.Pipeline("stage", 2), view="global"),
+    ),
 }
 
 
@@ -343,10 +349,11 @@ def test_moe_blocks_of_a_stacked_and_a_pipeline_train_as_on_one_device(name):
     one device's."""
     shape, where = STACKED_CASES[name]
     where = {"expert_axis": "data", **where}
+    view = where.pop("view", "device")
     layout = ed.Layout(ed.create_device_mesh(shape), **where)
     optimizer = optax.sgd(0.1)
     model = _StackedNet(jax.random.key(0))
-    step = ed.make_train_step(_stacked_loss, optimizer, layout)
+    step = ed.make_train_step(_stacked_loss, optimizer, layout, view=view)
     state = ed.TrainState.create(model, optimizer, jax.random.key(1))
     rng = np.random.default_rng(0)
     batches = [{"x": rng.normal(size=(16, 4, D)).astype(np.float32)} for _ in range(2)]
