@@ -299,7 +299,7 @@ class _StackedNet(eqx.Module):
 
 def _stacked_loss(model, batch, key):
     h, aux = jax.vmap(model.blocks)(batch["x"])  # each row's tokens together
-    return jnp.mean(h**2) + 0.01 * aux.mean(), {}
+    return jnp.mean(h**2) + 0.01 * aux.mean(), {"aux": (aux.sum(), aux.size)}
 
 
 def _plain_stacked_loss(model, batch, key):
@@ -315,7 +315,7 @@ def _plain_stacked_loss(model, batch, key):
         return x, balance / 4
 
     h, aux = jax.vmap(row)(batch["x"])
-    return jnp.mean(h**2) + 0.01 * aux.mean(), {}
+    return jnp.mean(h**2) + 0.01 * aux.mean(), {"aux": aux.mean()}
 
 
 STACKED_CASES = {
@@ -357,13 +357,21 @@ def test_moe_blocks_of_a_stacked_and_a_pipeline_train_as_on_one_device(name):
     state = ed.TrainState.create(model, optimizer, jax.random.key(1))
     rng = np.random.default_rng(0)
     batches = [{"x": rng.normal(size=(16, 4, D)).astype(np.float32)} for _ in range(2)]
+    reported = []
     for batch in batches:
-        state, _ = step(state, batch)
+        state, metrics = step(state, batch)
+        reported.append(np.asarray(metrics["aux"]))
     expected = _reference(
         model, batches, optimizer, _plain_stacked_loss,
         devices=1, minibatches=1, view="global",
     )  # fmt: skip
     assert _max_diff(state.model, expected) < 1e-5
+    # The aux out of the stack, each row's and layer's, is one device's to
+    # within a rounding of each (~1 ulp: XLA vectorises the router's
+    # reductions by the microbatch's shape), so its mean to 1e-6.
+    total, count = reported[0]
+    want = float(_plain_stacked_loss(model, batches[0], None)[1]["aux"])
+    assert abs(total / count - want) < 1e-6
 
 
 def test_a_state_moves_between_layouts_and_builds_in_place(tmp_path):
