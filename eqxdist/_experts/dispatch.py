@@ -175,6 +175,7 @@ def experts_device_view(
     axis: str,
     tokens_split: bool,
     dispatch: str = "all_gather",
+    mean_grad: bool = True,
 ) -> Float[Array, "T d"]:
     """The experts' combined output for this device's tokens `x`, inside
     `jax.shard_map` over `axis`, with `experts` this device's block.
@@ -188,11 +189,17 @@ def experts_device_view(
 
     `dispatch` (a key of `DISPATCHES`) picks how split tokens reach their
     experts; replicated tokens need no dispatch (each device already has them
-    all) and take Megatron's f/g pair whichever is picked."""
+    all) and take Megatron's f/g pair whichever is picked.
+
+    `mean_grad=False`: the map is differentiated as a whole (the global view's
+    pipeline), every device's output cotangent the loss's own; the experts'
+    gradient is then the loss's, with no mean to take."""
     size = jax.lax.axis_size(axis)
     check_block(experts, config.num_experts, size, axis)
     if not tokens_split:
         return _replicated(experts, router, x, config, axis)
+    if not mean_grad:
+        return DISPATCHES[dispatch](experts, router, x, config, axis)
     w_in, w_gate, w_out = experts
     weights = Experts(
         _mean_grad(w_in, size),
@@ -214,16 +221,16 @@ def experts_global_view(
     """The experts' combined output for all of `x`, whole arrays under a context
     mesh with `axis`: the tokens split over `axis`, the experts sharded over it
     by expert, in a `shard_map` of `axis` alone (gradients exact: JAX
-    differentiates the whole program)."""
+    differentiates the whole program).
+
+    Tokens that do not split evenly (a few per call, e.g. one short sequence
+    under `jax.vmap(moe)`, each sequence a call of its own) are padded with
+    zero tokens to a multiple of the axis size; their outputs are dropped, so
+    they change no value and no gradient."""
     size = size_in_context(axis)
     check_divides(config.num_experts, size, axis)
-    if x.shape[0] % size:
-        raise ValueError(
-            f"MoE: `x` has {x.shape[0]} tokens, which is not divisible by the "
-            f"{size} devices of expert axis {axis!r} (the global view splits the "
-            f"tokens over it); pad the tokens to a multiple of {size}, or call the "
-            "layer on more tokens at once (a whole batch's, not one sequence's)."
-        )
+    tokens = x.shape[0]
+    pad = -tokens % size
 
     def device(x: Array, router: Array, *weights: Array | None) -> Array:
         w_in, w_gate, w_out = weights
@@ -231,11 +238,13 @@ def experts_global_view(
         weights = Experts(w_in, w_gate, w_out)
         return DISPATCHES[dispatch](weights, router, x, config, axis)
 
-    def body(*args: Array | None) -> Array:
+    def body(x: Array, *args: Array | None) -> Array:
+        if pad:
+            x = jnp.pad(x, ((0, pad), (0, 0)))
         specs = tuple(None if a is None else P(axis) for a in args)
-        specs = (specs[0], P(), *specs[2:])
-        out: Array = shard_over(device, axis, args, specs, P(axis))
-        return out
+        specs = (P(axis), P(), *specs[1:])
+        out: Array = shard_over(device, axis, (x, *args), specs, P(axis))
+        return out[:tokens] if pad else out
 
     spec = jax.typeof(x).sharding.spec
     out: Array = run_global(body, axis, (x, router, *experts), spec)

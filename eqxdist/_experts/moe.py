@@ -35,16 +35,17 @@ def _check_sizes(d_model: Any, d_hidden: Any, num_experts: Any, top_k: Any) -> N
                 f"MoE: `{name}` must be an int; got {type(value).__name__} "
                 f"{value!r}. Fix: pass e.g. {name}=8."
             )
-        if value < 1:
+        if value < 1 and name != "top_k":
             raise ValueError(
                 f"MoE: `{name}` must be a positive int; got {value!r}. Fix: pass "
                 f"e.g. {name}=8."
             )
-    if top_k > num_experts:
+    if not 1 <= top_k <= num_experts:
+        more = " (or more experts)" if top_k > num_experts else ""
         raise ValueError(
             f"MoE: `top_k`={top_k} is outside [1, num_experts={num_experts}]; each "
-            f"token picks top_k of the experts: pass top_k <= {num_experts} (or "
-            "more experts)."
+            f"token picks top_k of the experts: pass a top_k in 1..{num_experts}"
+            f"{more}."
         )
 
 
@@ -149,6 +150,10 @@ class MoE(eqx.Module):
     # or the same ones (an axis of its own); set with `with_expert_axis`.
     tokens_split: bool = eqx.field(static=True, default=True)
     dispatch: str = eqx.field(static=True, default="all_gather")
+    # Whether the bound expert axis belongs to a `shard_map` that JAX
+    # differentiates whole (the global view's pipeline): the experts' gradient
+    # is then the loss's, not averaged over the devices' losses (`whole_loss`).
+    whole_loss: bool = eqx.field(static=True, default=False)
 
     @checked_first(_check_init)
     def __init__(
@@ -173,7 +178,7 @@ class MoE(eqx.Module):
         self.num_experts, self.top_k = num_experts, top_k
         self.activation, self.gated, self.router_kind = activation, gated, router
         self.expert_axis, self.tokens_split = None, True
-        self.dispatch = dispatch
+        self.dispatch, self.whole_loss = dispatch, False
 
     @checked_first(_check_call)
     def __call__(
@@ -191,7 +196,7 @@ class MoE(eqx.Module):
             y = experts_device_view(
                 experts, self.router.weight, x,
                 config=config, axis=axis, tokens_split=self.tokens_split,
-                dispatch=self.dispatch,
+                dispatch=self.dispatch, mean_grad=not self.whole_loss,
             )  # fmt: skip
         else:
             y = experts_global_view(
@@ -215,11 +220,8 @@ def _unsharded(
 
 
 def _with_axis(moe: MoE, axis: str, tokens_split: bool) -> MoE:
-    new = copy.copy(moe)
     # Static fields of a frozen module: a copy with the two set, leaves shared.
-    object.__setattr__(new, "expert_axis", axis)
-    object.__setattr__(new, "tokens_split", tokens_split)
-    return new
+    return _with(moe, expert_axis=axis, tokens_split=tokens_split)
 
 
 def with_expert_axis(model: _M, axis: str | None, *, tokens_split: bool = True) -> _M:
@@ -241,6 +243,25 @@ def with_expert_axis(model: _M, axis: str | None, *, tokens_split: bool = True) 
     return out
 
 
+def whole_loss(model: _M) -> _M:
+    """`model` with every `MoE` in it differentiated as part of one program
+    whose expert axis is bound (`MoE.whole_loss`): the global view's pipeline,
+    a `shard_map` over the stage and data axes. A copy, leaves shared."""
+    out: _M = jax.tree_util.tree_map(
+        lambda m: _with(m, whole_loss=True) if isinstance(m, MoE) else m,
+        model,
+        is_leaf=_is_moe,
+    )
+    return out
+
+
+def _with(moe: MoE, **fields: Any) -> MoE:
+    new = copy.copy(moe)
+    for name, value in fields.items():
+        object.__setattr__(new, name, value)
+    return new
+
+
 def _is_moe(x: Any) -> bool:
     return isinstance(x, MoE)
 
@@ -249,16 +270,24 @@ def _expert_weights(moe: Any) -> list[Any]:
     return [getattr(moe, n) for n in EXPERT_LEAVES if getattr(moe, n) is not None]
 
 
-def expert_leaves(model: Any) -> tuple[bool, ...]:
-    """Per leaf of `jax.tree.leaves(model)`: whether it is an `MoE`'s expert
-    weight (inside an `ed.Stacked` too, the layer axis first)."""
-    marks = []
+def expert_axes(model: Any) -> tuple[str | bool | None, ...]:
+    """Per leaf of `jax.tree.leaves(model)`: for an `MoE`'s expert weight
+    (inside an `ed.Stacked` too, the layer axis first) its `expert_axis`, or
+    True when it has none; False for any other leaf."""
+    marks: list[str | bool | None] = []
     for node in jax.tree.leaves(model, is_leaf=_is_moe):
         if not isinstance(node, MoE):
             marks.append(False)
             continue
         falses = jax.tree.map(lambda _: False, node)
         count = len(_expert_weights(node))
-        marked = eqx.tree_at(_expert_weights, falses, replace=[True] * count)
-        marks.extend(bool(x) for x in jax.tree.leaves(marked))
+        mark = node.expert_axis or True
+        marked = eqx.tree_at(_expert_weights, falses, replace=[mark] * count)
+        marks.extend(jax.tree.leaves(marked))
     return tuple(marks)
+
+
+def expert_leaves(model: Any) -> tuple[bool, ...]:
+    """Per leaf of `jax.tree.leaves(model)`: whether it is an `MoE`'s expert
+    weight (inside an `ed.Stacked` too, the layer axis first)."""
+    return tuple(a is not False for a in expert_axes(model))

@@ -21,6 +21,15 @@ class _Tiling(NamedTuple):
     expert: Int[Array, " tiles"]
 
 
+def _count_le(ends: Int[Array, " n"], v: Int[Array, " m"]) -> Int[Array, " m"]:
+    """`jnp.searchsorted(ends, v, side="right")` for sorted `ends`: how many of
+    them are <= each of `v`, by comparisons. `jnp.searchsorted` itself fails in
+    JAX 0.10 inside a `shard_map` over some of the mesh's axes (the global view's
+    expert axis beside data, tensor, context or stage axes: an internal
+    `AssertionError` on the varying axes); the groups here are few."""
+    return jnp.sum(ends[None, :] <= v[:, None], axis=1, dtype=jnp.int32)
+
+
 def _tiling(sizes: Int[Array, " E"], rows: int, tile: int) -> _Tiling:
     groups = sizes.shape[0]
     # Static bound: each group wastes less than one tile, so the rows in whole
@@ -32,12 +41,10 @@ def _tiling(sizes: Int[Array, " E"], rows: int, tile: int) -> _Tiling:
     row_end = jnp.cumsum(sizes)
     row_start = row_end - sizes
     i = jnp.arange(rows)
-    group = jnp.searchsorted(row_end, i, side="right")  # `groups`: past them
+    group = _count_le(row_end, i)  # `groups`: past them
     g = jnp.minimum(group, groups - 1)
     slot = jnp.where(group < groups, tile_start[g] * tile + i - row_start[g], -1)
-    expert = jnp.minimum(
-        jnp.searchsorted(tile_end, jnp.arange(tiles), side="right"), groups - 1
-    )
+    expert = jnp.minimum(_count_le(tile_end, jnp.arange(tiles)), groups - 1)
     p = jnp.arange(tiles * tile)
     offset = p - tile_start[expert[p // tile]] * tile
     e = expert[p // tile]

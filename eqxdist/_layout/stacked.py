@@ -205,10 +205,13 @@ class Stacked(SelfGathering):
         return specs
 
     def _plan(self, leaves: list[Any], shapes: list[tuple[int, ...]]) -> list[Any]:
-        """Per stacked array leaf, the per-layer dimension to gather, or `None`."""
+        """Per stacked array leaf, the per-layer dimension to gather, or `None`.
+        An MoE's expert weights are their experts' shards (expert parallelism,
+        over whichever axis), computed with where they are, never gathered."""
         size = jax.lax.axis_size(self.axis_name)
+        experts = expert_leaves(eqx.filter(self.layers, is_array))
         plan: list[int | None] = []
-        for leaf, full in zip(leaves, shapes, strict=True):
+        for leaf, full, expert in zip(leaves, shapes, experts, strict=True):
             if leaf.shape[0] != self.num_layers:
                 raise ValueError(
                     f"Stacked: a parameter of global shape "
@@ -216,7 +219,7 @@ class Stacked(SelfGathering):
                     "the layer axis must not be sharded."
                 )
             local = tuple(leaf.shape[1:])
-            if local == full:
+            if local == full or expert:
                 plan.append(None)
                 continue
             differ = [
@@ -246,13 +249,7 @@ class Stacked(SelfGathering):
         if not axis_is_bound(self.axis_name):
             plan: list[Any] = [None] * len(leaves)
         else:
-            # An MoE's expert weights are its experts' shards (expert
-            # parallelism), computed with where they are, never gathered.
-            experts = expert_leaves(eqx.filter(self.layers, is_array))
-            plan = [
-                None if expert else d
-                for d, expert in zip(self._plan(leaves, shapes), experts, strict=True)
-            ]
+            plan = self._plan(leaves, shapes)
         if key is not None:
             # The layers' keys travel with the layers' leaves, never gathered.
             leaves = [*leaves, jax.random.split(key, self.num_layers)]

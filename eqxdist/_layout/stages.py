@@ -36,6 +36,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import PartitionSpec as P
 
+from .._experts.moe import expert_axes, whole_loss
+from .._utils import is_array
 from .engine import ForwardEngine
 from .pipeline import StagePlan, where_fn
 from .remat import UNSET
@@ -67,7 +69,11 @@ class PipelinedStack(eqx.Module):
     remat: Any = eqx.field(static=True)
 
     def __call__(self, x: Any, *, key: Any = None) -> Any:
-        leaves, layer = layer_function(self.stacked, with_key=key is not None)
+        # In the global view the schedule's own `shard_map` binds the data axes
+        # and JAX differentiates it whole: an MoE's experts take the loss's
+        # gradient there, not the device view's mean over the devices' losses.
+        stacked = whole_loss(self.stacked) if self.manual else self.stacked
+        leaves, layer = layer_function(stacked, with_key=key is not None)
 
         if not under_vmap((x, key)):
             # Blocks that take a batch: `x`'s leading axis is the device's rows
@@ -180,7 +186,7 @@ class PipelinedStack(eqx.Module):
             engine,
             mesh=jax.sharding.get_abstract_mesh(),
             in_specs=(
-                [P(plan.axis)] * len(leaves),
+                self._leaf_specs(),
                 jax.tree.map(lambda _: row_spec, x),
                 None if key is None else (row_spec if key_rows else P()),
             ),
@@ -188,6 +194,17 @@ class PipelinedStack(eqx.Module):
             axis_names=frozenset({plan.axis, *data}),
             check_vma=False,
         )(leaves, x, key)
+
+    def _leaf_specs(self) -> list[P]:
+        """The stack's leaves in the global view's `shard_map`: their layer
+        axis over the stages; an MoE's expert weights, split over a data axis
+        (expert parallelism), also on their expert dimension, each device's
+        block as the layer computes with it (never gathered)."""
+        axes = expert_axes(eqx.filter(self.stacked.layers, is_array))
+        return [
+            P(self.plan.axis, a) if a in self.manual else P(self.plan.axis)
+            for a in axes
+        ]
 
     def _accumulator(
         self,
