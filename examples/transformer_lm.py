@@ -1,4 +1,5 @@
-"""Train a character-level transformer language model with FSDP x tensor parallelism.
+"""Train a character-level transformer language model: FSDP with tensor, pipeline,
+context or expert parallelism.
 
 A small decoder-only transformer written in plain Equinox (`_transformer.py`: token
 and position embeddings, pre-LayerNorm blocks of causal self-attention and an MLP)
@@ -28,9 +29,17 @@ The state is built straight into its sharded layout (`step.init_state`):
 With `--pipeline-parallel N` the blocks are one `ed.Stacked` and the mesh is
 `{"stage": N, "data": 8 / N}`: each stage holds N-th of the blocks (sharded over
 `"data"` too, FSDP), each device's rows are cut into `--microbatches`
-microbatches that flow through the stages (`--schedule gpipe`, `circular` with
-`--repeats R > 1`, or `1f1b`), and embeddings, head and loss run as before.
-`--remat` chooses what the backward pass keeps of each block.
+microbatches that flow through the stages, and embeddings, head and loss run as
+before. `--schedule` is any of `ed.Pipeline`'s: `1f1b` (the default, as the
+pipeline guide advises: at most N microbatches' activations alive per stage),
+`gpipe`, `zb-h1` (zero bubble), and with `--repeats R > 1` `circular` or
+`interleaved`; with `--context-parallel` the default is `gpipe` (the schedules
+whose backward is written out do not go with a context axis). `--remat` chooses
+what the backward pass keeps of each block.
+
+With `--experts E` each block's MLP is an `ed.MoE` of E experts (top `--top-k`
+per token), its auxiliary losses added to the loss and shown as `aux_loss`;
+`--expert-parallel` splits the experts over the `"data"` axis.
 
 With `--context-parallel N` every sequence is split over the N devices of a
 `"context"` axis (`{"data": 8 / N, "context": N}`): each device holds two chunks
@@ -57,6 +66,9 @@ would not.
     python examples/transformer_lm.py [--steps 600] [--d-model 64] [--layers 2] [--bf16]
     python examples/transformer_lm.py --pipeline-parallel 2 --microbatches 4 \
         --schedule 1f1b --layers 4 [--remat full]
+    python examples/transformer_lm.py --pipeline-parallel 2 --schedule interleaved \
+        --repeats 2 --layers 4
+    python examples/transformer_lm.py --experts 4 --top-k 2 --expert-parallel
     python examples/transformer_lm.py --context-parallel 8 --seq-len 16384 \
         --batch-size 1 --min-len 8192 --chunked-loss 4096 --compare-steps 0
     python examples/transformer_lm.py --pipeline-parallel 2 --context-parallel 2 \
@@ -168,12 +180,20 @@ def parse_args() -> argparse.Namespace:
     )
     add(
         "--schedule",
-        choices=("gpipe", "circular", "1f1b"),
-        default="gpipe",
-        help="pipeline schedule: all forwards then all backwards, gpipe over "
-        "--repeats rounds of the ring, or one forward one backward",
+        choices=("1f1b", "gpipe", "zb-h1", "circular", "interleaved"),
+        default=argparse.SUPPRESS,  # its default depends on --context-parallel
+        help="pipeline schedule (ed.Pipeline): 1f1b (one forward one backward), "
+        "gpipe (all forwards then all backwards), zb-h1 (zero bubble: 1f1b with "
+        "each backward split in two), circular (gpipe over --repeats rounds of "
+        "the ring), interleaved (1f1b over --repeats chunks per stage) "
+        "(default: 1f1b; gpipe with --context-parallel)",
     )
-    add("--repeats", type=int, default=1, help="rounds of the circular schedule")
+    add(
+        "--repeats",
+        type=int,
+        default=1,
+        help="chunks of layers per stage of the circular and interleaved schedules",
+    )
     add(
         "--context-parallel",
         type=int,
@@ -268,8 +288,10 @@ def resolve_parallelism(
             )
         args.data_parallel = 8 // (stages * args.tensor_parallel * context)
     args.pipeline = None
+    given = getattr(args, "schedule", None)
+    args.schedule = given or ("gpipe" if context > 1 else "1f1b")
     if stages == 1:
-        if (args.microbatches, args.schedule, args.repeats) != (None, "gpipe", 1):
+        if (args.microbatches, given, args.repeats) != (None, None, 1):
             parser.error(
                 "--microbatches, --schedule and --repeats configure a pipeline: "
                 "add --pipeline-parallel N (N > 1)"
@@ -282,12 +304,12 @@ def resolve_parallelism(
             )
         except ValueError as e:
             parser.error(str(e))
-        if context > 1 and args.schedule == "1f1b":
-            # make_train_step refuses the pair: 1F1B's stages run forward and
+        if context > 1 and args.schedule in ("1f1b", "interleaved", "zb-h1"):
+            # make_train_step refuses the pair: these stages run forward and
             # backward passes at once, whose ring collectives do not pair up.
             parser.error(
-                "--schedule 1f1b does not go with --context-parallel > 1: use "
-                "--schedule gpipe or circular (with --repeats > 1)"
+                f"--schedule {args.schedule} does not go with --context-parallel "
+                "> 1: use --schedule gpipe or circular (with --repeats > 1)"
             )
         rows = args.batch_size // (args.data_parallel * args.minibatches)
         if rows % micro:
@@ -302,7 +324,13 @@ def resolve_parallelism(
             )
     if args.experts < 0 or (args.experts and not 1 <= args.top_k <= args.experts):
         parser.error("--experts must be >= 0 and --top-k in [1, --experts]")
-    if args.expert_parallel and (not args.experts or args.experts % args.data_parallel):
+    if args.expert_parallel and not args.experts:
+        parser.error(
+            "--expert-parallel splits the experts of each block over the data "
+            "axis: add --experts N (a multiple of the data-parallel size, "
+            f"{args.data_parallel})"
+        )
+    if args.expert_parallel and args.experts % args.data_parallel:
         parser.error(
             f"--expert-parallel splits --experts over the {args.data_parallel} "
             "devices of the data axis: give --experts a multiple of it"
@@ -615,13 +643,12 @@ def describe_pipeline() -> None:
     pipeline, stages = ARGS.pipeline, ARGS.pipeline_parallel
     if pipeline is not None:
         rows = ARGS.batch_size // (ARGS.data_parallel * ARGS.minibatches)
-        work = pipeline.repeats * pipeline.microbatches
         print(
             f"pipeline: {pipeline.schedule}, {stages} stages of "
             f"{ARGS.layers // stages} block(s), repeats {pipeline.repeats}, "
             f"{pipeline.microbatches} microbatches of {rows // pipeline.microbatches} "
-            f"rows per device: bubble (P-1)/(R M+P-1) = "
-            f"{(stages - 1) / (work + stages - 1):.2f}; remat {ARGS.remat}"
+            f"rows per device: idle fraction {pipeline.idle_fraction(stages):.2f} "
+            f"(ed.Pipeline.idle_fraction); remat {ARGS.remat}"
         )
     elif ARGS.remat != "none":
         print(f"remat {ARGS.remat}")
@@ -678,7 +705,10 @@ def train_main(
             log_every=ARGS.log_every, stop_at=ARGS.stop_at,
             # Positions computed, padding included (what the devices work on).
             tokens_per_step=ARGS.batch_size * ARGS.seq_len,
-            show=("loss", "perplexity", "grad_norm", "tokens_per_sec", "mfu"),
+            show=(
+                "loss", "perplexity", *(("aux_loss",) if ARGS.experts else ()),
+                "grad_norm", "tokens_per_sec", "mfu",
+            ),
         )  # fmt: skip
     report(result, evaluate(result.state, held_out).compute(), held_out, start)
     if ARGS.sample_chars > 0:
@@ -700,10 +730,18 @@ def report(
     if logs and "tokens_per_sec" in logs[-1]:
         positions = ARGS.batch_size * ARGS.seq_len
         real = sum(v["real_tokens"] for v in logs) / len(logs) / positions
+        mfu = logs[-1].get("mfu")
+        kind = jax.devices()[0].device_kind
         print(
             f"throughput: {logs[-1]['tokens_per_sec']:,.0f} tokens/s "
             f"({real * logs[-1]['tokens_per_sec']:,.0f} real, {100 * real:.0f}% of "
-            f"positions), MFU {logs[-1].get('mfu')} (None: device peak unknown)"
+            "positions), "
+            + (
+                f"MFU {100 * mfu:.1f}%"
+                if mfu is not None
+                else f"MFU n/a (the peak FLOP/s of a {kind!r} device is unknown: "
+                "ed.mfu knows GPUs and TPUs)"
+            )
         )
     if logs:
         print(f"last grad_norm {logs[-1]['grad_norm']:.4f}")

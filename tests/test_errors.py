@@ -10,6 +10,7 @@ tests/step/test_train_step.py)."""
 import contextlib
 import os
 
+import equinox as eqx
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -57,6 +58,25 @@ def launch_environment(coordinator):
 def initialize_with(coordinator):
     with launch_environment(coordinator):
         ed.initialize_distributed()
+
+
+def train_with(loss_fn):
+    """One train step of a small linear model with `loss_fn`."""
+    model = eqx.nn.Linear(4, 1, key=jax.random.key(0))
+    step = ed.make_train_step(loss_fn, SGD, mesh())
+    state = ed.TrainState.create(model, SGD, jax.random.key(1))
+    return step(state, {"x": jnp.ones((8, 4))})
+
+
+def squares(model, batch, key):
+    return jnp.mean(jax.vmap(model)(batch["x"]) ** 2)
+
+
+def stacked(blocks):
+    return ed.Stacked(blocks)
+
+
+LINEAR = eqx.nn.Linear(4, 4, key=jax.random.key(0))
 
 
 def save_into(tmp, state, **kwargs):
@@ -332,6 +352,43 @@ CASES = [
         lambda t: ed.CheckpointManager(t, save_interval_steps="10"),
         TypeError,
         r"parameter 'save_interval_steps'",
+    ),
+    # -- what a loss returns, what a Stacked holds and is called on
+    (
+        "a loss without metrics",
+        lambda t: train_with(squares),
+        TypeError,
+        r"make_train_step: `loss_fn` returned the loss alone \(an array of shape "
+        r"\(\)\); it must return a tuple `\(loss, metrics\)`.*Return `\(loss, \{\}\)`",
+    ),
+    (
+        "metrics and loss swapped",
+        lambda t: train_with(lambda m, b, k: ({}, squares(m, b, k))),
+        TypeError,
+        r"`loss_fn` returned a dict first and an array of shape \(\) second: the "
+        r"loss comes first.*looks swapped",
+    ),
+    (
+        "a Stacked of two module types",
+        lambda t: stacked([eqx.nn.MLP(4, 4, 8, 1, key=jax.random.key(0)), LINEAR]),
+        ValueError,
+        r"^Stacked: `blocks\[1\]` is a Linear where `blocks\[0\]` is an? MLP; .* "
+        r"keep blocks of several types in a list\.$",
+    ),
+    (
+        "a Stacked whose blocks differ in a field",
+        lambda t: stacked([LINEAR, eqx.nn.Linear(4, 4, use_bias=False, key=KEYS[0])]),
+        ValueError,
+        r"`blocks\[1\]\.bias` is None where `blocks\[0\]\.bias` is an array of "
+        r"shape \(4,\)",
+    ),
+    (
+        "a per-row Stacked called on a batch",
+        lambda t: stacked([LINEAR, LINEAR])(jnp.ones((8, 4))),
+        ValueError,
+        r"Stacked: called on `x` of shape \(8, 4\), its block \(Linear\) fails "
+        r"\(dot_general.*call the Stacked under `jax.vmap`.*or write the block "
+        r"for a batch",
     ),
 ]
 

@@ -1,7 +1,8 @@
-"""The shape of the package, checked: the layout never imports the step, no flat
-module imports a folder, no private name is reached across folders, and no
-module, class or function outgrows what a reader takes in at once (nor comes
-within 5% of it, so that the next option does not split a unit by line count)."""
+"""The shape of the package, checked: the layout never imports the step, no module
+imports itself through others, no flat module imports a folder, no private name
+is reached across folders, and no module, class or function outgrows what a
+reader takes in at once (nor comes within 5% of it, so that the next option does
+not split a unit by line count)."""
 
 import ast
 import io
@@ -80,6 +81,53 @@ def test_the_layout_never_imports_the_step():
     for path in sorted((PACKAGE / "_layout").rglob("*.py")):
         wrong = sorted(m for m in _imports(path) if m.startswith("eqxdist._step"))
         assert not wrong, f"{_name(path)} imports {wrong}"
+
+
+def _module_name(path: Path) -> str:
+    parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _import_cycles() -> list[list[str]]:
+    """The circles among the package's modules (their strongly connected
+    components of more than one module, Tarjan's algorithm), every import
+    counted: a function's late import or a `TYPE_CHECKING` one is an arrow too."""
+    names = {_module_name(p): p for p in MODULES}
+    graph = {
+        name: sorted(m for m in _imports(path) if m in names and m != name)
+        for name, path in names.items()
+    }
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    cycles = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        for w in graph[v]:
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while not component or component[-1] != v:
+                component.append(stack.pop())
+            if len(component) > 1:
+                cycles.append(sorted(component))
+
+    for name in sorted(graph):
+        if name not in index:
+            visit(name)
+    return cycles
+
+
+def test_no_module_imports_itself_through_others():
+    """No circle of imports: each module sits above the ones it imports, so
+    every one can be read (and imported) after those, never halfway through."""
+    assert not _import_cycles(), _import_cycles()
 
 
 def test_each_parallelism_is_one_part_in_one_module():

@@ -64,7 +64,11 @@ def test_trains_and_agrees_with_data_parallel(
     )
     assert agree is not None, text
     assert float(agree[1]) < 1e-5
-    assert re.search(r"throughput: [\d,]+ tokens/s \([\d,]+ real.*MFU None", text)
+    assert re.search(
+        r"throughput: [\d,]+ tokens/s \([\d,]+ real.*MFU n/a \(the peak FLOP/s of "
+        r"a 'cpu' device is unknown",
+        text,
+    )
     rows = [
         json.loads(r) for r in (tmp_path / "metrics.jsonl").read_text().splitlines()
     ]
@@ -94,15 +98,24 @@ def test_help_describes_every_option(script_env: dict[str, str]) -> None:
     bad = _run(script_env, "--seq-len", "16", "--min-len", "17")
     assert bad.returncode != 0
     assert "--min-len must be in [1, --seq-len=16]; got 17" in bad.stderr
-    bad = _run(script_env, "--schedule", "1f1b")
+    # Every schedule of ed.Pipeline is offered (1f1b the default), for a pipeline.
+    assert re.search(
+        r"--schedule \{1f1b,gpipe,zb-h1,circular,interleaved\}", out.stdout
+    )
+    bad = _run(script_env, "--schedule", "zb-h1")
     assert bad.returncode != 0
     assert "add --pipeline-parallel N" in bad.stderr
     bad = _run(
         script_env,
-        *("--pipeline-parallel", "2", "--context-parallel", "2", "--schedule", "1f1b"),
+        *("--pipeline-parallel", "2", "--context-parallel", "2"),
+        *("--schedule", "interleaved", "--repeats", "2"),
     )
     assert bad.returncode != 0
-    assert "--schedule 1f1b does not go with --context-parallel" in bad.stderr
+    assert "--schedule interleaved does not go with --context-parallel" in bad.stderr
+    bad = _run(script_env, "--expert-parallel")
+    assert bad.returncode != 0
+    assert "--expert-parallel splits the experts" in bad.stderr
+    assert "add --experts N" in bad.stderr
 
 
 @pytest.mark.slow
@@ -128,8 +141,10 @@ def test_pipeline_stages_agree_with_data_parallel(
     assert "2 blocks, d_model 32" in text and "mesh {'stage': 2, 'data': 4}" in text
     assert (
         "pipeline: 1f1b, 2 stages of 1 block(s), repeats 1, 2 microbatches of 2 "
-        "rows per device: bubble (P-1)/(R M+P-1) = 0.33; remat none"
+        "rows per device: idle fraction 0.33 (ed.Pipeline.idle_fraction); remat none"
     ) in text
+    # The experts' auxiliary loss is on the progress line.
+    assert len(re.findall(r"perplexity \S+  aux_loss \d", text)) == 2
     # Each stage holds its layer, sharded over "data" too (FSDP).
     assert re.search(r"attn\.query\.weight\s+P\('stage', 'data', None\)", text)
     assert re.search(r"norm1\.weight\s+P\('stage',\)", text)

@@ -1,20 +1,42 @@
 """XLA settings for FSDP: the opt-in flags that let GPUs overlap its collectives
-with compute, and the compiler option that keeps its barriers on CPU."""
+with compute, and the compiler option that keeps its barriers on CPU; the
+barrier that keeps a step's collectives in one order on CPU (`in_one_order`)."""
 
 import importlib.metadata
 import os
 import pkgutil
+from typing import Any
 
+import equinox as eqx
 import jax
 
 from .._jax import backends_are_initialized
-from .._utils import typecheck
+from .._utils import is_array, typecheck
 
 # XLA:CPU removes optimization barriers early (before its last CSE pass and before
 # scheduling), which would let it hoist every `FSDP` module's all-gather to the
 # start of the step and merge rematerialised all-gathers back into the forward
 # ones. Keeping the barriers makes `FSDP` modules behave on CPU as on GPU and TPU.
 CPU_FSDP_OPTIONS = {"xla_disable_hlo_passes": "cse_barrier_expander"}
+
+
+def in_one_order(tree: Any) -> Any:
+    """`tree`'s arrays through one `optimization_barrier`: what comes out waits
+    for all of it to be computed (with `CPU_FSDP_OPTIONS`, which keeps the
+    barrier until XLA:CPU schedules the program).
+
+    XLA:CPU runs a program's independent operations concurrently, in an order
+    that can differ from device to device, and a loop (`while`) holding
+    collectives is not ordered against the collectives outside it. In a step
+    with a pipeline and a context axis, a metric's all-reduce of a token count
+    (which reads only the batch) ran before the pipeline's loop of `ppermute`s
+    on some devices and after it on others: each waited for the others, and the
+    step aborted after 40 s ("Expected 4 threads to join the rendezvous"). A
+    barrier makes such a collective wait for the loop's results. GPUs and TPUs
+    run a device's operations in one order, so the steps fence on CPU only
+    (`Layout.fence`)."""
+    arrays, rest = eqx.partition(tree, is_array)
+    return eqx.combine(jax.lax.optimization_barrier(arrays), rest)
 
 
 # Async collectives are XLA:GPU's default; these let the scheduler use them.

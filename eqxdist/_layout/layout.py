@@ -19,7 +19,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from .._data_parallel import local_shard_count
 from .._mesh import compute_mesh
 from .._utils import check_mesh, check_rows, is_array, plural
-from .flags import CPU_FSDP_OPTIONS
+from .flags import CPU_FSDP_OPTIONS, in_one_order
 from .options import LAYOUT_DEFAULTS, parse_parts
 from .parts.base import LossView, Part
 from .parts.data import DataPart
@@ -201,6 +201,9 @@ class Layout:
             if v is not LAYOUT_DEFAULTS[k] and v != LAYOUT_DEFAULTS[k]
         }
         batch_spec = self._compose_spec(parts, 1)
+        specs = StateSpecs(
+            self.plan, parts, caller=caller, strategy=keywords["strategy"], mesh=mesh
+        )
         own = dict(
             mesh=mesh,
             parts=parts,
@@ -217,7 +220,7 @@ class Layout:
             _source=(source_mesh, dict(keywords)),
             _views={},
             _plans={},
-            _state_specs=StateSpecs(self),
+            _state_specs=specs,
         )
         for name, value in own.items():
             object.__setattr__(self, name, value)
@@ -347,11 +350,25 @@ class Layout:
         if self.mesh.devices.flat[0].platform != "cpu":
             return None
         passes = []
-        if has_fsdp_modules(model):
+        if has_fsdp_modules(model) or self.fences:
             passes.append(CPU_FSDP_OPTIONS["xla_disable_hlo_passes"])
         for part in self.parts:
             passes.extend(part.compiler_passes(model, compute_dtype))
         return {"xla_disable_hlo_passes": ",".join(passes)} if passes else None
+
+    @property
+    def fences(self) -> bool:
+        """Whether `fence` orders anything: on CPU devices, with a pipeline's
+        stages or a context ring (`ppermute`s inside loops)."""
+        loops = set(self.manual_axes) - set(self.data_axes)
+        return bool(loops) and self.mesh.devices.flat[0].platform == "cpu"
+
+    def fence(self, tree: Any) -> Any:
+        """`tree` through `flags.in_one_order` where `fences` (else `tree`): the
+        steps fence what enters the loss (the gathered parameters, the batch)
+        and what leaves it (gradients, loss, metrics), so every collective
+        outside the loss runs before or after all of it on every device."""
+        return in_one_order(tree) if self.fences else tree
 
     def check_rows(
         self, batch: Any, num_minibatches: int, *, traced: bool = False

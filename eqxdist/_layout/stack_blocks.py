@@ -48,12 +48,45 @@ def structure_error(first: Any, block: Any, i: int) -> str:
             f"{jax.tree.structure(first)}."
         )
     path, a, b = found
+    if type(a) is not type(b) and not _plain(a) and not _plain(b):
+        return (
+            f"Stacked: `blocks[{i}]{path}` is {_a(_type_name(b))} where "
+            f"`blocks[0]{path}` is {_a(_type_name(a))}; the blocks of a Stacked "
+            "are one type of module (one block's program runs every layer). Stack "
+            "blocks of one type, or keep blocks of several types in a list."
+        )
     return (
-        f"Stacked: `blocks[{i}]{path}` is {b!r} where `blocks[0]{path}` is {a!r}; "
-        "the blocks of a Stacked share every field that is not an array (one "
-        "block's program runs every layer). Make the field equal in every block, "
-        "or hold it as an array (one value per layer), or keep the blocks in a list."
+        f"Stacked: `blocks[{i}]{path}` is {_brief(b)} where `blocks[0]{path}` is "
+        f"{_brief(a)}; the blocks of a Stacked share every field that is not an "
+        "array (one block's program runs every layer). Make the field equal in "
+        "every block, or hold it as an array (one value per layer), or keep the "
+        "blocks in a list."
     )
+
+
+def _plain(x: Any) -> bool:
+    """A value whose repr is short and says what it is (numbers, strings, ...)."""
+    return x is None or isinstance(x, bool | int | float | complex | str | bytes)
+
+
+def _type_name(x: Any) -> str:
+    kind = type(x)
+    return kind.__name__ if kind.__module__ == "builtins" else kind.__qualname__
+
+
+def _a(name: str) -> str:
+    return f"an {name}" if name[:1].lower() in "aeiou" else f"a {name}"
+
+
+def _brief(x: Any, width: int = 60) -> str:
+    """`repr(x)`, or for an array its shape, for a long repr (a module, a
+    function) its type name."""
+    if is_array(x):
+        return f"an array of shape {tuple(x.shape)}"
+    text = repr(x)
+    if len(text) <= width and "\n" not in text:
+        return text
+    return _a(_type_name(x))
 
 
 def _first_difference(a: Any, b: Any, path: str) -> tuple[str, Any, Any] | None:

@@ -271,6 +271,23 @@ class Stacked(SelfGathering):
         return _scan_gather(layer, leaves, plan, x, axis_name=self.axis_name, loop=loop)
 
 
+def per_row_error(block: Any, x: Any, error: Exception) -> str:
+    """What `Stacked` says when its block's matrix product fails on `x`: a
+    block written for one row (`eqx.nn.Linear` computes `weight @ x`) called
+    on a batch."""
+    shapes = [tuple(jnp.shape(a)) for a in jax.tree.leaves(x)]
+    shown = shapes[0] if len(shapes) == 1 else shapes
+    first = str(error).splitlines()[0] if str(error) else type(error).__name__
+    return (
+        f"Stacked: called on `x` of shape {shown}, its block "
+        f"({type(block).__name__}) fails ({first}). A block written for one "
+        "row (as eqx.nn.Linear, which computes `weight @ x`) takes one row: "
+        "call the Stacked under `jax.vmap` (`jax.vmap(stack)(x)`, each row its "
+        "own call), or write the block for a batch (its input's leading axis "
+        "the rows)."
+    )
+
+
 # The scans `Stacked.__call__` chooses between. `layer(layer_leaves, x)` runs one
 # layer on its (full) leaves; `plan` gives, per leaf, the dimension to gather over
 # `axis_name`, or `None` for a leaf used as it arrives; `loop(body, x, leaves)`
@@ -291,9 +308,14 @@ def layer_function(
     def layer(layer_leaves: list[Any], x: Any) -> Any:
         params = jax.tree.unflatten(treedef, layer_leaves[:num_params])
         block = eqx.combine(params, static)
-        if not with_key:
-            return block(x)
-        return block(x, key=layer_leaves[num_params])
+        try:
+            if not with_key:
+                return block(x)
+            return block(x, key=layer_leaves[num_params])
+        except TypeError as e:
+            if "dot_general" not in str(e):
+                raise
+            raise ValueError(per_row_error(block, x, e)) from e
 
     return leaves, layer
 

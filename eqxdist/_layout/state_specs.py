@@ -2,19 +2,18 @@
 each optimizer-state leaf like the parameter it belongs to (as the parts say:
 ZeRO-1 shards it where FSDP would shard the parameter), the rest replicated."""
 
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable
+from typing import Any
 
 import jax
 import optax
-from jax.sharding import PartitionSpec as P
+from jax.sharding import Mesh, PartitionSpec as P
 
 from .._utils import is_array_like, state_like
+from .parts.base import Part
 from .parts.tensor import TensorPart
-from .plan import structure_key
+from .plan import ModelPlan, structure_key
 from .rules import entry_size, is_spec_leaf
-
-if TYPE_CHECKING:
-    from .layout import Layout
 
 
 def _replicated(tree: Any) -> Any:
@@ -40,13 +39,26 @@ def describe_state(opt_state: Any) -> str:
 
 
 class StateSpecs:
-    """`specs(state, optimizer)`: the specs of a `TrainState` under `layout`,
+    """`specs(state, optimizer)`: the specs of a `TrainState` under a layout,
     cached per structure, shapes and dtypes. `optimizer`: the state's
     optimizer, or with parts the dict of one per part (each part's state laid
-    out by its parameters)."""
+    out by its parameters).
 
-    def __init__(self, layout: "Layout") -> None:
-        self.layout = layout
+    It is given what it reads of the layout (`plan`, the model's plan; its
+    `parts`, `caller`, `strategy` and `mesh`), not the `Layout`, which holds
+    one: the layout imports this module, never the other way round."""
+
+    def __init__(
+        self,
+        plan: Callable[[Any], ModelPlan],
+        parts: tuple[Part, ...],
+        *,
+        caller: str,
+        strategy: str,
+        mesh: Mesh,
+    ) -> None:
+        self.plan, self.parts, self.caller = plan, parts, caller
+        self.strategy, self.mesh = strategy, mesh
         self._cache: dict[Any, Any] = {}
 
     def __call__(self, state: Any, optimizer: Any) -> Any:
@@ -56,7 +68,7 @@ class StateSpecs:
         return self._cache[key]
 
     def _compute(self, state: Any, optimizer: Any) -> Any:
-        model_specs = self.layout.plan(state.model).specs
+        model_specs = self.plan(state.model).specs
         if state.parts is None:
             opt_specs = self.optimizer_state(
                 optimizer,
@@ -87,8 +99,8 @@ class StateSpecs:
         specs = jax.tree.map(
             lambda s, t: s if t else None, model_specs, trained, is_leaf=is_spec_leaf
         )
-        for part in self.layout.parts:
-            specs = part.optimizer_specs(state.model, specs, self.layout.caller)
+        for part in self.parts:
+            specs = part.optimizer_specs(state.model, specs, self.caller)
         return specs
 
     def optimizer_state(
@@ -117,11 +129,11 @@ class StateSpecs:
                 is_leaf=_is_masked,
             )
         except Exception as e:  # whatever the optimizer's `init` raises on it
-            layout = self.layout
-            rules = " with param_rules" if layout.part(TensorPart) else ""
+            tensor = any(isinstance(p, TensorPart) for p in self.parts)
+            rules = " with param_rules" if tensor else ""
             raise ValueError(
-                f"{layout.caller}: cannot lay out the optimizer state "
-                f"({_state_names(opt_state)}) under strategy={layout.strategy!r}"
+                f"{self.caller}: cannot lay out the optimizer state "
+                f"({_state_names(opt_state)}) under strategy={self.strategy!r}"
                 f"{rules}: optax.tree_map_params, which finds the parameter each "
                 "optimizer-state leaf belongs to, fails on this optimizer "
                 f"({type(e).__name__}: {e}). Use strategy='dp' without param_rules "
@@ -138,7 +150,7 @@ class StateSpecs:
             return None
         if not isinstance(spec, P) or len(spec) > len(x.shape):
             return P()
-        mesh = self.layout.mesh
+        mesh = self.mesh
         for dim, entry in enumerate(spec):
             if entry is not None and x.shape[dim] % entry_size(mesh, entry):
                 return P()

@@ -74,7 +74,7 @@ class Progress:
         the bar has passed (a loop that fetches them later) leave the bar where it
         is."""
         self.advance(step)
-        text = "  ".join(f"{k} {v:.4g}" for k, v in values.items())
+        text = "  ".join(f"{k} {compact(v)}" for k, v in values.items())
         if self._bar is not None:
             self._bar.set_postfix_str(text, refresh=False)
         else:
@@ -94,6 +94,18 @@ class Progress:
         if self._bar is not None:
             self._bar.close()
             self._bar = None
+
+
+def compact(value: float) -> str:
+    """`value` in few characters, so a bar's postfix fits a terminal line: 4
+    significant digits, and from 10,000 up a suffix for thousands, millions,
+    ... (`15.64k` for 1.564e+04)."""
+    v = float(value)
+    if np.isfinite(v) and abs(v) >= 1e4:
+        for suffix, scale in (("T", 1e12), ("G", 1e9), ("M", 1e6), ("k", 1e3)):
+            if abs(v) >= scale:
+                return f"{v / scale:.4g}{suffix}"
+    return f"{v:.4g}"
 
 
 class Watchdog(Closing):

@@ -67,16 +67,7 @@ class CheckedLoss:
             check_callable_takes(self.loss_fn, ("model", "batch", "key"), "loss_fn")
             args = (model, batch, key)
         out = call_with_axes(self.loss_fn, args, "loss_fn", self.axes)
-        if not (isinstance(out, tuple) and len(out) == (3 if with_state else 2)):
-            arity = (
-                "(loss, metrics, new_model_state)" if with_state else "(loss, metrics)"
-            )
-            raise TypeError(
-                f"loss_fn must return a tuple `{arity}`"
-                + (" (the state has a model_state)" if with_state else "")
-                + f"; got {type(out).__name__}"
-                + (f" of length {len(out)}." if isinstance(out, tuple) else ".")
-            )
+        _check_output(out, with_state)
         loss, metrics = out[0], out[1]
         self.weighted = isinstance(loss, tuple)
         loss_sum, weight = _loss_and_weight(loss)
@@ -87,14 +78,46 @@ class CheckedLoss:
         return loss_sum, (weight, metrics, new_state)
 
 
+def _check_output(out: Any, with_state: bool) -> None:
+    """A `TypeError` for a `loss_fn` output that is not `(loss, metrics)` (with
+    the new model state third where the state has one), naming what came
+    instead: a lone loss, the pair swapped, a tuple of another length."""
+    arity = "(loss, metrics, new_model_state)" if with_state else "(loss, metrics)"
+    state = " (the state has a model_state)" if with_state else ""
+    if is_array(out):
+        # A traced array's class (`LinearizeTracer`, ...) says nothing to a user.
+        raise TypeError(
+            f"make_train_step: `loss_fn` returned the loss alone (an array of "
+            f"shape {jnp.shape(out)}); it must return a tuple `{arity}`{state}. "
+            "Return `(loss, {})` for no metrics, or `(loss, metrics)` with a "
+            "dict of ed.metrics values."
+        )
+    if not (isinstance(out, tuple) and len(out) == (3 if with_state else 2)):
+        raise TypeError(
+            f"make_train_step: `loss_fn` must return a tuple `{arity}`{state}; "
+            f"got {type(out).__name__}"
+            + (f" of length {len(out)}." if isinstance(out, tuple) else ".")
+        )
+    first, second = out[0], out[1]
+    if not is_array(first) and not isinstance(first, tuple) and is_array(second):
+        raise TypeError(
+            f"make_train_step: `loss_fn` returned a {type(first).__name__} first "
+            f"and an array of shape {jnp.shape(second)} second: the loss comes "
+            f"first, `{arity}` (the pair looks swapped: return `(loss, metrics)`)."
+        )
+
+
 def _scalar(x: Any, what: str) -> None:
     if not is_array(x) or jnp.shape(x) != ():
         # A traced array's class (`LinearizeTracer`, ...) says nothing to a user.
-        kind = "an array" if is_array(x) else f"a {type(x).__name__}"
+        kind = (
+            f"an array of shape {jnp.shape(x)}"
+            if is_array(x)
+            else f"a {type(x).__name__}"
+        )
         raise ValueError(
-            f"loss_fn must return {what}; got {kind} of shape {jnp.shape(x)}. "
-            "Reduce it, e.g. with `.mean()` (or `.sum()` for a weighted loss's "
-            "sum)."
+            f"loss_fn must return {what}; got {kind}. Reduce it, e.g. with "
+            "`.mean()` (or `.sum()` for a weighted loss's sum)."
         )
 
 

@@ -91,9 +91,13 @@ class EvalMath(eqx.Module):
             trained: Any, frozen: Any, state: Any, batch: Any, mask: Any
         ) -> Any:
             trained = gather(cast_floating(trained, self.compute_dtype))
-            model = split.model(trained, gather(frozen), view=self.view)
+            frozen = gather(frozen)
             if axes:
                 batch = layout.device_batch(batch)
+                # Collectives before and after `eval_fn` in one order on every
+                # device (`Layout.fence`).
+                trained, frozen, batch = layout.fence((trained, frozen, batch))
+            model = split.model(trained, frozen, view=self.view)
             batch = split.batch(batch)
             if split.with_state:
                 args: tuple[Any, ...] = (model, split.model_state(state), batch, mask)
@@ -101,7 +105,9 @@ class EvalMath(eqx.Module):
                 args = (model, batch, mask)
             out = call_with_axes(self.eval_fn, args, "eval_fn", axes)
             metrics, rows = self._outputs(out, mask.shape[0])
-            return (reduce_metrics(metrics, axes) if axes else metrics), rows
+            if not axes:
+                return metrics, rows
+            return reduce_metrics(layout.fence(metrics), axes), rows
 
         if self.view == "global":
             metrics, rows = evaluate(

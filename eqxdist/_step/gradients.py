@@ -174,15 +174,22 @@ class DeviceGradients:
                 return one_f_one_b(params, inputs.model_state(state), local, key, n)
             return accumulate(loss, self.loss, params, state, local, key, n, scan)
 
+        # The loss between two fences (`Layout.fence`): every collective before
+        # it (gathers, the context's balancing) and after it (the sums below)
+        # in one order on every device.
+        fence = inputs.layout.fence
         if self.fsdp.gather == "step":
             # Gather once, accumulate full-size gradients over the minibatches,
             # reduce-scatter once (the VJP of the gather), all of them together.
             full, pullback = jax.vjp(lambda p: materialise(p, combined=True), trained)
+            full, batch, full_frozen = fence((full, batch, full_frozen))
             out = run(loss_of, full)
             (grads,) = pullback(out.grads)
         else:
+            batch, full_frozen = fence((batch, full_frozen))
             out = run(lambda p, *rest: loss_of(materialise(p), *rest), trained)
             grads = out.grads
+        grads, out = fence((grads, out))
         sums = inputs.plan.sum_gradients(grads, axes)
         loss, scale = _over_devices(out, axes, self.wants_loss)
         metrics = reduce_metrics(out.metrics, axes)

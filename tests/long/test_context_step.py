@@ -7,6 +7,7 @@ and `BatchLoader(..., context_axis=...)`."""
 
 import functools
 import math
+from typing import Any
 
 import equinox as eqx
 import jax
@@ -360,6 +361,62 @@ def test_pipeline_stages_with_ring_attention_train_as_on_one_device():
         state, _ = step(state, batch)
     want = train_one_device(StackedLM(None), data, optimizer, stacked_reference_loss)
     _close(eqx.filter(state.model, eqx.is_array), eqx.filter(want.model, eqx.is_array))
+
+
+def example_loss(model: StackedLM, batch: dict, key) -> tuple:
+    """`examples/transformer_lm.py`'s loss: token-weighted, with the loss, the
+    perplexity of the logits and the token count as metrics."""
+    positions = ed.context_positions(batch["tokens"].shape[1], "context")
+    logits = model.logits(batch["tokens"], positions)
+    mask = batch["mask"] > 0
+    losses = optax.softmax_cross_entropy_with_integer_labels(logits, batch["targets"])
+    metrics = {
+        "loss": ed.metrics.Mean().update(losses, batch["mask"]),
+        "perplexity": ed.metrics.Perplexity().update(logits, batch["targets"], mask),
+        "tokens": ed.metrics.Sum().update(mask.sum()),
+    }
+    loss_sum = jnp.sum(jnp.where(mask, losses, 0.0))
+    return (loss_sum, batch["mask"].sum()), ed.MetricCollection(metrics)
+
+
+def test_the_examples_pipeline_and_context_layout_trains_as_on_one_device():
+    """`transformer_lm.py --pipeline-parallel 2 --context-parallel 2`: GPipe
+    stages running ring attention, FSDP, and metrics whose all-reduces (the
+    perplexity's token count reads only the batch) XLA:CPU could run before the
+    pipeline's loop of `ppermute`s on some devices and after it on others (the
+    example deadlocked). The step fences its loss (`Layout.fence`): it trains
+    as one device does, and evaluates."""
+    mesh = ed.create_device_mesh(PIPELINE_MESH)
+    layout = ed.Layout(
+        mesh, strategy="fsdp", min_weight_size=0, context_axis="context",
+        pipeline=ed.Pipeline("stage", 2, schedule="gpipe"),
+    )  # fmt: skip
+    optimizer = optax.sgd(0.5)
+    step = ed.make_train_step(example_loss, optimizer, layout)
+    model = StackedLM("context")
+    state = ed.TrainState.create(model, optimizer, jax.random.key(2))
+    data = batches(2)
+    assert layout.fences
+    assert "optimization_barrier" in step.lower(state, data[0]).as_text()
+    state, metrics = step(state, data[0])
+    metrics = metrics.compute()
+    first = float(stacked_reference_loss(StackedLM(None), data[0], None))
+    np.testing.assert_allclose(float(metrics["loss"]), first, rtol=1e-5)
+    np.testing.assert_allclose(float(metrics["perplexity"]), math.exp(first), 1e-5)
+    assert int(metrics["tokens"]) == int(data[0]["mask"].sum())
+    state, _ = step(state, data[1])
+    want = train_one_device(StackedLM(None), data, optimizer, stacked_reference_loss)
+    _close(eqx.filter(state.model, eqx.is_array), eqx.filter(want.model, eqx.is_array))
+
+    def eval_fn(model: StackedLM, batch: dict, rows: jax.Array) -> Any:
+        return example_loss(model, {**batch, "mask": batch["mask"] * rows[:, None]}, 0)[
+            1
+        ]
+
+    held = ed.make_eval_step(eval_fn, layout)(state, data[0]).compute()
+    last = float(stacked_reference_loss(want.model, data[0], None))
+    np.testing.assert_allclose(float(held["loss"]), last, rtol=1e-5)
+    np.testing.assert_allclose(float(held["perplexity"]), math.exp(last), rtol=1e-5)
 
 
 @pytest.mark.parametrize(

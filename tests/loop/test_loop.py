@@ -425,6 +425,15 @@ def test_progress_bar_shows_rate_and_values(capsys: Any) -> None:
     assert "step/s" in out and "a line above the bar" in out
 
 
+def test_progress_numbers_fit_a_terminal_line(capsys: Any) -> None:
+    """Large values are written with a suffix, not in exponent form: a bar's
+    postfix cut at the terminal's width never cuts `1.564e+04` to `1.564`."""
+    progress = ed.Progress(10, bar=False)
+    progress.update(1, {"tokens_per_sec": 15640.2, "loss": 0.41234, "n": 3.2e7})
+    out = capsys.readouterr().out
+    assert "tokens_per_sec 15.64k  loss 0.4123  n 32M" in out
+
+
 def test_progress_bar_counts_each_step_once(mesh8: Any, capsys: Any) -> None:
     # A log point's values arrive after the bar has moved on: the bar stays.
     progress = ed.Progress(11, bar=True)
