@@ -201,10 +201,7 @@ def _rule(
         # on every row; an iota, or noise drawn over them, is not.
         if len(rows_out) == 1 and len(rows_out[0]) == 1:
             (axis,) = rows_out[0]
-            new = name == "broadcast_in_dim" and (
-                axis not in eqn.params["broadcast_dimensions"]
-            )
-            if new or (found.noise and name in NOISE):
+            if _constant_over(eqn, axis) or (found.noise and name in NOISE):
                 return [(ROWS, axis)], None
         if name in NOISE:
             return [], (
@@ -218,6 +215,18 @@ def _rule(
         why = f"`{name}`{where(eqn)} to a sum over the rows"
         return [(c, None)] * len(rows_out), why
     return row_rule(eqn, other, ins)
+
+
+def _constant_over(eqn: Any, axis: int) -> bool:
+    """Whether `eqn` (of no rows in) makes a value the same on every index of
+    its output's `axis`: a broadcast along it, an iota along another axis."""
+    name, p = eqn.primitive.name, eqn.params
+    if name == "iota":
+        return bool(p["dimension"] != axis)
+    if name != "broadcast_in_dim":
+        return False
+    dims = list(p["broadcast_dimensions"])
+    return axis not in dims or eqn.invars[0].aval.shape[dims.index(axis)] == 1
 
 
 def _linear(eqn: Any, ins: list[str]) -> str:

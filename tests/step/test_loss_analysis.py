@@ -89,6 +89,9 @@ PER_ROW = {
     "reshape_whole": lambda c, s, b, k: (s.reshape(-1, 2, 2) ** 2).sum((1, 2)) + c,
     "pick": lambda c, s, b, k: jnp.take_along_axis(s, b["y"][:, None], 1)[:, 0],
     "columns": lambda c, s, b, k: s[:, 1:3].sum(1) * b["mask"] / b["mask"].sum(),
+    "argsort_features": lambda c, s, b, k: jnp.argsort(s, axis=1)[:, 0] * c,
+    "one_hot": lambda c, s, b, k: (jax.nn.one_hot(b["y"], 4) * s).sum(1),
+    "row_dot": lambda c, s, b, k: (c @ b["mask"])[None] / c.shape[0],
 }
 
 
@@ -213,3 +216,23 @@ def test_an_exact_loss_equals_one_device_with_its_reported_mean(schedule, view):
     reported = float(metrics["loss"].compute())
     assert abs(reported - want.losses[0]) < 1e-5, (reported, want.losses[0])
     assert max_diff(state.model, want.model) < 1e-5
+
+
+def _twice(model, batch, key):
+    return (_ce(model, batch) + _ce(model, batch)).mean(), {}
+
+
+def _layer_penalty(model, batch, key):
+    penalty = sum(jnp.sum(w**2) for w in jax.tree.leaves(model.blocks))
+    return _ce(model, batch).mean() + 1e-3 * penalty, {}
+
+
+@pytest.mark.parametrize(
+    ("loss", "schedule", "words"),
+    [(_twice, "zb-h1", "called 2 times"), (_layer_penalty, "interleaved", "Stacked")],
+)
+def test_other_refusals_name_the_schedule_in_use(loss, schedule, words):
+    step, state = _step(loss, schedule, "device")
+    with pytest.raises(ValueError, match=f"schedule={schedule!r}") as error:
+        step(state, _data(1)[0])
+    assert words in str(error.value) and "gpipe" in str(error.value)
