@@ -327,6 +327,10 @@ STACKED_CASES = {
         {"data": 4, "expert": 2},
         dict(expert_axis="expert", strategy="fsdp", min_weight_size=16),
     ),
+    "stacked_own_axis_zero1": (
+        {"data": 4, "expert": 2},
+        dict(expert_axis="expert", strategy="zero1", min_weight_size=16),
+    ),
     "gpipe": ({"stage": 2, "data": 4}, dict(pipeline=ed.Pipeline("stage", 2))),
     "1f1b": (
         {"stage": 2, "data": 4},
