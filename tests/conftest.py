@@ -5,11 +5,7 @@ import os
 import shutil
 import tempfile
 
-from xla_flags import fresh_process_env, with_fast_compile
-
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
-# Before JAX reads them: see `xla_flags.py` (compilation a quarter faster).
-os.environ["XLA_FLAGS"] = with_fast_compile(os.environ.get("XLA_FLAGS", ""))
 
 import jax
 import numpy as np
@@ -81,4 +77,4 @@ def script_env(cached_env: dict[str, str]) -> dict[str, str]:
     """The environment of an example script run as a subprocess, as a user runs
     it: without this process's `XLA_FLAGS` (each script sets up its own simulated
     devices), with the session's compilation cache (`cached_env`)."""
-    return fresh_process_env(cached_env)
+    return {k: v for k, v in cached_env.items() if k != "XLA_FLAGS"}

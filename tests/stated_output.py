@@ -29,8 +29,6 @@ from decimal import Decimal
 from pathlib import Path
 from typing import NamedTuple
 
-from xla_flags import fresh_process_env
-
 ROOT = Path(__file__).resolve().parent.parent
 
 # A python block, and the ```text block that may follow it at the same indentation.
@@ -165,7 +163,7 @@ def run_as_pasted(script: Path) -> subprocess.CompletedProcess:
     """`script` run as a reader runs what they pasted: a fresh Python in the
     script's folder, without this process's `XLA_FLAGS`, importing the checkout's
     eqxdist (as the tests do); its output captured."""
-    env = fresh_process_env()
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
     env["PYTHONPATH"] = os.pathsep.join(
         [str(ROOT), *filter(None, [env.get("PYTHONPATH")])]
     )
