@@ -378,27 +378,32 @@ class Layout:
         multi-process run a host batch holds this process's rows only, so it is
         checked against this process's devices; global arrays (and the traced
         batch inside the step) against all of them."""
-        shards = self.num_shards
-        if not traced and not self.batch_sharding.is_fully_addressable:
-            rows = [x for x in jax.tree.leaves(batch) if is_array(x) and np.ndim(x)]
-            if not all(
-                isinstance(x, jax.Array) and not x.is_fully_addressable for x in rows
-            ):
-                shards = local_shard_count(self.batch_sharding, self.num_shards)
-        divisor = shards * num_minibatches
-        check_rows(
-            batch,
-            divisor,
-            self.caller,
-            f"{plural(shards, 'device')} along {self.data_axes} x num_minibatches="
-            f"{num_minibatches} = {divisor}",
-        )
-        self.check_batch(batch, self.caller)
+        _check_rows(self, batch, num_minibatches, traced)
 
     def check_batch(self, batch: Any, caller: str) -> None:
         """Every part's `check_batch`."""
         for part in self.parts:
             part.check_batch(batch, caller)
+
+
+def _check_rows(layout: Layout, batch: Any, num_minibatches: int, traced: bool) -> None:
+    """`Layout.check_rows`, out of the class (its size)."""
+    shards = layout.num_shards
+    if not traced and not layout.batch_sharding.is_fully_addressable:
+        rows = [x for x in jax.tree.leaves(batch) if is_array(x) and np.ndim(x)]
+        if not all(
+            isinstance(x, jax.Array) and not x.is_fully_addressable for x in rows
+        ):
+            shards = local_shard_count(layout.batch_sharding, layout.num_shards)
+    divisor = shards * num_minibatches
+    check_rows(
+        batch,
+        divisor,
+        layout.caller,
+        f"{plural(shards, 'device')} along {layout.data_axes} x num_minibatches="
+        f"{num_minibatches} = {divisor}",
+    )
+    layout.check_batch(batch, layout.caller)
 
 
 def _for_view(layout: Layout, view: str) -> Layout:
