@@ -33,16 +33,35 @@ def _run(env: dict[str, str], *args: str) -> subprocess.CompletedProcess[str]:
     )
 
 
+# The default layout's run: trained, compared with data parallelism, and the
+# uninterrupted run its resumed twin must end at (one run serves both checks).
+COMMON = (
+    *("--steps", "6", "--log-every", "3", "--save-every", "3"),
+    *("--batch-size", "16", "--seq-len", "16", "--d-model", "32"),
+    *("--min-weight-size", "64", "--min-len", "2"),
+)
+
+
+def _held_out(text: str) -> str:
+    found = re.search(r"held-out loss (\S+), perplexity (\S+)", text)
+    assert found is not None, text
+    return found[0]
+
+
 @pytest.mark.slow
-def test_trains_and_agrees_with_data_parallel(
+def test_trains_agrees_with_data_parallel_and_resumes_the_exact_stream(
     tmp_path: Path, script_env: dict[str, str]
 ) -> None:
+    """The default layout (FSDP x tensor rules) trains, agrees with data
+    parallelism, and, stopped at step 3 and resumed (the loader's position
+    travels in the checkpoint), ends where the uninterrupted run does; the
+    comparison (`--compare-steps`) and the sample run after training and do
+    not touch its stream."""
+    whole = tmp_path / "whole"
     out = _run(
         script_env,
-        *("--out", str(tmp_path)),
-        *("--steps", "6", "--compare-steps", "4", "--log-every", "3"),
-        *("--batch-size", "16", "--seq-len", "16", "--d-model", "32"),
-        *("--sample-chars", "8", "--min-weight-size", "64", "--min-len", "2"),
+        *COMMON,
+        *("--out", str(whole), "--compare-steps", "4", "--sample-chars", "8"),
     )
     assert out.returncode == 0, out.stdout + out.stderr
     text = out.stdout
@@ -69,9 +88,7 @@ def test_trains_and_agrees_with_data_parallel(
         r"a 'cpu' device is unknown",
         text,
     )
-    rows = [
-        json.loads(r) for r in (tmp_path / "metrics.jsonl").read_text().splitlines()
-    ]
+    rows = [json.loads(r) for r in (whole / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [3, 6]
     for row in rows:
         # step_info's statistics reach the writers.
@@ -80,6 +97,18 @@ def test_trains_and_agrees_with_data_parallel(
         # Padded: between 2 and 16 real targets in each of the 16 rows, and
         # not all of them full (the lengths are random).
         assert 16 * 2 <= row["real_tokens"] < 16 * 16
+
+    quick = (*COMMON, "--compare-steps", "0", "--sample-chars", "0")
+    split = ("--out", str(tmp_path / "split"))
+    first = _run(script_env, *quick, *split, "--stop-at", "3")
+    assert first.returncode == 0, first.stdout + first.stderr
+    second = _run(script_env, *quick, *split, "--resume")
+    assert second.returncode == 0, second.stdout + second.stderr
+    assert "resumed" not in first.stdout
+    assert "resumed at step 3" in second.stdout
+    assert _held_out(second.stdout) == _held_out(text)
+    rows = (tmp_path / "split" / "metrics.jsonl").read_text().splitlines()
+    assert [json.loads(r)["step"] for r in rows] == [3, 6]
 
 
 @pytest.mark.slow
@@ -206,34 +235,3 @@ def test_context_parallel_in_pipeline_stages_with_the_chunked_loss(
     bad = _run(script_env, "--context-parallel", "4", "--seq-len", "12")
     assert bad.returncode != 0
     assert "--seq-len 12 must be a multiple of 2 x --context-parallel = 8" in bad.stderr
-
-
-@pytest.mark.slow
-def test_resume_continues_the_exact_stream(
-    tmp_path: Path, script_env: dict[str, str]
-) -> None:
-    """The loader's position travels in the checkpoint: a run stopped at step 4
-    and resumed ends where an uninterrupted run does."""
-    common = (
-        *("--steps", "6", "--compare-steps", "0", "--log-every", "2"),
-        *("--batch-size", "16", "--seq-len", "16", "--d-model", "32"),
-        *("--sample-chars", "0", "--min-weight-size", "64", "--save-every", "2"),
-    )
-    whole = _run(script_env, *common, "--out", str(tmp_path / "whole"))
-    assert whole.returncode == 0, whole.stdout + whole.stderr
-    split = ("--out", str(tmp_path / "split"))
-    first = _run(script_env, *common, *split, "--stop-at", "4")
-    assert first.returncode == 0, first.stdout + first.stderr
-    second = _run(script_env, *common, *split, "--resume")
-    assert second.returncode == 0, second.stdout + second.stderr
-    assert "resumed" not in whole.stdout + first.stdout
-    assert "resumed at step 4" in second.stdout
-
-    def held_out(text: str) -> str:
-        found = re.search(r"held-out loss (\S+), perplexity (\S+)", text)
-        assert found is not None, text
-        return found[0]
-
-    assert held_out(second.stdout) == held_out(whole.stdout)
-    rows = (tmp_path / "split" / "metrics.jsonl").read_text().splitlines()
-    assert [json.loads(r)["step"] for r in rows] == [2, 4, 6]
