@@ -28,6 +28,13 @@ def _internal(module: str, name: str) -> Any:
         ) from None
 
 
+def source_line(source_info: Any) -> str:
+    """Where an equation of a traced program was written in the user's code
+    (`file:line (function)`, as JAX summarises it)."""
+    line: str = _internal("jax._src.source_info_util", "summarize")(source_info)
+    return line
+
+
 def backends_are_initialized() -> bool:
     """Whether JAX has started its backends (after which XLA flags and the
     simulated device count no longer take effect). No public API tells this without

@@ -25,7 +25,8 @@ class CutLoss:
     key's (`None` without one), `key_rows` whether that key is per row,
     `per_row` whether the blocks take one row (the loss's `vmap`) or a batch;
     `jaxpr` is `post`'s program and `kinds` says what each of its inputs is
-    (`"param"`, `"batch"`, `"key"`, `"stack"`: `hoist.analyse`); `aux` the
+    (`"param"`, `"batch"`, `"key"`, `"stack"`: `hoist.analyse`), `pre_jaxpr`
+    `pre`'s; `aux` the
     shapes of one microbatch's aux accumulator, for blocks that return `(x,
     aux)` (`_layout.stack_aux`; the stack's output leaves then end with its
     leaves), else `None`."""
@@ -40,9 +41,12 @@ class CutLoss:
     jaxpr: Any = None
     kinds: tuple[str, ...] = ()
     aux: Any = None
+    pre_jaxpr: Any = None
 
 
-def cut(loss: Callable[..., Any], args: Any, seen: dict[str, Any]) -> CutLoss:
+def cut(
+    loss: Callable[..., Any], args: Any, seen: dict[str, Any], schedule: str
+) -> CutLoss:
     """Trace `loss(*args)` (whose model holds a `MarkedStack`, which records
     what it sees in `seen`) and cut it at the marker."""
     closed, out_shape = jax.make_jaxpr(loss, return_shape=True)(*args)
@@ -54,8 +58,8 @@ def cut(loss: Callable[..., Any], args: Any, seen: dict[str, Any]) -> CutLoss:
     ]
     if len(marks) != 1:
         raise ValueError(
-            "pipeline (schedule='1f1b'): the loss must call the pipelined Stacked "
-            "exactly once (on its rows under jax.vmap, as `jax.vmap(model)(x)` "
+            f"pipeline (schedule={schedule!r}): the loss must call the pipelined "
+            "Stacked exactly once (on its rows under jax.vmap, as `jax.vmap(model)(x)` "
             "does, or on a batch), outside any jax.jit, jax.checkpoint or loop of "
             f"its own; it is called {len(marks)} times so. Use schedule='gpipe', "
             "which has no such limit, or call the model so."
@@ -81,6 +85,7 @@ def cut(loss: Callable[..., Any], args: Any, seen: dict[str, Any]) -> CutLoss:
         post,
         (*kinds, *["stack"] * len(mark.outvars)),
         seen.get("aux"),
+        pre,
     )
 
 

@@ -136,11 +136,19 @@ class DeviceGradients:
         full_frozen = inputs.plan.gathered(frozen)
         partitioned = self._partitioned(trained, state, batch, key)
         compute_dtype = self.options.compute_dtype
+        stages = inputs.plan.stages
+        # The global view under a written-out schedule: the loss is the whole
+        # batch's, its key the one-device key and its metrics the whole's.
+        whole = (
+            stages is not None
+            and stages.pipeline.schedule in WRITTEN_OUT
+            and self.options.view == "global"
+        )
 
         def loss_of(
             params: Any, state: Any, minibatch: Any, key: Any, seen: Any = None
         ) -> Any:
-            if key is not None:
+            if key is not None and not whole:
                 key = fold_rng_over_axis(key, axes)
             params = cast_floating(params, compute_dtype)
             model = inputs.model(params, full_frozen, partitioned, marker=seen)
@@ -192,7 +200,7 @@ class DeviceGradients:
         grads, out = fence((grads, out))
         sums = inputs.plan.sum_gradients(grads, axes)
         loss, scale = _over_devices(out, axes, self.wants_loss)
-        metrics = reduce_metrics(out.metrics, axes)
+        metrics = out.metrics if whole else reduce_metrics(out.metrics, axes)
         new_state = eqx.filter(out.model_state, is_array) if inputs.with_state else None
         new_state = sync_model_state(new_state, axes)
         return Gradients(

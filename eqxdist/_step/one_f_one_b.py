@@ -34,6 +34,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.extend import core as jex
 from jax.sharding import PartitionSpec as P
 
 from .._layout.pipeline import StagePlan
@@ -46,7 +47,7 @@ from .._metrics.tree import merge_metrics
 from .._utils import is_array
 from .accumulate import Accumulated, CheckedLoss
 from .cut_loss import CutLoss, cut
-from .hoist import shares
+from .hoist import Where, check_pre, shares
 
 # -- the schedule's program ---------------------------------------------------
 
@@ -91,7 +92,12 @@ class OneFOneB:
                 "of order, which a model state carried from call to call cannot "
                 "follow. Use schedule='gpipe' (or 'circular')."
             )
-        keys = None if key is None else jax.random.split(key, n)
+        if key is None:
+            keys = None
+        elif self.whole_batch is not None and n == 1:
+            keys = key[None]  # the global view: the one-device key itself
+        else:
+            keys = jax.random.split(key, n)
         micro = self.plan.pipeline.microbatches
         # The minibatches in turn (unrolled: each is a loop of its own).
         outs = [
@@ -116,24 +122,29 @@ class OneFOneB:
 
     def _minibatch(self, params: Any, batch: Any, key: Any, micro: int) -> Any:
         """The sums over the microbatches of `batch` (microbatch m with the key
-        `fold_in(key, m)`): gradient, loss, weight and the merged metrics."""
+        `fold_in(key, m)`; in the global view `key` itself, the one-device
+        key): gradient, loss, weight and the minibatch's metrics."""
         axis, stages = self.plan.axis, self.plan.stages
         p_leaves, p_tree = jax.tree.flatten(params)
         parts = [
             jax.tree.map(lambda x, m=m: _block(x, m, micro), batch)
             for m in range(micro)
         ]
+        same = self.whole_batch is not None
         mkeys = [
-            None if key is None else jax.random.fold_in(key, m) for m in range(micro)
+            None if key is None else key if same else jax.random.fold_in(key, m)
+            for m in range(micro)
         ]
+        whole, gathered = self._whole(params, batch, key)
         seen = Seen()
         loss = cut(
             lambda p, b, k: self.marked(p, None, b, k, seen),
             (params, parts[0], mkeys[0]),
             seen.values,
+            self.plan.pipeline.schedule,
         )
-        if self.whole_batch is not None:
-            loss = self._shares(loss, params, batch, mkeys[0], micro)
+        cut_loss = loss
+        loss = self._shares(loss, whole, gathered, micro, params)
         # The microbatches' own arguments, stacked; the parameters are shared.
         rest = [
             jnp.stack(xs)
@@ -144,6 +155,9 @@ class OneFOneB:
         ]
         inputs = jax.lax.map(lambda r: loss.pre(*p_leaves, *r), rest)
         n_x = loss.x_tree.num_leaves
+        keys = inputs[n_x:]
+        if self.whole_batch is not None and not loss.key_rows:
+            keys = _stack_keys(keys, micro, self.whole_batch)
         # Blocks returning `(x, aux)`: each microbatch's aux accumulator travels
         # with its activations, each stage writing its layers' in; the last
         # stage's is whole, as `post` takes it.
@@ -167,7 +181,7 @@ class OneFOneB:
             params=p_leaves,
             rest=rest,
             xs=[*inputs[:n_x], *accs],
-            keys=inputs[n_x:],
+            keys=keys,
             axis=axis,
             stages=stages,
         )
@@ -190,27 +204,25 @@ class OneFOneB:
         grads = self._over_stages(grads)
         last = jax.lax.axis_index(axis) == stages - 1
         outs = [jax.lax.psum(jnp.where(last, o, jnp.zeros_like(o)), axis) for o in outs]
-        results = [
-            jax.tree.unflatten(loss.out_tree, [o[m] for o in outs])
-            for m in range(micro)
-        ]
-        total, (weight, metrics, _) = results[0]
-        for value, (w, more, _) in results[1:]:
-            total, weight = total + value, weight + w
-            metrics = merge_metrics(metrics, more)
-        return grads, total.astype(jnp.float32), weight, metrics
+        k = 2 if self.checked.weighted else 1
+        total = outs[0].sum(0).astype(jnp.float32)
+        weight = outs[1].sum(0) if k == 2 else jnp.zeros((), jnp.float32)
+        args = (p_leaves, gathered, jax.tree.leaves(key))
+        metrics = _metrics(cut_loss, whole, args, outs[k:], self.whole_batch)
+        return grads, total, weight, metrics
 
-    def _shares(
-        self, loss: CutLoss, params: Any, batch: Any, key: Any, micro: int
-    ) -> CutLoss:
-        """The global view: `loss` whose `post` gives the microbatch's share of
-        the loss of the whole minibatch (`batch` on every device: `hoist`), for
-        a mean loss times the number of shares (the schedule averages them)."""
-        axes = self.whole_batch
-        assert axes is not None
+    def _devices(self) -> int:
+        """The devices whose rows make the loss's: the data axes' (global
+        view), else 1."""
+        if self.whole_batch is None:
+            return 1
         mesh = jax.sharding.get_abstract_mesh()
-        devices = int(np.prod([mesh.shape[a] for a in axes]))
-        slices = devices * micro
+        return int(np.prod([mesh.shape[a] for a in self.whole_batch]))
+
+    def _whole(self, params: Any, batch: Any, key: Any) -> tuple[CutLoss, list[Any]]:
+        """The loss cut on the whole rows (the minibatch; in the global view
+        every device's, gathered), and those rows' batch leaves."""
+        devices = self._devices()
 
         def whole_rows(x: Any) -> Any:
             if not is_array(x) or jnp.ndim(x) == 0:
@@ -222,22 +234,51 @@ class OneFOneB:
             lambda p, b, k: self.marked(p, None, b, k, seen),
             (params, jax.tree.map(whole_rows, batch), key),
             seen.values,
+            self.plan.pipeline.schedule,
         )
+        leaves = jax.tree.leaves(batch)
+        if self.whole_batch is not None:
+            # The whole minibatch: each device's block of it, in device order.
+            leaves = [
+                jax.lax.all_gather(x, self.whole_batch, axis=0, tiled=True)
+                if jnp.ndim(x)
+                else x
+                for x in leaves
+            ]
+        return whole, leaves
+
+    def _shares(
+        self,
+        loss: CutLoss,
+        whole: CutLoss,
+        gathered: list[Any],
+        micro: int,
+        params: Any,
+    ) -> CutLoss:
+        """`loss` whose `post` gives the microbatch's share of the loss (and
+        weight) of the whole rows (`hoist`; a mean loss times the number of
+        shares, as the schedule averages them), then the stack's output (kept
+        for the metrics, which come from the whole rows: `_metrics`)."""
+        view = "device" if self.whole_batch is None else "global"
+        at = Where(self.plan.pipeline.schedule, view)
+        n_stack = list(loss.kinds).count("stack")
+        kinds = list(loss.kinds)[:-n_stack]
+        n_x = loss.x_tree.num_leaves
+        rows = [True] * n_x + [loss.key_rows] * (
+            len(loss.pre_jaxpr.jaxpr.outvars) - n_x
+        )
+        check_pre(loss.pre_jaxpr, whole.pre_jaxpr, kinds, rows, at)
+        _no_layers_outside(loss, at, params, self.specs, self.plan.axis)
         weighted = bool(self.checked.weighted)
-        found = shares(loss.jaxpr, whole.jaxpr, list(loss.kinds), weighted)
-        # The whole minibatch: each device's block of it, in device order.
-        gathered = [
-            jax.lax.all_gather(x, axes, axis=0, tiled=True) if jnp.ndim(x) else x
-            for x in jax.tree.leaves(batch)
-        ]
+        found = shares(loss.jaxpr, whole.jaxpr, list(loss.kinds), weighted, at)
         hoisted = found.whole(*gathered)
-        post = loss.post
+        slices = self._devices() * micro
 
         def shared(*args: Any) -> list[Any]:
             parts = found.evaluate(hoisted, slices, *args)
             if not weighted:
                 parts = [parts[0] * slices]
-            return [*parts, *list(post(*args))[len(parts) :]]
+            return [*parts, *args[len(args) - n_stack :]]
 
         return dataclasses.replace(loss, post=shared)
 
@@ -261,3 +302,69 @@ def _block(x: Any, i: int, n: int) -> Any:
         return x
     rows = x.shape[0] // n
     return x[i * rows : (i + 1) * rows]
+
+
+def _stack_keys(keys: list[Any], micro: int, axes: tuple[str, ...]) -> list[Any]:
+    """The global view: the stack's key (one for the whole microbatch,
+    made from the one-device key) with the data shard and the microbatch
+    folded in, so that no two microbatches draw the same noise."""
+    shard = jax.lax.axis_index(axes)
+
+    def fold(k: Any, m: Any) -> Any:
+        return jax.random.fold_in(jax.random.fold_in(k, shard), m)
+
+    return [jax.vmap(fold)(k, jnp.arange(micro)) for k in keys]
+
+
+def _metrics(loss: CutLoss, whole: CutLoss, args: Any, ys: list[Any], axes: Any) -> Any:
+    """The metrics of `whole`'s `post` (the loss on the whole rows) on the
+    stack's outputs `ys` (per microbatch) put together (and gathered over the
+    data axes `axes` in the global view, else `None`); `args`: the parameter,
+    whole batch and key leaves."""
+    n_stack = len(ys)
+    local = loss.jaxpr.jaxpr.invars[-n_stack:]
+    full = whole.jaxpr.jaxpr.invars[-n_stack:]
+    together = []
+    for y, v, w in zip(ys, local, full, strict=True):
+        d = [i for i in range(v.aval.ndim) if v.aval.shape[i] != w.aval.shape[i]]
+        if not d:
+            together.append(y[0])
+            continue
+        t = jnp.moveaxis(y, 0, d[0])
+        t = t.reshape(*t.shape[: d[0]], -1, *t.shape[d[0] + 2 :])
+        if axes is not None:
+            t = jax.lax.all_gather(t, axes, axis=d[0], tiled=True)
+        together.append(t)
+    p_leaves, batch, key = args
+    out = whole.post(*p_leaves, *batch, *key, *together)
+    # Arrays: a constant of the program (a count) comes back as a NumPy value.
+    out = [jnp.asarray(o) for o in out]
+    _, (_, metrics, _) = jax.tree.unflatten(whole.out_tree, out)
+    return metrics
+
+
+def _no_layers_outside(
+    loss: CutLoss, at: Where, params: Any, specs: Any, axis: str
+) -> None:
+    """A `ValueError` where the loss reads the pipelined stack's layers
+    outside the stack (a penalty over them): there a stage holds only its
+    own layers, and what follows the stack runs on the last stage only."""
+
+    def own(spec: Any, g: Any) -> Any:
+        if g is None:
+            return None
+        return isinstance(spec, P) and len(spec) > 0 and spec[0] == axis
+
+    mask = jax.tree.leaves(jax.tree.map(own, specs, params, is_leaf=is_spec_leaf))
+    for jaxpr in (loss.jaxpr.jaxpr, loss.pre_jaxpr.jaxpr):
+        used = {v for e in jaxpr.eqns for v in e.invars if isinstance(v, jex.Var)}
+        used |= {v for v in jaxpr.outvars if isinstance(v, jex.Var)}
+        if any(m and v in used for m, v in zip(mask, jaxpr.invars, strict=False)):
+            raise at.refuse(
+                "the pipelined Stacked's layers",
+                "a function of the Stacked's parameters outside the stack (a "
+                "penalty over them, say), while each stage holds only its own "
+                "layers; put such a term in the optimizer "
+                "(`optax.add_decayed_weights`) or on parameters outside the "
+                "Stacked",
+            )

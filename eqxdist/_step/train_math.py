@@ -150,9 +150,9 @@ class TrainMath(eqx.Module):
 def _global_gradients(layout: Layout, options: StepOptions) -> bool:
     """Whether the loss runs once on the global batch (`GlobalGradients`).
     Not under 1F1B, which runs the loss once per microbatch on each device's
-    rows whichever the view: in the global view each microbatch's loss is its
-    share of the whole batch's (`hoist`), which the device view's sums over
-    the microbatches and devices add up."""
+    rows whichever the view: each microbatch's loss is its share of the rows'
+    (`hoist`: the device's in the device view, the whole batch's in the
+    global view), which the sums over the microbatches and devices add up."""
     pipeline = layout.part(PipelinePart)
     written = pipeline is not None and pipeline.pipeline.schedule in WRITTEN_OUT
     return options.view == "global" and not written
