@@ -156,8 +156,6 @@ class OneFOneB:
         inputs = jax.lax.map(lambda r: loss.pre(*p_leaves, *r), rest)
         n_x = loss.x_tree.num_leaves
         keys = inputs[n_x:]
-        if self.whole_batch is not None and not loss.key_rows:
-            keys = _stack_keys(keys, micro, self.whole_batch)
         # Blocks returning `(x, aux)`: each microbatch's aux accumulator travels
         # with its activations, each stage writing its layers' in; the last
         # stage's is whole, as `post` takes it.
@@ -302,18 +300,6 @@ def _block(x: Any, i: int, n: int) -> Any:
         return x
     rows = x.shape[0] // n
     return x[i * rows : (i + 1) * rows]
-
-
-def _stack_keys(keys: list[Any], micro: int, axes: tuple[str, ...]) -> list[Any]:
-    """The global view: the stack's key (one for the whole microbatch,
-    made from the one-device key) with the data shard and the microbatch
-    folded in, so that no two microbatches draw the same noise."""
-    shard = jax.lax.axis_index(axes)
-
-    def fold(k: Any, m: Any) -> Any:
-        return jax.random.fold_in(jax.random.fold_in(k, shard), m)
-
-    return [jax.vmap(fold)(k, jnp.arange(micro)) for k in keys]
 
 
 def _metrics(loss: CutLoss, whole: CutLoss, args: Any, ys: list[Any], axes: Any) -> Any:
