@@ -89,6 +89,17 @@ class Found:
             self.why[v] = why
 
 
+def _same(a: Any, b: Any) -> bool:
+    """Whether two literals are the same constant: a NaN equals a NaN (`jnp.var`
+    writes one into its program for an empty reduction)."""
+    x, y = np.asarray(a), np.asarray(b)
+    if x.shape != y.shape or x.dtype != y.dtype:
+        return False
+    if np.issubdtype(x.dtype, np.inexact):
+        return bool(np.array_equal(x, y, equal_nan=True))
+    return bool(np.array_equal(x, y))
+
+
 def _var(v: Any) -> bool:
     return isinstance(v, jex.Var)
 
@@ -134,7 +145,7 @@ def analyse(
     for i, (eqn, other) in enumerate(zip(local.eqns, whole.eqns, strict=True)):
         _visit(found, i, eqn, other, top)
     for j, (v, w) in enumerate(zip(local.outvars, whole.outvars, strict=True)):
-        if isinstance(v, jex.Literal) and not np.array_equal(v.val, w.val):
+        if isinstance(v, jex.Literal) and not _same(v.val, w.val):
             found.literals[(-1, j)] = w
     return found
 
@@ -154,7 +165,7 @@ def _visit(found: Found, i: int, eqn: Any, other: Any, top: bool) -> None:
     differs = [
         j
         for j, (a, b) in enumerate(pairs)
-        if isinstance(a, jex.Literal) and not np.array_equal(a.val, b.val)
+        if isinstance(a, jex.Literal) and not _same(a.val, b.val)
     ]
     if top:
         found.literals.update({(i, j): pairs[j][1] for j in differs})

@@ -225,7 +225,16 @@ class OneFOneB:
         def whole_rows(x: Any) -> Any:
             if not is_array(x) or jnp.ndim(x) == 0:
                 return x
-            return jax.ShapeDtypeStruct((x.shape[0] * devices, *x.shape[1:]), x.dtype)
+            # Typed as the rows are (their sharding and varying axes), so the
+            # two traces differ only where the row count does: else JAX adds
+            # a `reshard` to the whole's program that the slice's lacks.
+            t = jax.typeof(x)
+            return jax.ShapeDtypeStruct(
+                (x.shape[0] * devices, *x.shape[1:]),
+                x.dtype,
+                sharding=t.sharding,
+                manual_axis_type=getattr(t, "manual_axis_type", None),
+            )
 
         seen = Seen()
         whole = cut(
