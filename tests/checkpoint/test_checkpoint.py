@@ -370,10 +370,11 @@ def test_odd_entries_are_ignored_or_clear_errors(tmp_path):
     )
 
 
-def _ready_racer(directory, value):
-    """A `save_race.py` process that has built its state and waits for "go"."""
+def _ready_racer(value):
+    """A `save_race.py` process that has built its state and waits for the
+    directory of a trial."""
     racer = subprocess.Popen(
-        [sys.executable, SCRIPTS / "save_race.py", directory, value],
+        [sys.executable, SCRIPTS / "save_race.py", value],
         stdin=subprocess.PIPE,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
@@ -383,31 +384,34 @@ def _ready_racer(directory, value):
     return racer
 
 
-def _go(racer):
-    racer.stdin.write("go\n")
+def _go(racer, directory):
+    racer.stdin.write(f"{directory}\n")
     racer.stdin.flush()
 
 
 @pytest.mark.slow
 def test_concurrent_saves_of_one_step_are_never_mixed(tmp_path):
-    for trial in range(4):
-        directory = tmp_path / str(trial)
-        racers = [_ready_racer(directory, value) for value in ("1", "2")]
-        for racer in racers:  # both go at once
-            _go(racer)
+    # Two racing processes, each running every trial (their start paid once).
+    racers = [_ready_racer(value) for value in ("1", "2")]
+    try:
+        for trial in range(4):
+            directory = tmp_path / str(trial)
+            for racer in racers:  # both go at once
+                _go(racer, directory)
+            lines = sorted(racer.stdout.readline().strip() for racer in racers)
+            assert lines[0].startswith("lost:") and lines[1] == "saved", lines
+            assert "step 5" in lines[0]
+            target = {name: jnp.zeros((512, 1024)) for name in ("a", "b", "c")}
+            values = {
+                float(np.unique(np.asarray(v)).item())
+                for v in ed.restore_checkpoint(directory, target).values()
+            }
+            assert len(values) == 1, f"a mixed checkpoint: {values}"
+            assert not [p for p in directory.iterdir() if "tmp" in p.name]
+    finally:
         outputs = [r.communicate(timeout=120) for r in racers]
-        for racer, (_, err) in zip(racers, outputs, strict=True):
-            assert racer.returncode == 0, err
-        lines = sorted(out.strip() for out, _ in outputs)
-        assert lines[0].startswith("lost:") and lines[1] == "saved", lines
-        assert "step 5" in lines[0]
-        target = {name: jnp.zeros((512, 1024)) for name in ("a", "b", "c")}
-        values = {
-            float(np.unique(np.asarray(v)).item())
-            for v in ed.restore_checkpoint(directory, target).values()
-        }
-        assert len(values) == 1, f"a mixed checkpoint: {values}"
-        assert not [p for p in directory.iterdir() if "tmp" in p.name]
+    for racer, (_, err) in zip(racers, outputs, strict=True):
+        assert racer.returncode == 0, err
 
 
 @pytest.mark.slow
@@ -422,8 +426,8 @@ def test_a_step_committed_while_a_save_waits_is_kept(tmp_path):
     ed.save_checkpoint(elsewhere, state, step=5)
     lock = DirectoryLock(directory)  # as another run's save holds it
     try:
-        racer = _ready_racer(directory, "2")
-        _go(racer)
+        racer = _ready_racer("2")
+        _go(racer, directory)
         time.sleep(3)  # the racer checks that step 5 is free, then waits
         (elsewhere / "5").rename(directory / "5")  # the other run's commit
         assert racer.poll() is None, racer.communicate()

@@ -15,13 +15,13 @@ import numpy as np
 import optax
 import pytest
 from harness import (
+    ADAMW,
     MP_SCHEDULES,
     MP_SCRIPTS,
     PipeNet,
     launch,
     pipe_batches,
     pipe_loss,
-    train_pipeline,
 )
 from jax.sharding import PartitionSpec as P
 from reference import max_diff, train_one_device
@@ -462,18 +462,20 @@ def test_pipeline_mistakes_are_clear_errors():
 @pytest.mark.slow
 def test_stages_across_two_processes(tmp_path):
     """2 processes x 4 devices, the stage axis across the processes: the same
-    parameters as 1 process x 8 devices, for GPipe, 1F1B, the interleaved
-    schedule and ZB-H1 (one launch runs them all)."""
+    parameters as one device in plain Equinox and Optax, for GPipe, the
+    interleaved schedule and ZB-H1 (one launch runs them all; 1F1B runs the
+    written-out schedules' code with another table, and runs in-process here)."""
     result = launch(MP_SCRIPTS / "mp_pipeline.py", tmp_path, timeout=600)
     assert result.returncode == 0, result.stdout + result.stderr
+    want = train_one_device(PipeNet(), pipe_batches(), ADAMW, pipe_loss).model
+    leaves = jax.tree_util.tree_flatten_with_path(eqx.filter(want, eqx.is_array))[0]
     for schedule in MP_SCHEDULES:
-        state = train_pipeline(schedule)
         saved = np.load(tmp_path / f"{schedule}.npz")
-        leaves = jax.tree_util.tree_flatten_with_path(
-            eqx.filter(state.model, eqx.is_array)
-        )[0]
         assert len(saved.files) == len(leaves)
         for path, leaf in leaves:
             np.testing.assert_allclose(
-                saved[jax.tree_util.keystr(path)], np.asarray(leaf), atol=1e-6
+                saved[jax.tree_util.keystr(path)],
+                np.asarray(leaf),
+                atol=1e-5,
+                err_msg=f"{schedule}: {jax.tree_util.keystr(path)}",
             )

@@ -1,8 +1,8 @@
 """Pipeline stages across processes, run by tests/layout/test_pipeline.py as
 `python -m eqxdist.launch -n 2 -d 4 mp_pipeline.py OUT`: a `{"stage": 2, "data":
 4}` mesh whose stage axis spans the processes (each process one stage), both
-passing every row; GPipe, 1F1B, the interleaved schedule (2 chunks per stage)
-and ZB-H1 train 3 steps each (`harness.train_pipeline`); process 0 writes the
+passing every row; GPipe, the interleaved schedule (2 chunks per stage) and
+ZB-H1 train 3 steps each (`harness.train_pipeline`); process 0 writes the
 final parameters to `OUT/<schedule>.npz`."""
 
 import sys

@@ -1,9 +1,11 @@
-"""One side of a race: prints `ready`, waits for a line on stdin, then saves
-`{"a": full(VALUE), "b": ..., "c": ...}` as step 5 of DIR. Prints `saved`, or `lost:`
-and the error (which must be a `ValueError`). Run twice at once by
-tests/checkpoint/test_checkpoint.py.
+"""One side of a race, for as many trials as it is sent: builds
+`{"a": full(VALUE), "b": ..., "c": ...}`, prints `ready`, then for each line DIR
+on stdin saves that state as step 5 of DIR and prints `saved`, or `lost:` and the
+error (which must be a `ValueError`). Ends at the end of stdin. Run twice at once
+by tests/checkpoint/test_checkpoint.py; one process runs every trial, so the
+trials pay JAX's and Orbax's start once.
 
-    save_race.py DIR VALUE
+    save_race.py VALUE
 """
 
 import sys
@@ -12,13 +14,13 @@ import jax.numpy as jnp
 
 import eqxdist as ed
 
-directory, value = sys.argv[1], float(sys.argv[2])
+value = float(sys.argv[1])
 state = {name: jnp.full((512, 1024), value) for name in ("a", "b", "c")}
 jnp.zeros(()).block_until_ready()
 print("ready", flush=True)
-sys.stdin.readline()
-try:
-    ed.save_checkpoint(directory, state, step=5)
-    print("saved", flush=True)
-except ValueError as e:
-    print(f"lost: {e}", flush=True)
+for line in sys.stdin:
+    try:
+        ed.save_checkpoint(line.strip(), state, step=5)
+        print("saved", flush=True)
+    except ValueError as e:
+        print(f"lost: {e}", flush=True)
