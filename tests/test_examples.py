@@ -210,7 +210,9 @@ def test_main_job_ctrl_c_saves_and_resume_logs_each_step_once(
 def test_multi_process_example_restarts_past_a_crash(tmp_path: Path) -> None:
     """`--crash-at` crashes the first attempt only, so `--max-restarts 1` shows a
     restart that resumes from the latest checkpoint and finishes (the crash came
-    back after every restart)."""
+    back after every restart). This is also the launcher's test of restarting a
+    JAX job (its distributed service joined again after a crash); the launcher's
+    own restart tests use plain processes."""
     import eqxdist as ed
 
     # No shared compilation cache: the processes run at once (see `cached_env`).
