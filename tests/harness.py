@@ -471,9 +471,8 @@ def moe_loss(model: MoENet, batch: dict, key: Any) -> tuple:
 def train_experts(rows: slice = slice(None)) -> Any:
     """`MoENet` trained 2 steps (AdamW) with its experts split over the data axis
     of `{"data": 8}` and FSDP sharding the rest, on `rows` of each 32-row batch:
-    all of them in one process, each process's own half across two
-    (mp_scripts/experts.py), where the data axis, and so the experts, span the
-    processes."""
+    each process's own half across two processes (mp_scripts/experts.py), where
+    the data axis, and so the experts, span the processes."""
     layout = ed.Layout(
         ed.create_device_mesh({"data": 8}),
         expert_axis="data",
