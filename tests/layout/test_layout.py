@@ -18,8 +18,8 @@ from harness import (
     ResidualMLP as Net,
     batches,
     launch,
+    hsdp_batches,
     loss_fn,
-    train_hsdp,
 )
 from jax.sharding import AxisType, PartitionSpec as P
 from reference import max_diff, train_one_device
@@ -186,19 +186,22 @@ def test_rule_mistakes():
 @pytest.mark.slow
 def test_hsdp_across_processes(tmp_path):
     """2 processes x 4 devices, the replica axis across processes, each passing
-    its own rows: the same parameters as 1 process x 8 devices."""
+    its own rows: the same parameters as one device in plain Equinox and Optax
+    (`harness.train_hsdp` on every row)."""
     result = launch(MP_SCRIPTS / "mp_hsdp.py", tmp_path, timeout=300)
     assert result.returncode == 0, result.stdout + result.stderr
+    model = Net(jax.random.key(0))
+    want = train_one_device(model, hsdp_batches(), OPTIMIZER, loss_fn).model
+    leaves = jax.tree_util.tree_flatten_with_path(eqx.filter(want, eqx.is_array))[0]
     for strategy in ("dp", "fsdp"):
-        state = train_hsdp(strategy)  # 1 process x 8 devices
         saved = np.load(tmp_path / f"{strategy}.npz")
-        leaves = jax.tree_util.tree_flatten_with_path(
-            eqx.filter(state.model, eqx.is_array)
-        )[0]
         assert len(saved.files) == len(leaves)
         for path, leaf in leaves:
             np.testing.assert_allclose(
-                saved[jax.tree_util.keystr(path)], np.asarray(leaf), atol=1e-6
+                saved[jax.tree_util.keystr(path)],
+                np.asarray(leaf),
+                atol=1e-5,
+                err_msg=f"{strategy}: {jax.tree_util.keystr(path)}",
             )
 
 
