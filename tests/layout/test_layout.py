@@ -17,8 +17,8 @@ from harness import (
     MP_SCRIPTS,
     ResidualMLP as Net,
     batches,
-    launch,
     hsdp_batches,
+    launch,
     loss_fn,
 )
 from jax.sharding import AxisType, PartitionSpec as P
