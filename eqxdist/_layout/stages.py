@@ -38,6 +38,7 @@ from jax.sharding import PartitionSpec as P
 
 from .._experts.moe import expert_axes, whole_loss
 from .._utils import is_array
+from . import all_layers
 from .engine import ForwardEngine
 from .pipeline import StagePlan, where_fn
 from .remat import UNSET
@@ -61,18 +62,24 @@ class PipelinedStack(eqx.Module):
       manual with the stage axis in the global view; `()` in the device view,
       where the step's `shard_map` binds both.
     - `remat`: what the backward pass keeps of each layer (normal form).
+    - `gathered`: in the device view, `stacked` holds every stage's layers (the
+      loss reads them outside the stack: `all_layers`); the schedule takes
+      this stage's.
     """
 
     stacked: Stacked
     plan: StagePlan = eqx.field(static=True)
     manual: tuple[str, ...] = eqx.field(static=True)
     remat: Any = eqx.field(static=True)
+    gathered: bool = eqx.field(static=True, default=False)
 
     def __call__(self, x: Any, *, key: Any = None) -> Any:
         # In the global view the schedule's own `shard_map` binds the data axes
         # and JAX differentiates it whole: an MoE's experts take the loss's
         # gradient there, not the device view's mean over the devices' losses.
         stacked = whole_loss(self.stacked) if self.manual else self.stacked
+        if self.gathered:
+            stacked = all_layers.own(stacked, self.plan)
         leaves, layer = layer_function(stacked, with_key=key is not None)
 
         if not under_vmap((x, key)):
@@ -427,15 +434,20 @@ def pipelined(
     manual: tuple[str, ...],
     remat: Any,
     marker: Any = None,
+    gather: bool = False,
 ) -> Any:
     """`model` with its pipelined `Stacked` replaced by the `PipelinedStack` a
     loss calls (`manual`: the data axes the schedule makes manual too, in the
     global view), or with `marker` (a `stages.Seen`) by a `MarkedStack`
-    recording into it."""
+    recording into it. `gather`: in the device view, the loss reads the
+    stack's layers outside it; it gets every stage's (`all_layers`)."""
     where = where_fn(plan.pipeline)
     stacked = where(model)
     if marker is not None:
         return eqx.tree_at(where, model, MarkedStack(stacked, marker))
-    own = stacked.remat if remat is UNSET else remat
-    wrapped = PipelinedStack(stacked, plan, manual, own)
+    kept = stacked.remat if remat is UNSET else remat
+    gather = gather and not manual
+    if gather:
+        stacked = all_layers.gathered(stacked, plan)
+    wrapped = PipelinedStack(stacked, plan, manual, kept, gathered=gather)
     return eqx.tree_at(where, model, wrapped)

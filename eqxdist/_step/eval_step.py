@@ -15,6 +15,7 @@ from jax.sharding import Mesh, PartitionSpec as P
 from .._data_parallel import local_shard_count
 from .._layout.layout import Layout, check_layout, resolve_layout
 from .._layout.parts.context import ContextPart
+from .._layout.stages import Seen
 from .._mesh import retyped
 from .._metrics.tree import (
     check_metrics,
@@ -38,8 +39,10 @@ from .._utils import (
     typecheck,
 )
 from .compiled import CompiledStep, Placement
+from .gradients import shapes
 from .inputs import StepInputs
 from .options import check_view
+from .stage_layers import loss_reads_layers
 from .state import TrainState, trainable_mask_tree
 
 
@@ -97,13 +100,31 @@ class EvalMath(eqx.Module):
                 # Collectives before and after `eval_fn` in one order on every
                 # device (`Layout.fence`).
                 trained, frozen, batch = layout.fence((trained, frozen, batch))
-            model = split.model(trained, frozen, view=self.view)
             batch = split.batch(batch)
-            if split.with_state:
-                args: tuple[Any, ...] = (model, split.model_state(state), batch, mask)
-            else:
-                args = (model, batch, mask)
-            out = call_with_axes(self.eval_fn, args, "eval_fn", axes)
+
+            def call(trained: Any, marker: Any = None, reads: bool = False) -> Any:
+                model = split.model(
+                    trained, frozen, view=self.view, marker=marker, reads_layers=reads
+                )
+                args: tuple[Any, ...] = (model, batch, mask)
+                if split.with_state:
+                    args = (model, split.model_state(state), batch, mask)
+                return call_with_axes(self.eval_fn, args, "eval_fn", axes)
+
+            stages = split.plan.stages
+            # An `eval_fn` that reads the pipelined stack's layers itself gets
+            # every stage's in the device view (`_step/stage_layers`).
+            reads = (
+                bool(axes)
+                and stages is not None
+                and loss_reads_layers(
+                    lambda t: call(t, marker=Seen()),
+                    shapes(trained),
+                    split.plan.specs,
+                    stages.axis,
+                )
+            )
+            out = call(trained, reads=reads)
             metrics, rows = self._outputs(out, mask.shape[0])
             if not axes:
                 return metrics, rows

@@ -27,6 +27,7 @@ from .._layout.partitioned import KeyPath, choose
 from .._layout.parts.fsdp import FsdpOptions
 from .._layout.plan import WEIGHT
 from .._layout.schedules import WRITTEN_OUT
+from .._layout.stages import Seen
 from .._metrics.tree import reduce_metrics
 from .._utils import cast_floating, is_array
 from .accumulate import (
@@ -39,6 +40,7 @@ from .accumulate import (
 from .inputs import StepInputs, sync_model_state
 from .one_f_one_b import OneFOneB
 from .options import StepOptions
+from .stage_layers import loss_reads_layers
 from .statistics import NONFINITE, SQUARES, global_sums, local_sums
 from .update import gradient_finishers
 
@@ -145,13 +147,17 @@ class DeviceGradients:
             and self.options.view == "global"
         )
 
+        reads = self._reads_layers(trained, state, batch, key, full_frozen, partitioned)
+
         def loss_of(
             params: Any, state: Any, minibatch: Any, key: Any, seen: Any = None
         ) -> Any:
             if key is not None and not whole:
                 key = fold_rng_over_axis(key, axes)
             params = cast_floating(params, compute_dtype)
-            model = inputs.model(params, full_frozen, partitioned, marker=seen)
+            model = inputs.model(
+                params, full_frozen, partitioned, marker=seen, reads_layers=reads
+            )
             return self.loss(model, inputs.model_state(state), minibatch, key)
 
         def materialise(params: Any, combined: bool = False) -> Any:
@@ -206,6 +212,37 @@ class DeviceGradients:
         return Gradients(
             sums, loss, scale, metrics, new_state, self._statistics(sums, scale)
         )
+
+    def _reads_layers(
+        self,
+        trained: Any,
+        state: Any,
+        batch: Any,
+        key: Any,
+        frozen: Any,
+        partitioned: frozenset[KeyPath],
+    ) -> bool:
+        """Inside the step's `shard_map`, in the device view under GPipe or the
+        circular schedule: whether the loss reads the pipelined stack's layers
+        outside the stack (then it gets every stage's: `_layout.all_layers`),
+        from a shape-only trace with the stack marked (`stage_layers`). The
+        written-out schedules refuse such a loss (`one_f_one_b`)."""
+        inputs, stages = self.inputs, self.inputs.plan.stages
+        if (
+            stages is None
+            or self.options.view == "global"
+            or stages.pipeline.schedule in WRITTEN_OUT
+        ):
+            return False
+
+        def marked(params: Any) -> Any:
+            model = inputs.model(params, frozen, partitioned, marker=Seen())
+            return self.loss(model, inputs.model_state(state), inputs.batch(batch), key)
+
+        full = jax.eval_shape(
+            lambda p: inputs.plan.gathered(p, partitioned=partitioned), trained
+        )
+        return loss_reads_layers(marked, full, inputs.plan.specs, stages.axis)
 
     def _stage(self, frozen: Any) -> Callable[..., Any]:
         """Inside the step's `shard_map`: `stage(params, h, key, key_rows,

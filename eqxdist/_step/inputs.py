@@ -87,6 +87,7 @@ class StepInputs:
         view: str = "device",
         marker: Seen | None = None,
         pipelined: bool = True,
+        reads_layers: bool = False,
     ) -> Any:
         """The model as the loss sees it, from its (gathered) array parts: the
         `partitioned` layers (`_layout.partitioned`) computing on their weights'
@@ -99,7 +100,13 @@ class StepInputs:
         remat, unroll = self.stack
         model = with_stack_options(model, remat, unroll, "make_train_step")
         seen = LossView(
-            self.plan.stages, view, remat, marker, pipelined, self.layout.data_axes
+            self.plan.stages,
+            view,
+            remat,
+            marker,
+            pipelined,
+            self.layout.data_axes,
+            reads_layers,
         )
         return self.layout.for_loss(model, seen)
 

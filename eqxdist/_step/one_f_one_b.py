@@ -34,7 +34,6 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.extend import core as jex
 from jax.sharding import PartitionSpec as P
 
 from .._layout.pipeline import StagePlan
@@ -48,6 +47,7 @@ from .._utils import is_array
 from .accumulate import Accumulated, CheckedLoss
 from .cut_loss import CutLoss, cut
 from .hoist import Where, check_pre, shares
+from .stage_layers import reads, stage_leaves
 
 # -- the schedule's program ---------------------------------------------------
 
@@ -344,22 +344,13 @@ def _no_layers_outside(
     """A `ValueError` where the loss reads the pipelined stack's layers
     outside the stack (a penalty over them): there a stage holds only its
     own layers, and what follows the stack runs on the last stage only."""
-
-    def own(spec: Any, g: Any) -> Any:
-        if g is None:
-            return None
-        return isinstance(spec, P) and len(spec) > 0 and spec[0] == axis
-
-    mask = jax.tree.leaves(jax.tree.map(own, specs, params, is_leaf=is_spec_leaf))
-    for jaxpr in (loss.jaxpr.jaxpr, loss.pre_jaxpr.jaxpr):
-        used = {v for e in jaxpr.eqns for v in e.invars if isinstance(v, jex.Var)}
-        used |= {v for v in jaxpr.outvars if isinstance(v, jex.Var)}
-        if any(m and v in used for m, v in zip(mask, jaxpr.invars, strict=False)):
-            raise at.refuse(
-                "the pipelined Stacked's layers",
-                "a function of the Stacked's parameters outside the stack (a "
-                "penalty over them, say), while each stage holds only its own "
-                "layers; put such a term in the optimizer "
-                "(`optax.add_decayed_weights`) or on parameters outside the "
-                "Stacked",
-            )
+    mask = stage_leaves(params, specs, axis)
+    if reads([loss.jaxpr.jaxpr, loss.pre_jaxpr.jaxpr], mask):
+        raise at.refuse(
+            "the pipelined Stacked's layers",
+            "a function of the Stacked's parameters outside the stack (a "
+            "penalty over them, say), while each stage holds only its own "
+            "layers; put such a term in the optimizer "
+            "(`optax.add_decayed_weights`) or on parameters outside the "
+            "Stacked",
+        )

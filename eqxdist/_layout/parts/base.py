@@ -33,7 +33,9 @@ class LossView:
     plan (`None` without a pipeline), the step's view, the `remat` the step
     sets on every `Stacked` (`remat.UNSET`: their own), the marker 1F1B records
     the stack's calls with, whether to run the pipeline's schedule at all, and
-    the data axes (a global view's schedule is manual over them)."""
+    the data axes (a global view's schedule is manual over them), and whether
+    the loss reads the pipelined stack's layers outside it (the device view then
+    gives it every stage's: `_layout.all_layers`)."""
 
     stages: Any
     view: str
@@ -41,6 +43,7 @@ class LossView:
     marker: Any
     pipelined: bool
     data_axes: tuple[str, ...]
+    reads_layers: bool = False
 
 
 class Part:

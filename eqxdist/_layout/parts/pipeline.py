@@ -56,7 +56,9 @@ class PipelinePart(Part):
         if view.stages is None or not view.pipelined:
             return model
         manual = view.data_axes if view.view == "global" else ()
-        return pipelined(model, view.stages, manual, view.remat, view.marker)
+        return pipelined(
+            model, view.stages, manual, view.remat, view.marker, view.reads_layers
+        )
 
     def row_multiple(self) -> int:
         return self.pipeline.microbatches
