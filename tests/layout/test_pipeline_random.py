@@ -159,3 +159,17 @@ def test_per_row_keys_in_the_global_view_equal_one_device():
     state, _ = step(state, data[0])
     np.testing.assert_allclose(state.model.rows, want.model.rows, atol=1e-5)
     _all_rows_differ(np.asarray(want.grads.rows))
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "interleaved", "zb-h1"])
+def test_per_row_keys_in_the_global_view_are_refused_per_microbatch(schedule):
+    """These schedules run the loss per microbatch: a microbatch cannot draw the
+    whole batch's `split(key, rows)`, so the step refuses, naming the fix,
+    before it consumes the state (never other noise)."""
+    step = _step(schedule, "global", loss=row_loss)
+    state = ed.TrainState.create(Probe(), SGD, jax.random.key(1))
+    with pytest.raises(ValueError, match="schedule='gpipe'") as error:
+        step(state, _batch())
+    assert f"schedule={schedule!r}" in str(error.value)
+    assert "random" in str(error.value)
+    assert not state.model.rows.is_deleted()
