@@ -10,10 +10,9 @@ one exact training case per schedule and view."""
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 import optax
 import pytest
-from harness import PipeNet
+from harness import PipeNet, pipe_batches
 from reference import max_diff, train_one_device
 
 import eqxdist as ed
@@ -25,15 +24,7 @@ SCHEDULES = ("1f1b", "interleaved", "zb-h1")
 
 
 def _data(steps: int = 2) -> list:
-    rng = np.random.default_rng(3)
-    return [
-        {
-            "x": rng.normal(size=(ROWS, 8)).astype(np.float32),
-            "y": rng.integers(0, 4, ROWS).astype(np.int32),
-            "mask": (rng.random(ROWS) < 0.6).astype(np.float32),
-        }
-        for _ in range(steps)
-    ]
+    return pipe_batches(steps=steps, rows=ROWS, seed=3)
 
 
 def _step(loss, schedule: str, view: str):
