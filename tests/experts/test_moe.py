@@ -25,7 +25,9 @@ def _dense(moe, x):
     p = jax.nn.sigmoid(logits) if sig else jax.nn.softmax(logits, axis=-1)
     _, chosen = jax.lax.top_k(p, moe.top_k)
     mask = jax.nn.one_hot(chosen, moe.num_experts).sum(axis=1)
-    gates = p * mask / jnp.sum(p * mask, axis=-1, keepdims=True)
+    gates = p * mask
+    if moe.normalize_gates:  # the default for top_k > 1; top-1 keeps p
+        gates = gates / jnp.sum(gates, axis=-1, keepdims=True)
     hidden = moe.activation(jnp.einsum("td,edh->teh", x, moe.w_in))
     if moe.gated:
         hidden = hidden * jnp.einsum("td,edh->teh", x, moe.w_gate)
