@@ -4,7 +4,8 @@ computed where their experts are, the outputs brought back to their tokens.
 
 Each call's tokens are routed once, before any dispatch (`MoE.__call__`: the
 capacity counts that call's tokens). The default dispatch is an all-gather of the
-tokens and their routing over the axis and a reduce-scatter of the outputs: dropless, with no sizes to exchange first, and never a weight moved
+tokens and their routing over the axis and a reduce-scatter of the outputs:
+dropless, with no sizes to exchange first, and never a weight moved
 (`ragged_all_to_all`, the other dropless dispatch, is not implemented by
 XLA:CPU in JAX 0.10). `MoE(dispatch="all_to_all")` takes `exchange.py`'s two
 all-to-alls instead (`DISPATCHES`).

@@ -186,7 +186,8 @@ class MoE(eqx.Module):
     Call it on `x` of shape `(tokens, d_model)`: `y, aux = moe(x)`, `aux` a dict
     of `load_balance_loss`, `router_z_loss` (for the loss, with your weights),
     `tokens_per_expert` (the router's choices) and `dropped_fraction` (the share
-    of the assignments the capacity dropped, 0.0 when dropless). `ed.Layout(..., expert_axis=...)` shards its experts.
+    of the assignments the capacity dropped, 0.0 when dropless).
+    `ed.Layout(..., expert_axis=...)` shards its experts.
 
     !!! Example
 

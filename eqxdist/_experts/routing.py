@@ -52,7 +52,9 @@ def capacity(tokens: int, config: Config) -> int | None:
     return math.ceil(share)
 
 
-def kept(experts: Int[Array, "T k"], num_experts: int, limit: int) -> Bool[Array, "T k"]:
+def kept(
+    experts: Int[Array, "T k"], num_experts: int, limit: int
+) -> Bool[Array, "T k"]:
     """Which assignments their expert takes when each takes at most `limit`: by
     choice rank (every token's first choice before any second), then token order
     (GShard's and Switch's priority). A running count per expert of the
@@ -71,6 +73,7 @@ def _dropping(experts: Array, gates: Array, config: Config) -> tuple[Array, ...]
     limit = capacity(experts.shape[0], config)
     if limit is None:
         return experts, gates, jnp.zeros((), jnp.float32)
+
     def keeping(e: Array) -> Array:
         return kept(e, config.num_experts, limit)
 

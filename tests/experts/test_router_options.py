@@ -40,7 +40,9 @@ def _reference(moe, x, *, normalize, keep=None):
     gates = top / jnp.sum(top, axis=-1, keepdims=True) if normalize else top
     if keep is not None:
         gates = jnp.where(keep, gates, 0.0)
-    per_expert = jnp.einsum("tk,tke->te", gates, jax.nn.one_hot(chosen, moe.num_experts))
+    per_expert = jnp.einsum(
+        "tk,tke->te", gates, jax.nn.one_hot(chosen, moe.num_experts)
+    )
     hidden = moe.activation(jnp.einsum("td,edh->teh", x, moe.w_in))
     if moe.gated:
         hidden = hidden * jnp.einsum("td,edh->teh", x, moe.w_gate)
@@ -130,7 +132,9 @@ def test_float32_routing_of_bf16_tokens_picks_the_float32_experts():
     np.testing.assert_array_equal(moe(x)[1]["tokens_per_expert"], counts)
     in_bf16 = route(moe.router.weight, x, config._replace(router_dtype=None))
     assert in_bf16.probs.dtype == jnp.bfloat16
-    differ = np.mean([a != b for a, b in zip(_sets(in_bf16.routing.experts), want)])
+    differ = np.mean(
+        [a != b for a, b in zip(_sets(in_bf16.routing.experts), want, strict=True)]
+    )
     assert differ > 0
 
 
@@ -150,7 +154,8 @@ def _kept_by_hand(chosen, num_experts, limit):
 def _skewed(moe, seed=3):
     """Tokens most of which prefer expert 0: a capacity must drop some."""
     x = np.random.default_rng(seed).normal(size=(T, D))
-    x = x + 2.0 * np.asarray(moe.router.weight[0]) / np.linalg.norm(moe.router.weight[0])
+    w = np.asarray(moe.router.weight[0])
+    x = x + 2.0 * w / np.linalg.norm(w)
     return jnp.asarray(x, jnp.float32)
 
 
@@ -308,16 +313,15 @@ def test_model_flops_of_the_all_to_all_dispatch_and_a_capacity():
     layout = ed.Layout(ed.create_device_mesh({"data": 8}), expert_axis="data")
     optimizer = optax.sgd(0.1)
     model = MoENet(jax.random.key(0))
-    model = eqx.tree_at(
-        lambda m: m.moe,
-        model,
-        ed.MoE(
-            MOE_D, MOE_H, MOE_E, top_k=2, key=jax.random.key(2),
-            dispatch="all_to_all", capacity_factor=0.5,
-        ),  # fmt: skip
-    )
+    moe = ed.MoE(
+        MOE_D, MOE_H, MOE_E, top_k=2, key=jax.random.key(2),
+        dispatch="all_to_all", capacity_factor=0.5,
+    )  # fmt: skip
+    model = eqx.tree_at(lambda m: m.moe, model, moe)
     step = ed.make_train_step(moe_loss, optimizer, layout)
-    state = eqx.filter_eval_shape(ed.TrainState.create, model, optimizer, jax.random.key(1))
+    state = eqx.filter_eval_shape(
+        ed.TrainState.create, model, optimizer, jax.random.key(1)
+    )
     batch = {"x": jnp.ones((64, 6)), "y": jnp.zeros((64,), jnp.int32)}
     assert step.cost(state, batch)["model_flops"] == _moe_step_flops(64)
 
