@@ -1,5 +1,6 @@
 """Reading traced programs (jaxprs): the sub-programs of an equation, and the
-matrix-product FLOPs of a whole step.
+matrix-product FLOPs of a whole step (with the programs `counted_as` marks, an
+MoE's expert products, counted as marked).
 
 XLA's cost analysis is no model-FLOP count: it counts a loop's body once (a
 `lax.scan` over minibatches or over a `Stacked` model's layers, whatever its
