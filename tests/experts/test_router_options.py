@@ -6,6 +6,7 @@ parallelism with a capacity on 8 simulated devices; and `step.cost`'s
 `model_flops` of a step with an MoE against the hand count."""
 
 import math
+from fractions import Fraction
 
 import equinox as eqx
 import jax
@@ -19,6 +20,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 import eqxdist as ed
 from eqxdist._experts import with_expert_axis
 from eqxdist._experts.routing import Config, route
+from eqxdist._jaxpr import counted_as, matmul_flops
 
 D, H, T = 4, 6, 16
 TOL = {"rtol": 1e-5, "atol": 1e-5}
@@ -324,6 +326,26 @@ def test_model_flops_of_the_all_to_all_dispatch_and_a_capacity():
     )
     batch = {"x": jnp.ones((64, 6)), "y": jnp.zeros((64,), jnp.int32)}
     assert step.cost(state, batch)["model_flops"] == _moe_step_flops(64)
+
+
+def test_a_marked_program_counts_as_marked(mesh8):
+    """`jax.lax.ragged_dot` has no `dot_general` (it counted zero); marked with
+    `counted_as` it counts as marked, and a device's fraction of a count inside
+    a `shard_map` adds up over the devices."""
+    x, w = jnp.ones((8, 4)), jnp.ones((2, 4, 3))
+    sizes = jnp.asarray([5, 3], jnp.int32)
+
+    def grouped(x):
+        return jax.lax.ragged_dot(x, w, sizes)
+
+    assert matmul_flops(jax.make_jaxpr(grouped)(x)) == 0
+    marked = counted_as(grouped, 2 * 8 * 4 * 3)
+    assert matmul_flops(jax.make_jaxpr(marked)(x)) == 192
+    shares = jax.shard_map(
+        lambda v: counted_as(lambda v: v * 2, Fraction(3, 8))(v),
+        mesh=mesh8, in_specs=P("data"), out_specs=P("data"),
+    )  # fmt: skip
+    assert matmul_flops(jax.make_jaxpr(shares)(jnp.ones(8))) == 3
 
 
 @pytest.mark.parametrize(
