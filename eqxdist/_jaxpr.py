@@ -1,5 +1,6 @@
 """Reading traced programs (jaxprs): the sub-programs of an equation, and the
-matrix-product FLOPs of a whole step.
+matrix-product FLOPs of a whole step (with the programs `counted_as` marks, an
+MoE's expert products, counted as marked).
 
 XLA's cost analysis is no model-FLOP count: it counts a loop's body once (a
 `lax.scan` over minibatches or over a `Stacked` model's layers, whatever its
@@ -9,8 +10,11 @@ the same on every backend.
 """
 
 import math
+from collections.abc import Callable
+from fractions import Fraction
 from typing import Any
 
+import jax
 from jax.extend import core as jex_core
 
 from ._jax import shard_map_manual_axes
@@ -45,23 +49,58 @@ def _conv_flops(eqn: Any) -> int:
     return int(2 * math.prod(out) * (math.prod(rhs) // out_features))
 
 
+# The name of a nested `jax.jit` program whose FLOPs are stated, not counted:
+# `{_COUNTED}_{numerator}_{denominator}` (`counted_as`).
+_COUNTED = "eqxdist_model_flops"
+
+
+def counted_as(fn: Callable[..., Any], flops: Fraction | int) -> Callable[..., Any]:
+    """`fn` as a nested `jax.jit` program that `matmul_flops` counts as `flops`
+    model FLOPs, whatever products it runs: a grouped product by padded tiles,
+    `jax.lax.ragged_dot` (which has no `dot_general`) or a recomputed forward.
+    A fraction is a device's share of a count the devices complete together."""
+    flops = Fraction(flops)
+
+    def program(*args: Any) -> Any:
+        return fn(*args)
+
+    program.__name__ = f"{_COUNTED}_{flops.numerator}_{flops.denominator}"
+    return jax.jit(program)
+
+
+def _stated(eqn: Any) -> Fraction | None:
+    name = eqn.params.get("name")
+    if not isinstance(name, str) or not name.startswith(_COUNTED + "_"):
+        return None
+    numerator, denominator = name[len(_COUNTED) + 1 :].split("_")
+    return Fraction(int(numerator), int(denominator))
+
+
 def matmul_flops(jaxpr: Any) -> int:
     """The FLOPs of the matrix products (`dot_general`) and convolutions of
     `jaxpr` (a `ClosedJaxpr` or `Jaxpr`) for one run of it: a `scan`'s body
     counted `length` times, a `jax.shard_map`'s body once per device of its manual
     axes (its shapes are one device's), a `cond`'s costliest branch, and a
-    `while_loop`'s body once (its trip count is known only when it runs)."""
+    `while_loop`'s body once (its trip count is known only when it runs). A
+    program marked by `counted_as` (an MoE's expert products) counts as marked."""
+    return round(_flops(jaxpr))
+
+
+def _flops(jaxpr: Any) -> Fraction:
     if isinstance(jaxpr, jex_core.ClosedJaxpr):
         jaxpr = jaxpr.jaxpr
-    total = 0
+    total = Fraction(0)
     for eqn in jaxpr.eqns:
         name = eqn.primitive.name
-        if name == "dot_general":
+        stated = _stated(eqn)
+        if stated is not None:
+            total += stated
+        elif name == "dot_general":
             total += _dot_flops(eqn)
         elif name == "conv_general_dilated":
             total += _conv_flops(eqn)
         elif name == "cond":
-            total += max(matmul_flops(b) for b in eqn.params["branches"])
+            total += max(_flops(b) for b in eqn.params["branches"])
         else:
             times = 1
             if name == "scan":
@@ -70,7 +109,8 @@ def matmul_flops(jaxpr: Any) -> int:
                 shape = eqn.params["mesh"].shape
                 times = math.prod(shape[a] for a in shard_map_manual_axes(eqn.params))
             inner = sum(
-                matmul_flops(sub) for v in eqn.params.values() for sub in sub_jaxprs(v)
+                (_flops(sub) for v in eqn.params.values() for sub in sub_jaxprs(v)),
+                Fraction(0),
             )
             total += times * inner
     return total

@@ -2,9 +2,10 @@
 (device i of n holds experts `[i*E/n, (i+1)*E/n)`), each token's assignments
 computed where their experts are, the outputs brought back to their tokens.
 
-The default dispatch is an all-gather of the tokens over the axis (each device
-then routes them all, with the replicated router) and a reduce-scatter of the
-outputs: dropless, with no sizes to exchange first, and never a weight moved
+Each call's tokens are routed once, before any dispatch (`MoE.__call__`: the
+capacity counts that call's tokens). The default dispatch is an all-gather of the
+tokens and their routing over the axis and a reduce-scatter of the outputs:
+dropless, with no sizes to exchange first, and never a weight moved
 (`ragged_all_to_all`, the other dropless dispatch, is not implemented by
 XLA:CPU in JAX 0.10). `MoE(dispatch="all_to_all")` takes `exchange.py`'s two
 all-to-alls instead (`DISPATCHES`).
@@ -27,7 +28,7 @@ from jaxtyping import Array, Float
 from .._long.views import run_global, shard_over, size_in_context
 from .exchange import exchanged
 from .grouped import Experts, grouped_ffn
-from .routing import Config, Routing, route
+from .routing import Config, Routing
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(1,))
@@ -124,14 +125,16 @@ def check_block(experts: Experts, num_experts: int, size: int, axis: str) -> Non
 
 
 def _gathered(
-    experts: Experts, router: Array, x: Array, config: Config, axis: str
+    experts: Experts, routing: Routing, x: Array, config: Config, axis: str
 ) -> Array:
-    """Different tokens on each device: all of them gathered, routed here, run
-    through this device's experts, and each device's outputs summed back to it."""
-    everyone = jax.lax.all_gather(x, axis, axis=0, tiled=True)
-    routing = route(router, everyone, config).routing
-    local = _here(routing, experts.w_in.shape[0], axis)
-    out = grouped_ffn(everyone, local, experts, config.activation)
+    """Different tokens on each device: all of them and their routing gathered,
+    run through this device's experts, and each device's outputs summed back to
+    it."""
+    everyone, ids, gates = (
+        jax.lax.all_gather(a, axis, axis=0, tiled=True) for a in (x, *routing)
+    )
+    local = _here(Routing(ids, gates), experts.w_in.shape[0], axis)
+    out = grouped_ffn(everyone, local, experts, config.activation, config.num_experts)
     mine: Array = jax.lax.psum_scatter(out, axis, scatter_dimension=0, tiled=True)
     return mine
 
@@ -141,7 +144,7 @@ DISPATCHES = {"all_gather": _gathered, "all_to_all": exchanged}
 
 
 def _replicated(
-    experts: Experts, router: Array, x: Array, config: Config, axis: str
+    experts: Experts, routing: Routing, x: Array, config: Config, axis: str
 ) -> Array:
     """The same tokens on every device: each runs them through its own experts
     and the outputs are summed (Megatron's f/g pair around the experts)."""
@@ -150,25 +153,26 @@ def _replicated(
         # as invariant, and its `pcast` to varying and `psum` are f and g (the
         # custom pair would mistype them). The cast is explicit: the grouped
         # products' custom gradient would not cast back an implicit one.
-        routing = route(router, x, config).routing
         x, gates = jax.lax.pcast((x, routing.gates), (axis,), to="varying")
         local = _here(Routing(routing.experts, gates), experts.w_in.shape[0], axis)
         summed: Array = jax.lax.psum(
-            grouped_ffn(x, local, experts, config.activation), axis
+            grouped_ffn(x, local, experts, config.activation, config.num_experts),
+            axis,
         )
         return summed
-    routing = route(router, x, config).routing
     # The gates enter before `_here` masks other devices' out: each gate's
     # gradient is summed from the one device that used it.
     routing = Routing(routing.experts, _enter(routing.gates, axis))
     local = _here(routing, experts.w_in.shape[0], axis)
-    out = grouped_ffn(_enter(x, axis), local, experts, config.activation)
+    out = grouped_ffn(
+        _enter(x, axis), local, experts, config.activation, config.num_experts
+    )
     return _leave(out, axis)
 
 
 def experts_device_view(
     experts: Experts,
-    router: Float[Array, "E d"],
+    routing: Routing,
     x: Float[Array, "T d"],
     *,
     config: Config,
@@ -177,8 +181,9 @@ def experts_device_view(
     dispatch: str = "all_gather",
     mean_grad: bool = True,
 ) -> Float[Array, "T d"]:
-    """The experts' combined output for this device's tokens `x`, inside
-    `jax.shard_map` over `axis`, with `experts` this device's block.
+    """The experts' combined output for this device's tokens `x` (routed as
+    `routing` says), inside `jax.shard_map` over `axis`, with `experts` this
+    device's block.
 
     Gradients follow the step's device view (`shard_map(check_vma=False)`, each
     device's loss differentiated on its own): with `tokens_split` (a data axis)
@@ -197,55 +202,58 @@ def experts_device_view(
     size = jax.lax.axis_size(axis)
     check_block(experts, config.num_experts, size, axis)
     if not tokens_split:
-        return _replicated(experts, router, x, config, axis)
+        return _replicated(experts, routing, x, config, axis)
     if not mean_grad:
-        return DISPATCHES[dispatch](experts, router, x, config, axis)
+        return DISPATCHES[dispatch](experts, routing, x, config, axis)
     w_in, w_gate, w_out = experts
     weights = Experts(
         _mean_grad(w_in, size),
         None if w_gate is None else _mean_grad(w_gate, size),
         _mean_grad(w_out, size),
     )
-    return DISPATCHES[dispatch](weights, router, x, config, axis)
+    return DISPATCHES[dispatch](weights, routing, x, config, axis)
 
 
 def experts_global_view(
     experts: Experts,
-    router: Float[Array, "E d"],
+    routing: Routing,
     x: Float[Array, "T d"],
     *,
     config: Config,
     axis: str,
     dispatch: str = "all_gather",
 ) -> Float[Array, "T d"]:
-    """The experts' combined output for all of `x`, whole arrays under a context
+    """The experts' combined output for all of `x` (routed as `routing` says,
+    over all of its tokens), whole arrays under a context
     mesh with `axis`: the tokens split over `axis`, the experts sharded over it
     by expert, in a `shard_map` of `axis` alone (gradients exact: JAX
     differentiates the whole program).
 
     Tokens that do not split evenly (a few per call, e.g. one short sequence
     under `jax.vmap(moe)`, each sequence a call of its own) are padded with
-    zero tokens to a multiple of the axis size; their outputs are dropped, so
-    they change no value and no gradient."""
+    zero tokens to a multiple of the axis size, routed to no expert (the id one
+    past the last, gate 0); their outputs are dropped, so they change no value
+    and no gradient."""
     size = size_in_context(axis)
     check_divides(config.num_experts, size, axis)
     tokens = x.shape[0]
     pad = -tokens % size
 
-    def device(x: Array, router: Array, *weights: Array | None) -> Array:
+    def device(x: Array, ids: Array, gates: Array, *weights: Array | None) -> Array:
         w_in, w_gate, w_out = weights
         assert w_in is not None and w_out is not None  # only w_gate may be None
         weights = Experts(w_in, w_gate, w_out)
-        return DISPATCHES[dispatch](weights, router, x, config, axis)
+        return DISPATCHES[dispatch](weights, Routing(ids, gates), x, config, axis)
 
-    def body(x: Array, *args: Array | None) -> Array:
+    def body(x: Array, ids: Array, gates: Array, *args: Array | None) -> Array:
         if pad:
             x = jnp.pad(x, ((0, pad), (0, 0)))
-        specs = tuple(None if a is None else P(axis) for a in args)
-        specs = (P(axis), P(), *specs[1:])
-        out: Array = shard_over(device, axis, (x, *args), specs, P(axis))
+            ids = jnp.pad(ids, ((0, pad), (0, 0)), constant_values=config.num_experts)
+            gates = jnp.pad(gates, ((0, pad), (0, 0)))
+        specs = tuple(None if a is None else P(axis) for a in (x, ids, gates, *args))
+        out: Array = shard_over(device, axis, (x, ids, gates, *args), specs, P(axis))
         return out[:tokens] if pad else out
 
     spec = jax.typeof(x).sharding.spec
-    out: Array = run_global(body, axis, (x, router, *experts), spec)
+    out: Array = run_global(body, axis, (x, *routing, *experts), spec)
     return out

@@ -18,7 +18,7 @@ import jax.numpy as jnp
 from jaxtyping import Array, Float, Int
 
 from .grouped import Experts, grouped_ffn
-from .routing import Config, Routing, route
+from .routing import Config, Routing
 
 
 def _slots(dest: Int[Array, " A"], size: int) -> Int[Array, " A"]:
@@ -41,7 +41,7 @@ def _holders_out(
     local = experts.w_in.shape[0]
     gates = (ids < local).astype(rows.dtype)[:, None]
     routing = Routing(ids[:, None], gates)
-    return grouped_ffn(rows, routing, experts, config.activation)
+    return grouped_ffn(rows, routing, experts, config.activation, config.num_experts)
 
 
 def _send(
@@ -62,27 +62,39 @@ def _send(
 
 
 def exchanged(
-    experts: Experts, router: Array, x: Float[Array, "T d"], config: Config, axis: str
+    experts: Experts,
+    routing: Routing,
+    x: Float[Array, "T d"],
+    config: Config,
+    axis: str,
 ) -> Float[Array, "T d"]:
-    """Different tokens on each device: routed here, each assignment sent to its
-    expert's device and its output sent back (two `all_to_all`s), combined with
-    the gates here. Inside `jax.shard_map` over `axis`, `experts` this device's
-    block; the gradients flow back through the same two exchanges."""
+    """Different tokens on each device, routed here (`routing`): each assignment
+    sent to its expert's device and its output sent back (two `all_to_all`s),
+    combined with the gates here. Inside `jax.shard_map` over `axis`, `experts`
+    this device's block; the gradients flow back through the same two
+    exchanges. An assignment the capacity dropped (id `num_experts`) goes
+    nowhere: its destination `size` is out of range, dropped by the scatter
+    and read back as zeros."""
     size = jax.lax.axis_size(axis)
     local = experts.w_in.shape[0]
-    routing = route(router, x, config).routing
     tokens, k = routing.experts.shape
     flat = routing.experts.reshape(-1)
-    dest, slot = flat // local, _slots(flat // local, size)
+    dest = jnp.where(flat < config.num_experts, flat // local, size)
+    slot = _slots(dest, size)
     width = tokens * k  # the worst case: every assignment to one device
     send = jnp.zeros((size, width, x.shape[1]), x.dtype)
-    send = send.at[dest, slot].set(jnp.repeat(x, k, axis=0))
-    ids = jnp.full((size, width), local, jnp.int32).at[dest, slot].set(flat % local)
+    send = send.at[dest, slot].set(jnp.repeat(x, k, axis=0), mode="drop")
+    ids = jnp.full((size, width), local, jnp.int32)
+    ids = ids.at[dest, slot].set(flat % local, mode="drop")
     rows, got = _send(
         send.reshape(size * width, -1), ids.reshape(-1), largest=local, axis=axis
     )
     out = _holders_out(rows, got, experts, config)
     back = jax.lax.all_to_all(out, axis, 0, 0, tiled=True)
-    mine = back.reshape(size, width, -1)[dest, slot].reshape(tokens, k, -1)
-    combined: Array = jnp.einsum("tk,tkd->td", routing.gates.astype(x.dtype), mine)
+    mine = back.reshape(size, width, -1).at[dest, slot].get(mode="fill", fill_value=0)
+    mine = mine.reshape(tokens, k, -1)
+    # A weighted sum, not an einsum: no matrix product for the FLOP count (the
+    # one-device computation combines its outputs the same way).
+    gates = routing.gates.astype(x.dtype)[:, :, None]
+    combined: Array = jnp.sum(gates * mine, axis=1)
     return combined

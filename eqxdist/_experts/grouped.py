@@ -6,6 +6,7 @@ many."""
 
 import functools
 from collections.abc import Callable
+from fractions import Fraction
 from typing import Any, NamedTuple
 
 import jax
@@ -13,6 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, Float, Int
 
+from .._jaxpr import counted_as
 from .batching import one_token_set
 from .routing import Routing
 from .tiles import tiled_matmul
@@ -87,61 +89,102 @@ def _ffn(
     return combined.astype(x.dtype)
 
 
-def _forward(activation: Callable[[Array], Array]) -> Callable[..., Any]:
+def routed_flops(
+    x: Array, routing: Routing, experts: Experts, num_experts: int | None
+) -> Fraction:
+    """The model FLOPs of one forward of the expert products over these
+    assignments: `2 * d_model * d_hidden` per product (`w_in`, `w_gate`,
+    `w_out`) per assignment routed to these experts. With a block of
+    `len(experts.w_in)` of `num_experts` experts (expert parallelism) the
+    assignments here are, over the devices, that share of all of them: the
+    count is the mean, exact once the devices' counts are added. Neither the
+    tiles' padding nor the rows past the groups count; a dropped assignment
+    (capacity) counts as routed: its count is known only when the step runs."""
+    d, h = experts.w_in.shape[1:]
+    products = 2 if experts.w_gate is None else 3
+    groups = experts.w_in.shape[0]
+    share = Fraction(groups, num_experts or groups)
+    return 2 * d * h * products * routing.experts.size * share
+
+
+def _forward(
+    activation: Callable[[Array], Array], num_experts: int | None
+) -> Callable[..., Any]:
     def forward(tokens: tuple[Array, Routing], experts: Experts) -> tuple[Array, None]:
-        return _ffn(*tokens, experts, activation), None
+        flops = routed_flops(*tokens, experts, num_experts)
+        ffn = functools.partial(_ffn, activation=activation)
+        return counted_as(ffn, flops)(*tokens, experts), None
 
     return one_token_set(forward, merged=True)
 
 
-def _backward(activation: Callable[[Array], Array]) -> Callable[..., Any]:
-    def backward(
-        tokens: tuple[Array, Routing, Array], experts: Experts
-    ) -> tuple[tuple[Array, Array], Experts]:
-        x, routing, g = tokens
+def _backward(
+    activation: Callable[[Array], Array], num_experts: int | None
+) -> Callable[..., Any]:
+    def pulled(x: Array, routing: Routing, g: Array, experts: Experts) -> Any:
         _, pull = jax.vjp(
             lambda x, gates, experts: _ffn(
                 x, Routing(routing.experts, gates), experts, activation
             ),
             x, routing.gates, experts,
         )  # fmt: skip
-        dx, dgates, dexperts = pull(g)
+        return pull(g)
+
+    def backward(
+        tokens: tuple[Array, Routing, Array], experts: Experts
+    ) -> tuple[tuple[Array, Array], Experts]:
+        x, routing, g = tokens
+        # Two products per forward product (the inputs' and the weights'), as
+        # autodiff counts a dense one; the forward recomputed here is no model
+        # work.
+        flops = 2 * routed_flops(x, routing, experts, num_experts)
+        dx, dgates, dexperts = counted_as(pulled, flops)(x, routing, g, experts)
         return (dx, dgates), dexperts
 
     return one_token_set(backward, merged=False)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
 def grouped_ffn(
     x: Float[Array, "T d"],
     routing: Routing,
     experts: Experts,
     activation: Callable[[Array], Array],
+    num_experts: int | None = None,
 ) -> Float[Array, "T d"]:
     """`sum_k gates[t, k] * expert_{experts[t, k]}(x[t])` for every token t; under
     `jax.vmap` (over token sets, e.g. sequences) and its gradient too.
 
     An assignment whose expert id is `len(experts.w_in)` (one past the last) is
-    none of these experts' (another device's): it sits after the groups, where
-    `grouped_matmul` gives zeros, and its gate must be 0."""
-    y: Array = _forward(activation)((x, routing), experts)[0]
+    none of these experts' (another device's, or dropped by the capacity): it
+    sits after the groups, where `grouped_matmul` gives zeros, and its gate
+    must be 0. `num_experts`: how many experts there are in all when `experts`
+    is one device's block of them (None: these are all), for the model FLOP
+    count (`routed_flops`)."""
+    y: Array = _forward(activation, num_experts)((x, routing), experts)[0]
     return y
 
 
 def _grouped_fwd(
-    x: Array, routing: Routing, experts: Experts, activation: Callable[[Array], Array]
+    x: Array,
+    routing: Routing,
+    experts: Experts,
+    activation: Callable[[Array], Array],
+    num_experts: int | None,
 ) -> tuple[Array, tuple[Array, Routing, Experts]]:
-    y = _forward(activation)((x, routing), experts)[0]
+    y = _forward(activation, num_experts)((x, routing), experts)[0]
     return y, (x, routing, experts)
 
 
 def _grouped_bwd(
     activation: Callable[[Array], Array],
+    num_experts: int | None,
     saved: tuple[Array, Routing, Experts],
     g: Array,
 ) -> tuple[Array, Routing, Experts]:
     x, routing, experts = saved
-    (dx, dgates), dexperts = _backward(activation)((x, routing, g), experts)
+    backward = _backward(activation, num_experts)
+    (dx, dgates), dexperts = backward((x, routing, g), experts)
     ids = np.zeros(routing.experts.shape, jax.dtypes.float0)
     return dx, Routing(ids, dgates), dexperts  # type: ignore[arg-type]
 

@@ -58,11 +58,15 @@ def _check_init(
     top_k: Any = 2,
     router: Any = "softmax",
     dispatch: Any = "all_gather",
+    normalize_gates: Any = None,
+    router_dtype: Any = jnp.float32,
+    capacity_factor: Any = None,
     **__: Any,
 ) -> None:
     """The sizes and the router, before the annotations are checked: a few
     lines with the fix, not beartype's report."""
     _check_sizes(d_model, d_hidden, num_experts, top_k)
+    _check_router_options(normalize_gates, router_dtype, capacity_factor)
     if router not in ROUTERS:
         raise ValueError(
             f"MoE: `router`={router!r} is not one of {ROUTERS}; pass "
@@ -73,6 +77,47 @@ def _check_init(
             f"MoE: `dispatch`={dispatch!r} is not one of {tuple(DISPATCHES)}; pass "
             "dispatch='all_gather' (the default) or 'all_to_all'."
         )
+
+
+def _check_router_options(
+    normalize_gates: Any, router_dtype: Any, capacity_factor: Any
+) -> None:
+    if normalize_gates is not None and not isinstance(normalize_gates, bool):
+        raise TypeError(
+            f"MoE: `normalize_gates` must be True, False or None; got "
+            f"{type(normalize_gates).__name__} {normalize_gates!r}. Fix: pass "
+            "normalize_gates=None (True for top_k > 1, False for top_k == 1)."
+        )
+    if router_dtype is not None and not _is_floating(router_dtype):
+        raise TypeError(
+            f"MoE: `router_dtype`={router_dtype!r} is not a floating dtype. Fix: "
+            "pass router_dtype=jnp.float32 (the default), or None to route in the "
+            "input's dtype."
+        )
+    if capacity_factor is None:
+        return
+    if isinstance(capacity_factor, bool) or not isinstance(
+        capacity_factor, int | float
+    ):
+        raise TypeError(
+            f"MoE: `capacity_factor` must be a float or None; got "
+            f"{type(capacity_factor).__name__} {capacity_factor!r}. Fix: pass e.g. "
+            "capacity_factor=1.25, or None for dropless."
+        )
+    if not 0 < capacity_factor < float("inf"):
+        raise ValueError(
+            f"MoE: `capacity_factor`={capacity_factor!r} must be a positive finite "
+            "number (each expert takes ceil(capacity_factor * T * top_k / "
+            "num_experts) assignments). Fix: pass e.g. capacity_factor=1.25, or "
+            "None for dropless."
+        )
+
+
+def _is_floating(dtype: Any) -> bool:
+    try:
+        return bool(jnp.issubdtype(jnp.dtype(dtype), jnp.floating))
+    except TypeError:
+        return False
 
 
 def _uniform(key: PRNGKeyArray, shape: tuple[int, ...], fan_in: int) -> Array:
@@ -102,8 +147,8 @@ def _check_call(moe: "MoE", x: Any, *_: Any) -> None:
 class MoE(eqx.Module):
     """A mixture-of-experts MLP: each token goes through the `top_k` of
     `num_experts` experts its router picks, and gets their outputs weighted by
-    its gates. Dropless: every token reaches all of its experts, however
-    unbalanced the routing (no capacity factor).
+    its gates. Dropless by default: every token reaches all of its experts,
+    however unbalanced the routing.
 
     **Arguments:**
 
@@ -122,10 +167,27 @@ class MoE(eqx.Module):
       and its output sent back: two `all_to_all`s of buffers padded to the worst
       case). Both dropless, same values and gradients; no effect without an
       expert axis, or when the axis holds the same tokens on every device.
+    - `normalize_gates`: gates `p_topk / sum(p_topk)` (True) or the
+      probabilities `p_topk` themselves (False); None: True for `top_k > 1`,
+      False for `top_k == 1` (Switch's gate: a top-1 gate of exactly 1 would
+      never train the router from the task loss).
+    - `router_dtype`: the dtype the logits, probabilities and top-k are computed
+      in (the tokens and the router's weight cast to it), whatever the tokens'
+      dtype; None: the tokens'. Default float32, as MaxText, Megatron and
+      DeepSeek route.
+    - `capacity_factor`: None (dropless) or a positive float: each expert takes
+      at most `ceil(capacity_factor * T * top_k / num_experts)` of a call's `T`
+      tokens' assignments, by choice rank (every token's first choice before
+      any second) then token order; the others contribute zero (the kept gates
+      are not renormalised). `T` is the tokens of the call: the whole `x` in the
+      global view, this device's `x` in the device view (whatever the dispatch
+      gathers).
 
     Call it on `x` of shape `(tokens, d_model)`: `y, aux = moe(x)`, `aux` a dict
-    of `load_balance_loss`, `router_z_loss` (for the loss, with your weights) and
-    `tokens_per_expert`. `ed.Layout(..., expert_axis=...)` shards its experts.
+    of `load_balance_loss`, `router_z_loss` (for the loss, with your weights),
+    `tokens_per_expert` (the router's choices) and `dropped_fraction` (the share
+    of the assignments the capacity dropped, 0.0 when dropless).
+    `ed.Layout(..., expert_axis=...)` shards its experts.
 
     !!! Example
 
@@ -154,6 +216,9 @@ class MoE(eqx.Module):
     # differentiates whole (the global view's pipeline): the experts' gradient
     # is then the loss's, not averaged over the devices' losses (`whole_loss`).
     whole_loss: bool = eqx.field(static=True, default=False)
+    normalize_gates: bool = eqx.field(static=True, default=True)
+    router_dtype: Any = eqx.field(static=True, default=jnp.dtype(jnp.float32))
+    capacity_factor: float | None = eqx.field(static=True, default=None)
 
     @checked_first(_check_init)
     def __init__(
@@ -168,6 +233,9 @@ class MoE(eqx.Module):
         gated: bool = True,
         router: str = "softmax",
         dispatch: str = "all_gather",
+        normalize_gates: bool | None = None,
+        router_dtype: Any = jnp.float32,
+        capacity_factor: float | None = None,
     ):
         k_router, k_in, k_gate, k_out = jax.random.split(key, 4)
         self.router = eqx.nn.Linear(d_model, num_experts, use_bias=False, key=k_router)
@@ -179,13 +247,23 @@ class MoE(eqx.Module):
         self.activation, self.gated, self.router_kind = activation, gated, router
         self.expert_axis, self.tokens_split = None, True
         self.dispatch, self.whole_loss = dispatch, False
+        self.normalize_gates = top_k > 1 if normalize_gates is None else normalize_gates
+        self.router_dtype = None if router_dtype is None else jnp.dtype(router_dtype)
+        self.capacity_factor = (
+            None if capacity_factor is None else float(capacity_factor)
+        )
 
     @checked_first(_check_call)
     def __call__(
         self, x: Float[Array, "T d"]
     ) -> tuple[Float[Array, "T d"], dict[str, Array]]:
         """`(y, aux)` for this call's tokens `x`: see the class."""
-        config = Config(self.num_experts, self.top_k, self.router_kind, self.activation)
+        config = Config(
+            self.num_experts, self.top_k, self.router_kind, self.activation,
+            self.normalize_gates, self.router_dtype, self.capacity_factor,
+        )  # fmt: skip
+        # Routed once, for this call's tokens (the capacity's T), whatever the
+        # dispatch then gathers or sends.
         routed = route(self.router.weight, x, config)
         aux = aux_values(routed, self.num_experts)
         experts = Experts(self.w_in, self.w_gate, self.w_out)
@@ -194,13 +272,13 @@ class MoE(eqx.Module):
             y = _unsharded(x, routed.routing, experts, self.activation)
         elif view_of(axis, "MoE", "expert_axis") == "device":
             y = experts_device_view(
-                experts, self.router.weight, x,
+                experts, routed.routing, x,
                 config=config, axis=axis, tokens_split=self.tokens_split,
                 dispatch=self.dispatch, mean_grad=not self.whole_loss,
             )  # fmt: skip
         else:
             y = experts_global_view(
-                experts, self.router.weight, x,
+                experts, routed.routing, x,
                 config=config, axis=axis, dispatch=self.dispatch,
             )  # fmt: skip
         return y, aux

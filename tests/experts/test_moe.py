@@ -25,7 +25,9 @@ def _dense(moe, x):
     p = jax.nn.sigmoid(logits) if sig else jax.nn.softmax(logits, axis=-1)
     _, chosen = jax.lax.top_k(p, moe.top_k)
     mask = jax.nn.one_hot(chosen, moe.num_experts).sum(axis=1)
-    gates = p * mask / jnp.sum(p * mask, axis=-1, keepdims=True)
+    gates = p * mask
+    if moe.normalize_gates:  # the default for top_k > 1; top-1 keeps p
+        gates = gates / jnp.sum(gates, axis=-1, keepdims=True)
     hidden = moe.activation(jnp.einsum("td,edh->teh", x, moe.w_in))
     if moe.gated:
         hidden = hidden * jnp.einsum("td,edh->teh", x, moe.w_gate)
@@ -360,13 +362,14 @@ def _dispatch_collectives(mesh8, dispatch):
 
 
 def test_the_dispatch_communicates_tokens_never_weights(mesh8):
-    """The device view's forward: one all-gather of the tokens, one
+    """The device view's forward: three all-gathers (the tokens, their experts'
+    ids and their gates: each device routes its own tokens, once), one
     reduce-scatter of the outputs; forward and backward: no collective moves an
     expert weight (or a block of one)."""
     for is_forward, counts in _dispatch_collectives(mesh8, "all_gather"):
         assert counts["all-to-all"] == 0
         if is_forward:
-            assert counts["all-gather"] == counts["reduce-scatter"] == 1, counts
+            assert counts["all-gather"] == 3 and counts["reduce-scatter"] == 1, counts
             assert counts["all-reduce"] == 0, counts
 
 
