@@ -131,7 +131,7 @@ def _gathered(
     everyone = jax.lax.all_gather(x, axis, axis=0, tiled=True)
     routing = route(router, everyone, config).routing
     local = _here(routing, experts.w_in.shape[0], axis)
-    out = grouped_ffn(everyone, local, experts, config.activation)
+    out = grouped_ffn(everyone, local, experts, config.activation, config.num_experts)
     mine: Array = jax.lax.psum_scatter(out, axis, scatter_dimension=0, tiled=True)
     return mine
 
@@ -154,7 +154,7 @@ def _replicated(
         x, gates = jax.lax.pcast((x, routing.gates), (axis,), to="varying")
         local = _here(Routing(routing.experts, gates), experts.w_in.shape[0], axis)
         summed: Array = jax.lax.psum(
-            grouped_ffn(x, local, experts, config.activation), axis
+            grouped_ffn(x, local, experts, config.activation, config.num_experts), axis
         )
         return summed
     routing = route(router, x, config).routing
@@ -162,7 +162,9 @@ def _replicated(
     # gradient is summed from the one device that used it.
     routing = Routing(routing.experts, _enter(routing.gates, axis))
     local = _here(routing, experts.w_in.shape[0], axis)
-    out = grouped_ffn(_enter(x, axis), local, experts, config.activation)
+    out = grouped_ffn(
+        _enter(x, axis), local, experts, config.activation, config.num_experts
+    )
     return _leave(out, axis)
 
 

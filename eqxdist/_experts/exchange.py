@@ -41,7 +41,7 @@ def _holders_out(
     local = experts.w_in.shape[0]
     gates = (ids < local).astype(rows.dtype)[:, None]
     routing = Routing(ids[:, None], gates)
-    return grouped_ffn(rows, routing, experts, config.activation)
+    return grouped_ffn(rows, routing, experts, config.activation, config.num_experts)
 
 
 def _send(

@@ -1,8 +1,10 @@
 """The experts' computation, dropless: the token-expert assignments sorted by
-expert and run through grouped matrix products (`grouped_matmul`: tiles on CPU,
-`jax.lax.ragged_dot` elsewhere), then put back in token order and combined with
-their gates. No capacity: an expert takes every assignment it gets, however
-many."""
+expert (stable), run through the experts by `tiles.py`'s loop over the active
+tiles (the work is the assignments routed to these experts, the buffers the
+worst case), then put back in token order and combined with their gates; its
+gradient by the same tiles. No capacity: an expert takes every assignment it
+gets, however many. `grouped_matmul` is one grouped product (tiles, or
+`jax.lax.ragged_dot` when asked for)."""
 
 import functools
 from collections.abc import Callable
@@ -15,7 +17,7 @@ from jaxtyping import Array, Float, Int
 
 from .batching import one_token_set
 from .routing import Routing
-from .tiles import tiled_matmul
+from .tiles import tile_rows, tiled_ffn, tiled_ffn_grads, tiled_matmul, typed_like
 
 METHODS = ("auto", "tiled", "ragged_dot")
 
@@ -26,15 +28,6 @@ class Experts(NamedTuple):
     w_in: Float[Array, "E d h"]
     w_gate: Float[Array, "E d h"] | None  # None: not gated
     w_out: Float[Array, "E h d"]
-
-
-def _tile_rows(rows: int, groups: int) -> int:
-    """Half a mean group, a power of two in [16, 128]: the padding (under half a
-    tile per group) stays near a quarter of the rows, and the tiles big enough
-    for a fast product. Measured on XLA:CPU (d 64, h 128; rows 512 to 8192,
-    8 to 64 groups)."""
-    half = max(rows // (2 * max(groups, 1)), 1)
-    return int(min(max(1 << (half.bit_length() - 1), 16), 128))
 
 
 def grouped_matmul(
@@ -50,18 +43,27 @@ def grouped_matmul(
     `method`: `"ragged_dot"` (`jax.lax.ragged_dot`, the fused kernel on GPU and
     TPU), `"tiled"` (each group padded to whole tiles, one batched product: on
     XLA:CPU `ragged_dot` is an order of magnitude slower) or `"auto"`, tiles
-    when JAX's default backend is the CPU at trace time."""
+    on every backend: `ragged_dot` expands into a dense product over all groups
+    on XLA:CPU (measured) and by default on XLA:GPU (openxla/xla#46002), and is
+    taken only when asked for."""
     if method not in METHODS:
         raise ValueError(
             f"grouped_matmul: method={method!r}; expected one of {METHODS}. "
             "Pass 'auto' to choose by backend."
         )
-    if method == "auto":
-        method = "tiled" if jax.default_backend() == "cpu" else "ragged_dot"
     if method == "ragged_dot":
         return jax.lax.ragged_dot(x_sorted, w, group_sizes)
-    tile = _tile_rows(x_sorted.shape[0], w.shape[0])
-    return tiled_matmul(x_sorted, w, group_sizes, tile=tile)
+    return tiled_matmul(x_sorted, w, group_sizes)
+
+
+def _sorted(routing: Routing, groups: int) -> tuple[Array, Array, Array]:
+    """The assignments' order by expert (stable), its inverse, the group sizes.
+    Ids past the last group are left out of `sizes`: they sort after the groups
+    and belong to no tile."""
+    flat = routing.experts.reshape(-1)
+    order = jnp.argsort(flat, stable=True)
+    back = jnp.zeros_like(order).at[order].set(jnp.arange(order.size))
+    return order, back, jnp.bincount(flat, length=groups).astype(jnp.int32)
 
 
 def _ffn(
@@ -69,81 +71,119 @@ def _ffn(
     routing: Routing,
     experts: Experts,
     activation: Callable[[Array], Array],
+    num_experts: int,
 ) -> Float[Array, "T d"]:
     tokens, k = routing.experts.shape
-    groups = experts.w_in.shape[0]
-    flat = routing.experts.reshape(-1)
-    order = jnp.argsort(flat, stable=True)
-    rows = x[order // k]
-    # Ids past the last group are dropped by `length`: they belong to no group.
-    sizes = jnp.bincount(flat, length=groups).astype(jnp.int32)
-    hidden = activation(grouped_matmul(rows, experts.w_in, sizes))
-    if experts.w_gate is not None:
-        hidden = hidden * grouped_matmul(rows, experts.w_gate, sizes)
-    out = grouped_matmul(hidden, experts.w_out, sizes)
-    out = out * routing.gates.reshape(-1)[order][:, None]
-    back = jnp.zeros_like(order).at[order].set(jnp.arange(order.size))
+    tile = tile_rows(tokens * k, num_experts)
+    order, back, sizes = _sorted(routing, experts.w_in.shape[0])
+    dtype = jnp.result_type(x, routing.gates, *(w for w in experts if w is not None))
+    rows = x[order // k].astype(dtype)
+    gates = routing.gates.reshape(-1)[order].astype(dtype)
+    out = tiled_ffn(rows, gates, sizes, tuple(experts), activation, tile=tile)  # type: ignore[arg-type]
     combined: Array = out[back].reshape(tokens, k, -1).sum(axis=1)
     return combined.astype(x.dtype)
 
 
-def _forward(activation: Callable[[Array], Array]) -> Callable[..., Any]:
+def _ffn_grads(
+    x: Array, routing: Routing, experts: Experts, activation: Callable[[Array], Array],
+    num_experts: int, g: Array,
+) -> tuple[Array, Array, Experts]:  # fmt: skip
+    """`_ffn`'s gradient for the output cotangent `g`: (dx, dgates, dexperts),
+    by the tiles `_ffn` ran."""
+    tokens, k = routing.experts.shape
+    tile = tile_rows(tokens * k, num_experts)
+    order, back, sizes = _sorted(routing, experts.w_in.shape[0])
+    dtype = jnp.result_type(x, routing.gates, *(w for w in experts if w is not None))
+    rows = x[order // k].astype(dtype)
+    gates = routing.gates.reshape(-1)[order].astype(dtype)
+    dx, dgates, dws = tiled_ffn_grads(
+        rows,
+        gates,
+        sizes,
+        tuple(experts),
+        activation,
+        g[order // k].astype(dtype),
+        tile=tile,  # type: ignore[arg-type]
+    )
+    dx = typed_like(dx[back].reshape(tokens, k, -1).sum(axis=1), x)
+    dgates = typed_like(dgates[back].reshape(tokens, k), routing.gates)
+    dexperts = Experts(*(None if d is None or w is None else typed_like(d, w)
+                         for d, w in zip(dws, experts, strict=True)))  # fmt: skip
+    return dx, dgates, dexperts
+
+
+def _forward(
+    activation: Callable[[Array], Array], num_experts: int
+) -> Callable[..., Any]:
     def forward(tokens: tuple[Array, Routing], experts: Experts) -> tuple[Array, None]:
-        return _ffn(*tokens, experts, activation), None
+        return _ffn(*tokens, experts, activation, num_experts), None
 
     return one_token_set(forward, merged=True)
 
 
-def _backward(activation: Callable[[Array], Array]) -> Callable[..., Any]:
+def _backward(
+    activation: Callable[[Array], Array], num_experts: int
+) -> Callable[..., Any]:
     def backward(
         tokens: tuple[Array, Routing, Array], experts: Experts
     ) -> tuple[tuple[Array, Array], Experts]:
         x, routing, g = tokens
-        _, pull = jax.vjp(
-            lambda x, gates, experts: _ffn(
-                x, Routing(routing.experts, gates), experts, activation
-            ),
-            x, routing.gates, experts,
-        )  # fmt: skip
-        dx, dgates, dexperts = pull(g)
+        dx, dgates, dexperts = _ffn_grads(
+            x, routing, experts, activation, num_experts, g
+        )
         return (dx, dgates), dexperts
 
     return one_token_set(backward, merged=False)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
 def grouped_ffn(
     x: Float[Array, "T d"],
     routing: Routing,
     experts: Experts,
     activation: Callable[[Array], Array],
+    num_experts: int | None = None,
 ) -> Float[Array, "T d"]:
     """`sum_k gates[t, k] * expert_{experts[t, k]}(x[t])` for every token t; under
     `jax.vmap` (over token sets, e.g. sequences) and its gradient too.
 
     An assignment whose expert id is `len(experts.w_in)` (one past the last) is
-    none of these experts' (another device's): it sits after the groups, where
-    `grouped_matmul` gives zeros, and its gate must be 0."""
-    y: Array = _forward(activation)((x, routing), experts)[0]
+    none of these experts' (another device's): it sits after the groups, in no
+    tile (never computed, zeros out), and its gate must be 0.
+
+    `num_experts`: the layer's experts on all devices (default: these), which
+    with the assignments sets the tile (`tile_rows`)."""
+    return _grouped(x, routing, experts, activation, num_experts or len(experts.w_in))
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
+def _grouped(
+    x: Array, routing: Routing, experts: Experts, activation: Callable[[Array], Array],
+    num_experts: int,
+) -> Array:  # fmt: skip
+    y: Array = _forward(activation, num_experts)((x, routing), experts)[0]
     return y
 
 
 def _grouped_fwd(
-    x: Array, routing: Routing, experts: Experts, activation: Callable[[Array], Array]
-) -> tuple[Array, tuple[Array, Routing, Experts]]:
-    y = _forward(activation)((x, routing), experts)[0]
+    x: Array, routing: Routing, experts: Experts, activation: Callable[[Array], Array],
+    num_experts: int,
+) -> tuple[Array, tuple[Array, Routing, Experts]]:  # fmt: skip
+    y = _forward(activation, num_experts)((x, routing), experts)[0]
     return y, (x, routing, experts)
 
 
 def _grouped_bwd(
     activation: Callable[[Array], Array],
+    num_experts: int,
     saved: tuple[Array, Routing, Experts],
     g: Array,
 ) -> tuple[Array, Routing, Experts]:
     x, routing, experts = saved
-    (dx, dgates), dexperts = _backward(activation)((x, routing, g), experts)
+    (dx, dgates), dexperts = _backward(activation, num_experts)(
+        (x, routing, g), experts
+    )
     ids = np.zeros(routing.experts.shape, jax.dtypes.float0)
     return dx, Routing(ids, dgates), dexperts  # type: ignore[arg-type]
 
 
-grouped_ffn.defvjp(_grouped_fwd, _grouped_bwd)
+_grouped.defvjp(_grouped_fwd, _grouped_bwd)
