@@ -6,7 +6,8 @@ The default dispatch is an all-gather of the tokens over the axis (each device
 then routes them all, with the replicated router, and runs its experts on
 their assignments only: the others sort after its groups, in no tile of the
 grouped products, so its work is its experts' share, not every token's) and a
-reduce-scatter of the outputs: dropless, with no sizes to exchange first, and never a weight moved
+reduce-scatter of the outputs: dropless, with no sizes to exchange first, and
+never a weight moved
 (`ragged_all_to_all`, the other dropless dispatch, is not implemented by
 XLA:CPU in JAX 0.10). `MoE(dispatch="all_to_all")` takes `exchange.py`'s two
 all-to-alls instead (`DISPATCHES`).

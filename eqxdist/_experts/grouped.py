@@ -56,14 +56,17 @@ def grouped_matmul(
     return tiled_matmul(x_sorted, w, group_sizes)
 
 
-def _sorted(routing: Routing, groups: int) -> tuple[Array, Array, Array]:
-    """The assignments' order by expert (stable), its inverse, the group sizes.
-    Ids past the last group are left out of `sizes`: they sort after the groups
-    and belong to no tile."""
+def _sorted(routing: Routing, groups: int) -> tuple[Array, Array]:
+    """The assignments' order by expert (stable) and the group sizes. Ids past
+    the last group are left out of `sizes`: they sort after the groups and
+    belong to no tile."""
     flat = routing.experts.reshape(-1)
     order = jnp.argsort(flat, stable=True)
-    back = jnp.zeros_like(order).at[order].set(jnp.arange(order.size))
-    return order, back, jnp.bincount(flat, length=groups).astype(jnp.int32)
+    return order, jnp.bincount(flat, length=groups).astype(jnp.int32)
+
+
+def _weights(experts: Experts) -> tuple[Array, Array | None, Array]:
+    return experts.w_in, experts.w_gate, experts.w_out
 
 
 def _ffn(
@@ -75,13 +78,11 @@ def _ffn(
 ) -> Float[Array, "T d"]:
     tokens, k = routing.experts.shape
     tile = tile_rows(tokens * k, num_experts)
-    order, back, sizes = _sorted(routing, experts.w_in.shape[0])
-    dtype = jnp.result_type(x, routing.gates, *(w for w in experts if w is not None))
-    rows = x[order // k].astype(dtype)
-    gates = routing.gates.reshape(-1)[order].astype(dtype)
-    out = tiled_ffn(rows, gates, sizes, tuple(experts), activation, tile=tile)  # type: ignore[arg-type]
-    combined: Array = out[back].reshape(tokens, k, -1).sum(axis=1)
-    return combined.astype(x.dtype)
+    order, sizes = _sorted(routing, experts.w_in.shape[0])
+    gates = routing.gates.reshape(-1)[order]
+    out = tiled_ffn(x, order // k, gates, sizes, _weights(experts), activation,
+                    tile=tile)  # fmt: skip
+    return out.astype(x.dtype)
 
 
 def _ffn_grads(
@@ -92,24 +93,19 @@ def _ffn_grads(
     by the tiles `_ffn` ran."""
     tokens, k = routing.experts.shape
     tile = tile_rows(tokens * k, num_experts)
-    order, back, sizes = _sorted(routing, experts.w_in.shape[0])
-    dtype = jnp.result_type(x, routing.gates, *(w for w in experts if w is not None))
-    rows = x[order // k].astype(dtype)
-    gates = routing.gates.reshape(-1)[order].astype(dtype)
-    dx, dgates, dws = tiled_ffn_grads(
-        rows,
-        gates,
-        sizes,
-        tuple(experts),
-        activation,
-        g[order // k].astype(dtype),
-        tile=tile,  # type: ignore[arg-type]
+    order, sizes = _sorted(routing, experts.w_in.shape[0])
+    gates = routing.gates.reshape(-1)[order]
+    dx, dgates, (dw_in, dw_gate, dw_out) = tiled_ffn_grads(
+        x, order // k, gates, sizes, _weights(experts), activation, g, tile=tile
     )
-    dx = typed_like(dx[back].reshape(tokens, k, -1).sum(axis=1), x)
-    dgates = typed_like(dgates[back].reshape(tokens, k), routing.gates)
-    dexperts = Experts(*(None if d is None or w is None else typed_like(d, w)
-                         for d, w in zip(dws, experts, strict=True)))  # fmt: skip
-    return dx, dgates, dexperts
+    dgates = jnp.zeros_like(dgates).at[order].set(dgates).reshape(tokens, k)
+    dexperts = Experts(
+        typed_like(dw_in, experts.w_in),
+        None if dw_gate is None or experts.w_gate is None
+        else typed_like(dw_gate, experts.w_gate),
+        typed_like(dw_out, experts.w_out),
+    )  # fmt: skip
+    return typed_like(dx, x), typed_like(dgates, routing.gates), dexperts
 
 
 def _forward(

@@ -73,13 +73,13 @@ def _record(kind: str, tiles: Array, sizes: Array, tile: int, rows: int) -> None
 
 
 class _Tiles(NamedTuple):
-    """Tile j (of a static `ceil(rows / tile) + groups`, the first `count`
+    """Tile j (of a static `ceil(rows / tile) + groups`, the first `active`
     active): rows `[start[j], start[j] + valid[j])` of group `expert[j]`."""
 
     start: Int[Array, " tiles"]
     valid: Int[Array, " tiles"]
     expert: Int[Array, " tiles"]
-    count: Int[Array, ""]
+    active: Int[Array, ""]
 
 
 def _count_le(ends: Int[Array, " n"], v: Int[Array, " m"]) -> Int[Array, " m"]:
@@ -151,7 +151,10 @@ def _put(buf: Array, value: Array, t: _Tiles, j: Array, tile: int) -> Array:
 def _add(buf: Array, value: Array, g: Array) -> Array:
     """`buf[g] += value` (an expert's gradient)."""
     old = jax.lax.dynamic_index_in_dim(buf, g, keepdims=False)
-    return jax.lax.dynamic_update_index_in_dim(buf, old + value.astype(buf.dtype), g, 0)
+    new: Array = jax.lax.dynamic_update_index_in_dim(
+        buf, old + value.astype(buf.dtype), g, 0
+    )
+    return new
 
 
 def _loop(count: Array, body: Callable[[Array, Any], Any], init: Any) -> Any:
@@ -169,60 +172,78 @@ def _weight(w: Array | None, g: Array) -> Array | None:
     return None if w is None else jax.lax.dynamic_index_in_dim(w, g, keepdims=False)
 
 
+def _gather(
+    x: Array, src: Array, t: _Tiles, j: Array, tile: int
+) -> tuple[Array, Array]:
+    """Tile j's token indices (0 past its group) and their rows of `x` (zeros
+    past its group)."""
+    idx = jax.lax.dynamic_slice_in_dim(src, t.start[j], tile)
+    keep = jnp.arange(tile) < t.valid[j]
+    idx = jnp.where(keep, idx, 0)
+    return idx, jnp.where(keep[:, None], x[idx], 0)
+
+
 def tiled_ffn(
-    x: Float[Array, "rows d"],
+    x: Float[Array, "N d"],
+    src: Int[Array, " rows"],
     gates: Float[Array, " rows"],
     sizes: Int[Array, " E"],
     weights: tuple[Array, Array | None, Array],
     activation: Callable[[Array], Array],
     *,
     tile: int = TILE,
-) -> Float[Array, "rows d"]:
-    """Row i of group g (the rows sorted by group): `gates[i] * ((act(x_i
-    w_in[g]) * x_i w_gate[g]) w_out[g])` (no `w_gate`: `act(x_i w_in[g])`);
-    zeros for the rows past the groups. Not differentiable by JAX: its gradient
-    is `tiled_ffn_grads`."""
-    rows = x.shape[0]
+) -> Float[Array, "N d"]:
+    """The rows sorted by group (`sizes[g]` of group g, then rows in no group),
+    row i being token `src[i]` of `x`: each row's `gates[i] * ((act(x w_in[g]) *
+    x w_gate[g]) w_out[g])` (no `w_gate`: `act(x w_in[g])`) added to its
+    token's output; the rows past the groups add nothing. The tokens are
+    gathered and the outputs added tile by tile: nothing of the buffer's size
+    is read or written but the zeros out. Not differentiable by JAX: its
+    gradient is `tiled_ffn_grads`."""
+    rows = src.shape[0]
     t = _tiles(sizes, rows, tile)
-    xp, gp = _padded(x, tile), _padded(gates, tile)
-    out = _varying(jnp.zeros((rows + tile, weights[2].shape[-1]), x.dtype),
-                   x, gates, sizes, weights)  # fmt: skip
+    sp, gp = _padded(src, tile), _padded(gates, tile)
+    dtype = jnp.result_type(x, gates, *(w for w in weights if w is not None))
+    out = _varying(jnp.zeros((x.shape[0], weights[2].shape[-1]), dtype),
+                   x, src, gates, sizes, weights)  # fmt: skip
 
     def body(j: Array, out: Array) -> Array:
         w_in, w_gate, w_out = (_weight(w, t.expert[j]) for w in weights)
-        xs = _rows(xp, t, j, tile)
+        assert w_in is not None and w_out is not None
+        idx, xs = _gather(x, sp, t, j, tile)
         hidden = activation(xs @ w_in)
         if w_gate is not None:
             hidden = hidden * (xs @ w_gate)
         y = (hidden @ w_out) * _rows(gp, t, j, tile)[:, None]
-        return _put(out, y, t, j, tile)
+        return out.at[idx].add(y.astype(dtype))
 
-    ran, out = _loop(t.count, body, out)
+    ran, out = _loop(t.active, body, out)
     _record("forward", ran, sizes, tile, rows)
-    result: Array = out[:rows]
-    return result
+    summed: Array = out
+    return summed
 
 
 def tiled_ffn_grads(
-    x: Float[Array, "rows d"],
+    x: Float[Array, "N d"],
+    src: Int[Array, " rows"],
     gates: Float[Array, " rows"],
     sizes: Int[Array, " E"],
     weights: tuple[Array, Array | None, Array],
     activation: Callable[[Array], Array],
-    g: Float[Array, "rows d"],
+    g: Float[Array, "N d"],
     *,
     tile: int = TILE,
 ) -> tuple[Array, Array, tuple[Array, Array | None, Array]]:
-    """The gradient of `sum(tiled_ffn(x, gates, ...) * g)`: `(dx, dgates,
+    """The gradient of `sum(tiled_ffn(x, src, gates, ...) * g)`: `(dx, dgates,
     (dw_in, dw_gate, dw_out))`, over the same tiles (eight products a tile, the
-    two hidden ones recomputed); zeros for the rows past the groups."""
-    rows = x.shape[0]
+    two hidden ones recomputed); `dgates` zero for the rows past the groups."""
+    rows = src.shape[0]
     t = _tiles(sizes, rows, tile)
-    xp, gp, cp = _padded(x, tile), _padded(gates, tile), _padded(g, tile)
-    like = (x, gates, sizes, weights, g)
+    sp, gp = _padded(src, tile), _padded(gates, tile)
+    like = (x, src, gates, sizes, weights, g)
     zeros = lambda a: _varying(jnp.zeros_like(a), *like)  # noqa: E731
     init = (
-        zeros(xp),
+        zeros(x),
         zeros(gp),
         tuple(None if w is None else zeros(w) for w in weights),
     )
@@ -231,7 +252,9 @@ def tiled_ffn_grads(
         dx, dgates, dws = carry
         e = t.expert[j]
         w_in, w_gate, w_out = (_weight(w, e) for w in weights)
-        xs, cs = _rows(xp, t, j, tile), _rows(cp, t, j, tile)
+        assert w_in is not None and w_out is not None
+        idx, xs = _gather(x, sp, t, j, tile)
+        cs = jnp.where((jnp.arange(tile) < t.valid[j])[:, None], g[idx], 0)
         gs = _rows(gp, t, j, tile)[:, None]
         pre = xs @ w_in
         act, act_pull = jax.vjp(activation, pre)
@@ -241,7 +264,7 @@ def tiled_ffn_grads(
         dgates = _put(dgates, jnp.sum(hidden * up, axis=1), t, j, tile)
         dhidden = up * gs
         d_out = hidden.T @ (cs * gs)
-        if lin is None:
+        if lin is None or w_gate is None:
             (dpre,) = act_pull(dhidden)
             dxs = dpre @ w_in.T
             d_gate = None
@@ -255,11 +278,11 @@ def tiled_ffn_grads(
         dws = (_add(dw_in, d_in, e),
                None if d_gate is None else _add(dw_gate, d_gate, e),
                _add(dw_out, d_out, e))  # fmt: skip
-        return _put(dx, dxs, t, j, tile), dgates, dws
+        return dx.at[idx].add(dxs.astype(dx.dtype)), dgates, dws
 
-    ran, (dx, dgates, dws) = _loop(t.count, body, init)
+    ran, (dx, dgates, dws) = _loop(t.active, body, init)
     _record("backward", ran, sizes, tile, rows)
-    return dx[:rows], dgates[:rows], dws
+    return dx, dgates[:rows], dws
 
 
 def _matmul(x: Array, w: Array, sizes: Array, tile: int) -> Array:
@@ -269,10 +292,10 @@ def _matmul(x: Array, w: Array, sizes: Array, tile: int) -> Array:
     out = _varying(jnp.zeros((rows + tile, w.shape[-1]), x.dtype), x, w, sizes)
 
     def body(j: Array, out: Array) -> Array:
-        y = _rows(xp, t, j, tile) @ _weight(w, t.expert[j])
+        y = _rows(xp, t, j, tile) @ w[t.expert[j]]
         return _put(out, y, t, j, tile)
 
-    ran, out = _loop(t.count, body, out)
+    ran, out = _loop(t.active, body, out)
     _record("matmul", ran, sizes, tile, rows)
     result: Array = out[:rows]
     return result
@@ -303,10 +326,10 @@ def _tiled_matmul_bwd(
         dx, dw = carry
         e = t.expert[j]
         xs, gs = _rows(xp, t, j, tile), _rows(gp, t, j, tile)
-        dxs = gs @ _weight(w, e).T
+        dxs = gs @ w[e].T
         return _put(dx, dxs, t, j, tile), _add(dw, xs.T @ gs, e)
 
-    ran, (dx, dw) = _loop(t.count, body, init)
+    ran, (dx, dw) = _loop(t.active, body, init)
     _record("matmul_grad", ran, sizes, tile, rows)
     return dx[:rows], dw, np.zeros(sizes.shape, jax.dtypes.float0)
 

@@ -54,13 +54,14 @@ def test_tile_loop_equals_dense(sizes, rows, tile, gated):
                _rng_array((e, H, D), 5))  # fmt: skip
     s = jnp.asarray(sizes, jnp.int32)
     act = jax.nn.silu
-    got = jax.jit(lambda *a: tiled_ffn(*a[:2], s, a[2], act, tile=tile))(
+    src = jnp.arange(rows)  # row i is token i
+    got = jax.jit(lambda *a: tiled_ffn(a[0], src, a[1], s, a[2], act, tile=tile))(
         x, gates, weights
     )
     np.testing.assert_allclose(got, _dense_rows(x, gates, sizes, weights, act), **TOL)
-    grads = jax.jit(lambda *a: tiled_ffn_grads(*a[:2], s, a[2], act, c, tile=tile))(
-        x, gates, weights
-    )
+    grads = jax.jit(
+        lambda *a: tiled_ffn_grads(a[0], src, a[1], s, a[2], act, c, tile=tile)
+    )(x, gates, weights)
     want = jax.grad(
         lambda *a: jnp.sum(_dense_rows(*a[:2], sizes, a[2], act) * c), argnums=(0, 1, 2)
     )(x, gates, weights)
