@@ -56,13 +56,31 @@ def grouped_matmul(
     return tiled_matmul(x_sorted, w, group_sizes)
 
 
-def _sorted(routing: Routing, groups: int) -> tuple[Array, Array]:
-    """The assignments' order by expert (stable) and the group sizes. Ids past
-    the last group are left out of `sizes`: they sort after the groups and
-    belong to no tile."""
+def _sorted(routing: Routing, groups: int) -> tuple[Array, Array, Array]:
+    """The assignments in order of expert, stable: `order` (the assignment at
+    each sorted place), `place` (its inverse) and the group sizes. Ids past the
+    last group sort after the groups, left out of `sizes`: in no tile.
+
+    A counting sort (each assignment's place is its group's start plus the
+    assignments of its group before it, a cumulative sum over `groups + 1`
+    columns): XLA:CPU's sort of the all-gathered assignments took most of an
+    expert-parallel step (16k ids: ~1.5 ms a sort against ~0.2 for this). Above
+    64 groups, `jnp.argsort`."""
     flat = routing.experts.reshape(-1)
-    order = jnp.argsort(flat, stable=True)
-    return order, jnp.bincount(flat, length=groups).astype(jnp.int32)
+    if groups > 64:
+        order = jnp.argsort(flat, stable=True)
+        place = jnp.zeros_like(order).at[order].set(jnp.arange(order.size))
+        return order, place, jnp.bincount(flat, length=groups).astype(jnp.int32)
+    bucket = jnp.minimum(flat, groups)
+    hits = jax.nn.one_hot(bucket, groups + 1, dtype=jnp.int32)
+    counts = jnp.sum(hits, axis=0)
+    before = jnp.cumsum(hits, axis=0) - hits
+    rank = jnp.take_along_axis(before, bucket[:, None], axis=1)[:, 0]
+    place = (jnp.cumsum(counts) - counts)[bucket] + rank
+    order = (
+        jnp.zeros_like(place).at[place].set(jnp.arange(place.size, dtype=place.dtype))
+    )
+    return order, place, counts[:groups]
 
 
 def _weights(experts: Experts) -> tuple[Array, Array | None, Array]:
@@ -78,7 +96,7 @@ def _ffn(
 ) -> Float[Array, "T d"]:
     tokens, k = routing.experts.shape
     tile = tile_rows(tokens * k, num_experts)
-    order, sizes = _sorted(routing, experts.w_in.shape[0])
+    order, _, sizes = _sorted(routing, experts.w_in.shape[0])
     gates = routing.gates.reshape(-1)[order]
     out = tiled_ffn(x, order // k, gates, sizes, _weights(experts), activation,
                     tile=tile)  # fmt: skip
@@ -93,12 +111,12 @@ def _ffn_grads(
     by the tiles `_ffn` ran."""
     tokens, k = routing.experts.shape
     tile = tile_rows(tokens * k, num_experts)
-    order, sizes = _sorted(routing, experts.w_in.shape[0])
+    order, place, sizes = _sorted(routing, experts.w_in.shape[0])
     gates = routing.gates.reshape(-1)[order]
     dx, dgates, (dw_in, dw_gate, dw_out) = tiled_ffn_grads(
         x, order // k, gates, sizes, _weights(experts), activation, g, tile=tile
     )
-    dgates = jnp.zeros_like(dgates).at[order].set(dgates).reshape(tokens, k)
+    dgates = dgates[place].reshape(tokens, k)
     dexperts = Experts(
         typed_like(dw_in, experts.w_in),
         None if dw_gate is None or experts.w_gate is None
