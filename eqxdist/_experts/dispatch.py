@@ -129,11 +129,27 @@ def check_block(experts: Experts, num_experts: int, size: int, axis: str) -> Non
 def _gathered(
     experts: Experts, router: Array, x: Array, config: Config, axis: str
 ) -> Array:
-    """Different tokens on each device: all of them gathered, routed here, run
-    through this device's experts, and each device's outputs summed back to it."""
-    everyone = jax.lax.all_gather(x, axis, axis=0, tiled=True)
-    routing = route(router, everyone, config).routing
-    local = _here(routing, experts.w_in.shape[0], axis)
+    """Different tokens on each device: each routed on its own device, all of
+    them gathered with their experts and gates (one all-gather: the gates and
+    ids ride as columns), run through this device's experts, and each device's
+    outputs summed back to it. Routing before the gather routes `T` tokens a
+    device, not `n T`."""
+    routing = route(router, x, config).routing
+    k = routing.experts.shape[1]
+    dtype = jnp.result_type(x, routing.gates)
+    ids = routing.experts
+    if config.num_experts >= 2 ** (jnp.finfo(dtype).nmant + 1):
+        ids = jax.lax.all_gather(ids, axis, axis=0, tiled=True)
+    columns = [x.astype(dtype), routing.gates.astype(dtype)]
+    if ids is routing.experts:
+        columns.append(jax.lax.stop_gradient(ids.astype(dtype)))
+    both = jax.lax.all_gather(jnp.concatenate(columns, 1), axis, axis=0, tiled=True)
+    d = x.shape[1]
+    everyone = both[:, :d].astype(x.dtype)
+    gates = both[:, d : d + k].astype(routing.gates.dtype)
+    if ids is routing.experts:
+        ids = jnp.round(both[:, d + k :]).astype(jnp.int32)
+    local = _here(Routing(ids, gates), experts.w_in.shape[0], axis)
     out = grouped_ffn(everyone, local, experts, config.activation, config.num_experts)
     mine: Array = jax.lax.psum_scatter(out, axis, scatter_dimension=0, tiled=True)
     return mine
