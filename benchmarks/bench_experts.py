@@ -1,21 +1,31 @@
-"""Expert parallelism against replicated experts: step time, expert bytes per
-device and the collectives of each compiled step.
+"""Expert parallelism against replicated experts, and a replicated MoE against
+the dense MLP of its active FLOPs: step time (CPU time on 8 simulated devices),
+expert bytes per device, the collectives of each compiled step, and the expert
+FLOPs each device executes against the ideal.
 
 A small mixture-of-experts model (an embedding, `--layers` residual `ed.MoE`
-blocks of `--experts` experts, top-2, a head) on 8 simulated CPU devices, one
-process: `ed.Layout(mesh)` (data parallelism, every device holding every
-expert) against `ed.Layout(mesh, expert_axis="data")` (each device holding
-`experts / 8` of them, the tokens sent to them and back), once with the
-all-gather dispatch (`expert_parallel`) and once with `MoE(dispatch=
-"all_to_all")` (`expert_parallel_a2a`). Timing is interleaved: every repeat
-times all three for `--steps` steps (the order alternating); the table gives
-median milliseconds per step, the median of the per-repeat ratios of each pair
-with their spread, the bytes of
-expert weights device 0 holds and the collectives of each compiled step. On CPU
-the collectives are memory copies: the ratio says what the dispatch costs here,
-not on a GPU's interconnect.
+blocks, top-2, a head) on 8 simulated CPU devices, one process, at each
+`--experts` count (default 8 and 32): `ed.Layout(mesh)` (data parallelism, every
+device holding every expert: `replicated`) against `ed.Layout(mesh,
+expert_axis="data")` with the all-gather dispatch (`expert_parallel`) and with
+`MoE(dispatch="all_to_all")` (`expert_parallel_a2a`), and the same model with
+each MoE replaced by a dense gated MLP `top_k x d_hidden` wide (`dense`, the MoE's
+active FLOPs), data parallel. Timing is interleaved: every repeat times all four
+for `--steps` steps (the order alternating); the table gives median milliseconds
+per step and the median of the per-repeat ratios of each pair with their spread.
+On CPU the collectives are memory copies.
 
-    python benchmarks/bench_experts.py [--repeats 5] [--steps 20] [--experts 16]
+Expert FLOPs: `compiled.cost_analysis()` counts a loop body once, and the
+experts run in loops over the active tiles (a traced count), so they are counted
+as executed: each tile loop reports its trip count when it runs
+(`eqxdist._experts.tiles.recording`), and tiles x tile rows x the products'
+FLOPs per row (forward `3 x 2 d h`, backward `8 x 2 d h`: the two hidden
+products recomputed) are summed over the step and divided by the 8 devices.
+The ideal is a device's share of the assignments, `T k / 8`, times a dense
+gated MLP's forward and backward FLOPs per row (`9 x 2 d h`).
+
+    python benchmarks/bench_experts.py [--quick] [--repeats 5] [--steps 5]
+        [--experts 8,32] [--tokens 8192]
 
 The script sets up 8 simulated CPU devices itself (before importing JAX) unless
 `XLA_FLAGS` already sets a device count. `run()` returns the figures.
@@ -32,131 +42,22 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 import equinox as eqx
 import jax
-import jax.numpy as jnp
 import numpy as np
 import optax
 
 import eqxdist as ed
+from eqxdist._experts.tiles import recording
 
 ed.simulate_cpu_devices(8)  # before JAX starts its backend
 
-D_MODEL, D_HIDDEN, ROWS, LENGTH = 64, 128, 64, 16
-
-
-class Net(eqx.Module):
-    embed: eqx.nn.Linear
-    blocks: list[ed.MoE]
-    head: eqx.nn.Linear
-
-    def __init__(
-        self, layers: int, experts: int, key: Any, dispatch: str = "all_gather"
-    ) -> None:
-        keys = jax.random.split(key, layers + 2)
-        self.embed = eqx.nn.Linear(16, D_MODEL, key=keys[0])
-        self.blocks = [
-            ed.MoE(D_MODEL, D_HIDDEN, experts, key=k, dispatch=dispatch)
-            for k in keys[2:]
-        ]
-        self.head = eqx.nn.Linear(D_MODEL, 4, key=keys[1])
-
-
-def loss_fn(model: Net, batch: dict[str, Any], key: Any) -> Any:
-    h = jax.vmap(model.embed)(batch["x"].reshape(-1, 16))  # every row's tokens
-    balance = 0.0
-    for block in model.blocks:
-        y, aux = block(h)
-        h, balance = h + y, balance + aux["load_balance_loss"]
-    logits = jax.vmap(model.head)(h)
-    labels = batch["y"].reshape(-1)
-    ce = optax.softmax_cross_entropy_with_integer_labels(logits, labels).mean()
-    return ce + 0.01 * balance, {}
-
-
-def _batch(seed: int) -> dict[str, np.ndarray]:
-    rng = np.random.default_rng(seed)
-    return {
-        "x": rng.normal(size=(ROWS, LENGTH, 16)).astype(np.float32),
-        "y": rng.integers(0, 4, (ROWS, LENGTH)).astype(np.int32),
-    }
-
-
-def _expert_bytes(state: ed.TrainState) -> int:
-    leaves = [
-        leaf
-        for block in state.model.blocks
-        for leaf in (block.w_in, block.w_gate, block.w_out)
-        if leaf is not None
-    ]
-    return sum(x.addressable_shards[0].data.nbytes for x in leaves)
-
-
-def _setup(
-    layout: ed.Layout, args: argparse.Namespace, dispatch: str = "all_gather"
-) -> dict[str, Any]:
-    optimizer = optax.adamw(1e-3)
-    step = ed.make_train_step(loss_fn, optimizer, layout)
-    model = Net(args.layers, args.experts, jax.random.key(0), dispatch)
-    state = step.init_state(
-        lambda k: ed.TrainState.create(model, optimizer, k), jax.random.key(1)
-    )
-    batch = _batch(0)
-    compiled = step.lower(state, batch).compile()
-    counts = {k: n for k, n in ed.count_collectives(compiled).items() if n}
-    state, _ = step(state, batch)
-    jax.block_until_ready(state)
-    return {"step": step, "state": state, "batch": batch, "counts": counts,
-            "bytes": _expert_bytes(state)}  # fmt: skip
-
-
-def _time(run: dict[str, Any], steps: int) -> float:
-    state = run["state"]
-    start = time.perf_counter()
-    for _ in range(steps):
-        state, _ = run["step"](state, run["batch"])
-    jax.block_until_ready(state)
-    run["state"] = state
-    return (time.perf_counter() - start) / steps * 1e3
-
-
-def run(args: argparse.Namespace) -> dict[str, Any]:
-    mesh = ed.create_device_mesh({"data": 8})
-    runs = {
-        "replicated": _setup(ed.Layout(mesh), args),
-        "expert_parallel": _setup(ed.Layout(mesh, expert_axis="data"), args),
-        "expert_parallel_a2a": _setup(
-            ed.Layout(mesh, expert_axis="data"), args, dispatch="all_to_all"
-        ),
-    }
-    times: dict[str, list[float]] = {name: [] for name in runs}
-    pairs = (
-        ("expert_parallel", "replicated"),
-        ("expert_parallel_a2a", "replicated"),
-        ("expert_parallel_a2a", "expert_parallel"),
-    )
-    ratios: dict[tuple[str, str], list[float]] = {pair: [] for pair in pairs}
-    for r in range(args.repeats):
-        order = list(runs) if r % 2 == 0 else list(runs)[::-1]
-        for name in order:
-            times[name].append(_time(runs[name], args.steps))
-        for a, b in pairs:
-            ratios[a, b].append(times[a][-1] / times[b][-1])
-    return {
-        name: {
-            "ms": statistics.median(times[name]),
-            "bytes": runs[name]["bytes"],
-            "collectives": runs[name]["counts"],
-        }
-        for name in runs
-    } | {
-        "ratios": {
-            pair: (statistics.median(r), min(r), max(r)) for pair, r in ratios.items()
-        }
-    }
+D_MODEL, D_HIDDEN, LENGTH, TOP_K = 64, 128, 16, 2
+# Goals of issue 46: expert parallelism / replicated, replicated MoE / dense.
+GOAL_EP, GOAL_DENSE = 1.25, 1.3
 
 
 class DenseMLP(eqx.Module):
-    """The dense MLP of an MoE's active FLOPs: one gated expert `top_k` times as
-    wide (each token computes `top_k` experts of `d_hidden`)."""
+    """The dense gated MLP of an MoE's active FLOPs: `width = top_k x d_hidden`
+    hidden units (each token computes `top_k` experts of `d_hidden`)."""
 
     w_in: Any
     w_gate: Any
@@ -172,75 +73,196 @@ class DenseMLP(eqx.Module):
         return (jax.nn.silu(x @ self.w_in) * (x @ self.w_gate)) @ self.w_out
 
 
-def one_device(args: argparse.Namespace) -> dict[str, Any]:
-    """On one device, a training step of one `ed.MoE` (top-2) against the dense
-    MLP of the same active FLOPs, on `ROWS * LENGTH` tokens; and how unevenly a
-    freshly initialised (random) router spreads them over the experts."""
-    rng = np.random.default_rng(1)
-    x = jnp.asarray(rng.normal(size=(ROWS * LENGTH, D_MODEL)), jnp.float32)
-    layers = {
-        "moe": ed.MoE(D_MODEL, D_HIDDEN, args.experts, key=jax.random.key(0)),
-        "dense": DenseMLP(2 * D_HIDDEN, jax.random.key(0)),
+class Net(eqx.Module):
+    embed: eqx.nn.Linear
+    blocks: list[Any]
+    head: eqx.nn.Linear
+
+    def __init__(self, layers: int, experts: int, key: Any, kind: str) -> None:
+        keys = jax.random.split(key, layers + 2)
+        self.embed = eqx.nn.Linear(16, D_MODEL, key=keys[0])
+        if kind == "dense":
+            self.blocks = [DenseMLP(TOP_K * D_HIDDEN, k) for k in keys[2:]]
+        else:
+            self.blocks = [
+                ed.MoE(D_MODEL, D_HIDDEN, experts, top_k=TOP_K, key=k, dispatch=kind)
+                for k in keys[2:]
+            ]
+        self.head = eqx.nn.Linear(D_MODEL, 4, key=keys[1])
+
+
+def loss_fn(model: Net, batch: dict[str, Any], key: Any) -> Any:
+    h = jax.vmap(model.embed)(batch["x"].reshape(-1, 16))  # every row's tokens
+    balance = 0.0
+    for block in model.blocks:
+        if isinstance(block, ed.MoE):
+            y, aux = block(h)
+            balance = balance + aux["load_balance_loss"]
+        else:
+            y = block(h)
+        h = h + y
+    logits = jax.vmap(model.head)(h)
+    labels = batch["y"].reshape(-1)
+    ce = optax.softmax_cross_entropy_with_integer_labels(logits, labels).mean()
+    return ce + 0.01 * balance, {}
+
+
+def _batch(tokens: int, seed: int) -> dict[str, np.ndarray]:
+    rng = np.random.default_rng(seed)
+    rows = tokens // LENGTH
+    return {
+        "x": rng.normal(size=(rows, LENGTH, 16)).astype(np.float32),
+        "y": rng.integers(0, 4, (rows, LENGTH)).astype(np.int32),
     }
 
-    def out(layer: Any, x: Any) -> Any:
-        y = layer(x)
-        return y[0] if isinstance(y, tuple) else y
 
-    @eqx.filter_jit
-    def step(layer: Any, x: Any) -> Any:
-        grads = eqx.filter_grad(lambda m: jnp.mean(out(m, x) ** 2))(layer)
-        return jax.tree.map(lambda p, g: p - 1e-3 * g, layer, grads)
+def _expert_bytes(state: ed.TrainState) -> int:
+    leaves = [
+        leaf
+        for block in state.model.blocks
+        if isinstance(block, ed.MoE)
+        for leaf in (block.w_in, block.w_gate, block.w_out)
+        if leaf is not None
+    ]
+    return sum(x.addressable_shards[0].data.nbytes for x in leaves)
 
-    times: dict[str, list[float]] = {name: [] for name in layers}
-    for layer in layers.values():
-        jax.block_until_ready(step(layer, x))  # compile
+
+def _setup(
+    layout: ed.Layout, args: argparse.Namespace, experts: int, kind: str
+) -> dict[str, Any]:
+    optimizer = optax.adamw(1e-3)
+    model = Net(args.layers, experts, jax.random.key(0), kind)
+    batch = _batch(args.tokens, 0)
+
+    def build() -> tuple[Any, Any]:
+        step = ed.make_train_step(loss_fn, optimizer, layout)
+        state = step.init_state(
+            lambda k: ed.TrainState.create(model, optimizer, k), jax.random.key(1)
+        )
+        return step, state
+
+    step, state = build()
+    compiled = step.lower(state, batch).compile()
+    counts = {k: n for k, n in ed.count_collectives(compiled).items() if n}
+    flops = None
+    if kind != "dense":
+        # A second trace with the tile loops reporting their trip counts.
+        with recording() as records:
+            recorded, fresh = build()
+            jax.block_until_ready(recorded(fresh, batch))
+            jax.effects_barrier()
+        flops = _executed_flops(records) / len(jax.devices())
+    state, _ = step(state, batch)
+    jax.block_until_ready(state)
+    return {"step": step, "state": state, "batch": batch, "counts": counts,
+            "bytes": _expert_bytes(state), "flops": flops}  # fmt: skip
+
+
+def _executed_flops(records: list[dict[str, Any]]) -> float:
+    """The expert FLOPs the tile loops ran: tiles x tile rows x the products'
+    FLOPs per row (forward 3, backward 8 products of `2 d h`)."""
+    per_row = {"forward": 3, "backward": 8}
+    rows = sum(r["tiles"] * r["tile"] * per_row[r["kind"]] for r in records)
+    return float(rows * 2 * D_MODEL * D_HIDDEN)
+
+
+def _ideal_flops(args: argparse.Namespace) -> float:
+    """A device's share of the assignments through a dense gated MLP's forward
+    and backward (9 products of `2 d h` per row), every layer."""
+    rows = args.tokens * TOP_K / len(jax.devices())
+    return rows * 9 * 2 * D_MODEL * D_HIDDEN * args.layers
+
+
+def _time(run: dict[str, Any], steps: int) -> float:
+    state = run["state"]
+    start = time.perf_counter()
+    for _ in range(steps):
+        state, _ = run["step"](state, run["batch"])
+    jax.block_until_ready(state)
+    run["state"] = state
+    return (time.perf_counter() - start) / steps * 1e3
+
+
+PAIRS = (
+    ("expert_parallel", "replicated"),
+    ("expert_parallel_a2a", "replicated"),
+    ("replicated", "dense"),
+)
+
+
+def run(args: argparse.Namespace, experts: int) -> dict[str, Any]:
+    mesh = ed.create_device_mesh({"data": 8})
+    split = ed.Layout(mesh, expert_axis="data")
+    runs = {
+        "replicated": _setup(ed.Layout(mesh), args, experts, "all_gather"),
+        "expert_parallel": _setup(split, args, experts, "all_gather"),
+        "expert_parallel_a2a": _setup(split, args, experts, "all_to_all"),
+        "dense": _setup(ed.Layout(mesh), args, experts, "dense"),
+    }
+    times: dict[str, list[float]] = {name: [] for name in runs}
+    ratios: dict[tuple[str, str], list[float]] = {pair: [] for pair in PAIRS}
     for r in range(args.repeats):
-        for name in list(layers)[:: 1 if r % 2 == 0 else -1]:
-            start = time.perf_counter()
-            for _ in range(args.steps):
-                layers[name] = step(layers[name], x)
-            jax.block_until_ready(layers[name])
-            times[name].append((time.perf_counter() - start) / args.steps * 1e3)
-    ratios = [m / d for m, d in zip(times["moe"], times["dense"], strict=True)]
-    counts = np.asarray(layers["moe"](x)[1]["tokens_per_expert"])
+        order = list(runs) if r % 2 == 0 else list(runs)[::-1]
+        for name in order:
+            times[name].append(_time(runs[name], args.steps))
+        for a, b in PAIRS:
+            ratios[a, b].append(times[a][-1] / times[b][-1])
     return {
-        "moe_ms": statistics.median(times["moe"]),
-        "dense_ms": statistics.median(times["dense"]),
-        "ratio": statistics.median(ratios),
-        "imbalance": float(counts.max() / counts.mean()),
-        "counts": counts.tolist(),
+        name: {
+            "ms": statistics.median(times[name]),
+            "bytes": runs[name]["bytes"],
+            "collectives": runs[name]["counts"],
+            "flops": runs[name]["flops"],
+        }
+        for name in runs
+    } | {
+        "ratios": {
+            pair: (statistics.median(r), min(r), max(r)) for pair, r in ratios.items()
+        },
+        "ideal_flops": _ideal_flops(args),
     }
 
 
 def main(argv: list[str]) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--quick", action="store_true", help="tiny, seconds")
     parser.add_argument("--repeats", type=int, default=5)
-    parser.add_argument("--steps", type=int, default=20)
-    parser.add_argument("--experts", type=int, default=16)
+    parser.add_argument("--steps", type=int, default=5)
+    parser.add_argument("--experts", default="8,32")
     parser.add_argument("--layers", type=int, default=2)
+    parser.add_argument("--tokens", type=int, default=8192)
     args = parser.parse_args(argv)
-    out = run(args)
+    if args.quick:
+        args.repeats, args.steps, args.experts = 1, 1, "8"
+        args.layers, args.tokens = 1, 512
     print(
-        f"{args.layers} MoE layers of {args.experts} experts, d_model {D_MODEL}, "
-        f"d_hidden {D_HIDDEN}, {ROWS} x {LENGTH} tokens per step, 8 CPU devices"
+        f"{args.layers} MoE layers, top-{TOP_K}, d_model {D_MODEL}, d_hidden "
+        f"{D_HIDDEN}, {args.tokens} tokens per step, 8 CPU devices; dense: a gated "
+        f"MLP {TOP_K} x {D_HIDDEN} wide"
     )
-    print(f"{'layout':<20} {'ms/step':>8} {'expert bytes/dev':>17}  collectives")
-    for name in ("replicated", "expert_parallel", "expert_parallel_a2a"):
-        row = out[name]
-        print(f"{name:<20} {row['ms']:>8.2f} {row['bytes']:>17,}  {row['collectives']}")
-    for (a, b), (median, low, high) in out["ratios"].items():
-        print(f"{a} / {b}: {median:.2f}x ({low:.2f}-{high:.2f})")
-    one = one_device(args)
-    print(
-        f"one device, {ROWS * LENGTH} tokens: MoE step {one['moe_ms']:.2f} ms, dense "
-        f"MLP of the same active FLOPs {one['dense_ms']:.2f} ms: "
-        f"{one['ratio']:.2f}x (goal: at most 1.5x)"
-    )
-    print(
-        f"a random router's imbalance: the busiest expert gets "
-        f"{one['imbalance']:.2f}x the mean ({one['counts']} assignments)"
-    )
+    for experts in (int(e) for e in args.experts.split(",")):
+        out = run(args, experts)
+        print(f"\n{experts} experts")
+        print(
+            f"{'layout':<20} {'ms/step':>8} {'expert bytes/dev':>17} "
+            f"{'expert FLOPs/dev / ideal':>25}  collectives"
+        )
+        for name in ("replicated", "expert_parallel", "expert_parallel_a2a", "dense"):
+            row = out[name]
+            work = (
+                ""
+                if row["flops"] is None
+                else f"{row['flops'] / out['ideal_flops']:.2f}"
+            )
+            print(
+                f"{name:<20} {row['ms']:>8.2f} {row['bytes']:>17,} {work:>25}  "
+                f"{row['collectives']}"
+            )
+        for (a, b), (median, low, high) in out["ratios"].items():
+            goal = GOAL_DENSE if b == "dense" else GOAL_EP
+            print(
+                f"{a} / {b}: {median:.2f}x ({low:.2f}-{high:.2f}; goal at most {goal}x)"
+            )
 
 
 if __name__ == "__main__":

@@ -53,3 +53,28 @@ def test_benchmark_uses_only_what_eqxdist_has(path):
         ):
             missing.append(f"{node.value.id}.{node.attr} (line {node.lineno})")
     assert not missing, f"{path.name} uses what eqxdist does not have: {missing}"
+
+
+@pytest.mark.slow
+def test_bench_experts_quick_runs_and_bounds_the_work(script_env):
+    """`bench_experts.py --quick` runs; the expert FLOPs each device executes
+    (counted from the tile loops' trip counts, not timed) stay within 2x the
+    ideal under expert parallelism (8.5x when every device computed every
+    token's assignments): the tiles' padding and the backward's recomputed
+    hidden products are the rest."""
+    import re
+    import subprocess
+    import sys
+
+    root = Path(__file__).parent.parent
+    out = subprocess.run(
+        [sys.executable, "benchmarks/bench_experts.py", "--quick"],
+        cwd=root, env=script_env, capture_output=True, text=True, timeout=900,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stdout + out.stderr
+    for name in ("replicated", "expert_parallel", "expert_parallel_a2a"):
+        row = re.search(rf"^{name} +[\d.]+ +[\d,]+ +([\d.]+) ", out.stdout, re.M)
+        assert row, out.stdout
+        assert float(row.group(1)) < 2.0, out.stdout
+    assert "expert_parallel / replicated:" in out.stdout
+    assert "replicated / dense:" in out.stdout

@@ -4,8 +4,11 @@ computed where their experts are, the outputs brought back to their tokens.
 
 Each call's tokens are routed once, before any dispatch (`MoE.__call__`: the
 capacity counts that call's tokens). The default dispatch is an all-gather of the
-tokens and their routing over the axis and a reduce-scatter of the outputs:
-dropless, with no sizes to exchange first, and never a weight moved
+tokens and their routing over the axis (each device then runs its experts on
+their assignments only: the others sort after its groups, in no tile of the
+grouped products, so its work is its experts' share, not every token's) and a
+reduce-scatter of the outputs: dropless, with no sizes to exchange first, and
+never a weight moved
 (`ragged_all_to_all`, the other dropless dispatch, is not implemented by
 XLA:CPU in JAX 0.10). `MoE(dispatch="all_to_all")` takes `exchange.py`'s two
 all-to-alls instead (`DISPATCHES`).
@@ -127,12 +130,24 @@ def check_block(experts: Experts, num_experts: int, size: int, axis: str) -> Non
 def _gathered(
     experts: Experts, routing: Routing, x: Array, config: Config, axis: str
 ) -> Array:
-    """Different tokens on each device: all of them and their routing gathered,
-    run through this device's experts, and each device's outputs summed back to
-    it."""
-    everyone, ids, gates = (
-        jax.lax.all_gather(a, axis, axis=0, tiled=True) for a in (x, *routing)
-    )
+    """Different tokens on each device, each routed on its own device
+    (`MoE.__call__`): all of them gathered with their experts and gates (one
+    all-gather: the gates and ids ride as columns), run through this device's
+    experts, and each device's outputs summed back to it."""
+    k = routing.experts.shape[1]
+    dtype = jnp.result_type(x, routing.gates)
+    ids = routing.experts
+    if config.num_experts >= 2 ** (jnp.finfo(dtype).nmant + 1):
+        ids = jax.lax.all_gather(ids, axis, axis=0, tiled=True)
+    columns = [x.astype(dtype), routing.gates.astype(dtype)]
+    if ids is routing.experts:
+        columns.append(jax.lax.stop_gradient(ids.astype(dtype)))
+    both = jax.lax.all_gather(jnp.concatenate(columns, 1), axis, axis=0, tiled=True)
+    d = x.shape[1]
+    everyone = both[:, :d].astype(x.dtype)
+    gates = both[:, d : d + k].astype(routing.gates.dtype)
+    if ids is routing.experts:
+        ids = jnp.round(both[:, d + k :]).astype(jnp.int32)
     local = _here(Routing(ids, gates), experts.w_in.shape[0], axis)
     out = grouped_ffn(everyone, local, experts, config.activation, config.num_experts)
     mine: Array = jax.lax.psum_scatter(out, axis, scatter_dimension=0, tiled=True)

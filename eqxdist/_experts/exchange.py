@@ -5,7 +5,9 @@ the same way. Dropless with fixed sizes: `jax.lax.all_to_all` needs the same
 buffer for every destination, so each is sized for the worst case (all of a
 device's `T * k` assignments going to one device) and padded; a padded row
 carries the expert id one past the holder's block, which the grouped products
-leave out (`grouped_ffn`), so no counts need exchanging first.
+leave out (`grouped_ffn`: in no tile, never computed), so the ids received are
+the counts: the holder's work is the rows it got, rounded up to tiles, not the
+buffer, and no counts need exchanging first.
 (`ragged_all_to_all`, which sends only the rows used, is not implemented by
 XLA:CPU in JAX 0.10.)
 

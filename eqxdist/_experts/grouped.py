@@ -1,8 +1,10 @@
 """The experts' computation, dropless: the token-expert assignments sorted by
-expert and run through grouped matrix products (`grouped_matmul`: tiles on CPU,
-`jax.lax.ragged_dot` elsewhere), then put back in token order and combined with
-their gates. No capacity: an expert takes every assignment it gets, however
-many."""
+expert (stable), run through the experts by `tiles.py`'s loop over the active
+tiles (the work is the assignments routed to these experts, the buffers the
+worst case), then put back in token order and combined with their gates; its
+gradient by the same tiles. No capacity: an expert takes every assignment it
+gets, however many. `grouped_matmul` is one grouped product (tiles, or
+`jax.lax.ragged_dot` when asked for)."""
 
 import functools
 from collections.abc import Callable
@@ -17,7 +19,7 @@ from jaxtyping import Array, Float, Int
 from .._jaxpr import counted_as
 from .batching import one_token_set
 from .routing import Routing
-from .tiles import tiled_matmul
+from .tiles import tile_rows, tiled_ffn, tiled_ffn_grads, tiled_matmul, typed_like
 
 METHODS = ("auto", "tiled", "ragged_dot")
 
@@ -28,15 +30,6 @@ class Experts(NamedTuple):
     w_in: Float[Array, "E d h"]
     w_gate: Float[Array, "E d h"] | None  # None: not gated
     w_out: Float[Array, "E h d"]
-
-
-def _tile_rows(rows: int, groups: int) -> int:
-    """Half a mean group, a power of two in [16, 128]: the padding (under half a
-    tile per group) stays near a quarter of the rows, and the tiles big enough
-    for a fast product. Measured on XLA:CPU (d 64, h 128; rows 512 to 8192,
-    8 to 64 groups)."""
-    half = max(rows // (2 * max(groups, 1)), 1)
-    return int(min(max(1 << (half.bit_length() - 1), 16), 128))
 
 
 def grouped_matmul(
@@ -52,18 +45,48 @@ def grouped_matmul(
     `method`: `"ragged_dot"` (`jax.lax.ragged_dot`, the fused kernel on GPU and
     TPU), `"tiled"` (each group padded to whole tiles, one batched product: on
     XLA:CPU `ragged_dot` is an order of magnitude slower) or `"auto"`, tiles
-    when JAX's default backend is the CPU at trace time."""
+    on every backend: `ragged_dot` expands into a dense product over all groups
+    on XLA:CPU (measured) and by default on XLA:GPU (openxla/xla#46002), and is
+    taken only when asked for."""
     if method not in METHODS:
         raise ValueError(
             f"grouped_matmul: method={method!r}; expected one of {METHODS}. "
             "Pass 'auto' to choose by backend."
         )
-    if method == "auto":
-        method = "tiled" if jax.default_backend() == "cpu" else "ragged_dot"
     if method == "ragged_dot":
         return jax.lax.ragged_dot(x_sorted, w, group_sizes)
-    tile = _tile_rows(x_sorted.shape[0], w.shape[0])
-    return tiled_matmul(x_sorted, w, group_sizes, tile=tile)
+    return tiled_matmul(x_sorted, w, group_sizes)
+
+
+def _sorted(routing: Routing, groups: int) -> tuple[Array, Array, Array]:
+    """The assignments in order of expert, stable: `order` (the assignment at
+    each sorted place), `place` (its inverse) and the group sizes. Ids past the
+    last group sort after the groups, left out of `sizes`: in no tile.
+
+    A counting sort (each assignment's place is its group's start plus the
+    assignments of its group before it, a cumulative sum over `groups + 1`
+    columns): XLA:CPU's sort of the all-gathered assignments took most of an
+    expert-parallel step (16k ids: ~1.5 ms a sort against ~0.2 for this). Above
+    64 groups, `jnp.argsort`."""
+    flat = routing.experts.reshape(-1)
+    if groups > 64:
+        order = jnp.argsort(flat, stable=True)
+        place = jnp.zeros_like(order).at[order].set(jnp.arange(order.size))
+        return order, place, jnp.bincount(flat, length=groups).astype(jnp.int32)
+    bucket = jnp.minimum(flat, groups)
+    hits = jax.nn.one_hot(bucket, groups + 1, dtype=jnp.int32)
+    counts = jnp.sum(hits, axis=0)
+    before = jnp.cumsum(hits, axis=0) - hits
+    rank = jnp.take_along_axis(before, bucket[:, None], axis=1)[:, 0]
+    place = (jnp.cumsum(counts) - counts)[bucket] + rank
+    order = (
+        jnp.zeros_like(place).at[place].set(jnp.arange(place.size, dtype=place.dtype))
+    )
+    return order, place, counts[:groups]
+
+
+def _weights(experts: Experts) -> tuple[Array, Array | None, Array]:
+    return experts.w_in, experts.w_gate, experts.w_out
 
 
 def _ffn(
@@ -71,22 +94,15 @@ def _ffn(
     routing: Routing,
     experts: Experts,
     activation: Callable[[Array], Array],
+    num_experts: int,
 ) -> Float[Array, "T d"]:
     tokens, k = routing.experts.shape
-    groups = experts.w_in.shape[0]
-    flat = routing.experts.reshape(-1)
-    order = jnp.argsort(flat, stable=True)
-    rows = x[order // k]
-    # Ids past the last group are dropped by `length`: they belong to no group.
-    sizes = jnp.bincount(flat, length=groups).astype(jnp.int32)
-    hidden = activation(grouped_matmul(rows, experts.w_in, sizes))
-    if experts.w_gate is not None:
-        hidden = hidden * grouped_matmul(rows, experts.w_gate, sizes)
-    out = grouped_matmul(hidden, experts.w_out, sizes)
-    out = out * routing.gates.reshape(-1)[order][:, None]
-    back = jnp.zeros_like(order).at[order].set(jnp.arange(order.size))
-    combined: Array = out[back].reshape(tokens, k, -1).sum(axis=1)
-    return combined.astype(x.dtype)
+    tile = tile_rows(tokens * k, num_experts)
+    order, _, sizes = _sorted(routing, experts.w_in.shape[0])
+    gates = routing.gates.reshape(-1)[order]
+    out = tiled_ffn(x, order // k, gates, sizes, _weights(experts), activation,
+                    tile=tile)  # fmt: skip
+    return out.astype(x.dtype)
 
 
 def routed_flops(
@@ -107,36 +123,53 @@ def routed_flops(
     return 2 * d * h * products * routing.experts.size * share
 
 
+def _ffn_grads(
+    x: Array, routing: Routing, experts: Experts, activation: Callable[[Array], Array],
+    num_experts: int, g: Array,
+) -> tuple[Array, Array, Experts]:  # fmt: skip
+    """`_ffn`'s gradient for the output cotangent `g`: (dx, dgates, dexperts),
+    by the tiles `_ffn` ran."""
+    tokens, k = routing.experts.shape
+    tile = tile_rows(tokens * k, num_experts)
+    order, place, sizes = _sorted(routing, experts.w_in.shape[0])
+    gates = routing.gates.reshape(-1)[order]
+    dx, dgates, (dw_in, dw_gate, dw_out) = tiled_ffn_grads(
+        x, order // k, gates, sizes, _weights(experts), activation, g, tile=tile
+    )
+    dgates = dgates[place].reshape(tokens, k)
+    dexperts = Experts(
+        typed_like(dw_in, experts.w_in),
+        None if dw_gate is None or experts.w_gate is None
+        else typed_like(dw_gate, experts.w_gate),
+        typed_like(dw_out, experts.w_out),
+    )  # fmt: skip
+    return typed_like(dx, x), typed_like(dgates, routing.gates), dexperts
+
+
 def _forward(
-    activation: Callable[[Array], Array], num_experts: int | None
+    activation: Callable[[Array], Array], num_experts: int
 ) -> Callable[..., Any]:
     def forward(tokens: tuple[Array, Routing], experts: Experts) -> tuple[Array, None]:
         flops = routed_flops(*tokens, experts, num_experts)
-        ffn = functools.partial(_ffn, activation=activation)
+        ffn = functools.partial(_ffn, activation=activation, num_experts=num_experts)
         return counted_as(ffn, flops)(*tokens, experts), None
 
     return one_token_set(forward, merged=True)
 
 
 def _backward(
-    activation: Callable[[Array], Array], num_experts: int | None
+    activation: Callable[[Array], Array], num_experts: int
 ) -> Callable[..., Any]:
     def pulled(x: Array, routing: Routing, g: Array, experts: Experts) -> Any:
-        _, pull = jax.vjp(
-            lambda x, gates, experts: _ffn(
-                x, Routing(routing.experts, gates), experts, activation
-            ),
-            x, routing.gates, experts,
-        )  # fmt: skip
-        return pull(g)
+        return _ffn_grads(x, routing, experts, activation, num_experts, g)
 
     def backward(
         tokens: tuple[Array, Routing, Array], experts: Experts
     ) -> tuple[tuple[Array, Array], Experts]:
         x, routing, g = tokens
         # Two products per forward product (the inputs' and the weights'), as
-        # autodiff counts a dense one; the forward recomputed here is no model
-        # work.
+        # autodiff counts a dense one; the hidden products the tiles recompute
+        # are no model work.
         flops = 2 * routed_flops(x, routing, experts, num_experts)
         dx, dgates, dexperts = counted_as(pulled, flops)(x, routing, g, experts)
         return (dx, dgates), dexperts
@@ -144,7 +177,6 @@ def _backward(
     return one_token_set(backward, merged=False)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
 def grouped_ffn(
     x: Float[Array, "T d"],
     routing: Routing,
@@ -157,36 +189,44 @@ def grouped_ffn(
 
     An assignment whose expert id is `len(experts.w_in)` (one past the last) is
     none of these experts' (another device's, or dropped by the capacity): it
-    sits after the groups, where `grouped_matmul` gives zeros, and its gate
-    must be 0. `num_experts`: how many experts there are in all when `experts`
-    is one device's block of them (None: these are all), for the model FLOP
-    count (`routed_flops`)."""
+    sits after the groups, in no tile (never computed, zeros out), and its gate
+    must be 0.
+
+    `num_experts`: the layer's experts on all devices (default: these), which
+    with the assignments sets the tile (`tile_rows`) and the share of the
+    model FLOPs counted here (`routed_flops`)."""
+    return _grouped(x, routing, experts, activation, num_experts or len(experts.w_in))
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
+def _grouped(
+    x: Array, routing: Routing, experts: Experts, activation: Callable[[Array], Array],
+    num_experts: int,
+) -> Array:  # fmt: skip
     y: Array = _forward(activation, num_experts)((x, routing), experts)[0]
     return y
 
 
 def _grouped_fwd(
-    x: Array,
-    routing: Routing,
-    experts: Experts,
-    activation: Callable[[Array], Array],
-    num_experts: int | None,
-) -> tuple[Array, tuple[Array, Routing, Experts]]:
+    x: Array, routing: Routing, experts: Experts, activation: Callable[[Array], Array],
+    num_experts: int,
+) -> tuple[Array, tuple[Array, Routing, Experts]]:  # fmt: skip
     y = _forward(activation, num_experts)((x, routing), experts)[0]
     return y, (x, routing, experts)
 
 
 def _grouped_bwd(
     activation: Callable[[Array], Array],
-    num_experts: int | None,
+    num_experts: int,
     saved: tuple[Array, Routing, Experts],
     g: Array,
 ) -> tuple[Array, Routing, Experts]:
     x, routing, experts = saved
-    backward = _backward(activation, num_experts)
-    (dx, dgates), dexperts = backward((x, routing, g), experts)
+    (dx, dgates), dexperts = _backward(activation, num_experts)(
+        (x, routing, g), experts
+    )
     ids = np.zeros(routing.experts.shape, jax.dtypes.float0)
     return dx, Routing(ids, dgates), dexperts  # type: ignore[arg-type]
 
 
-grouped_ffn.defvjp(_grouped_fwd, _grouped_bwd)
+_grouped.defvjp(_grouped_fwd, _grouped_bwd)

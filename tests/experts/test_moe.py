@@ -362,14 +362,14 @@ def _dispatch_collectives(mesh8, dispatch):
 
 
 def test_the_dispatch_communicates_tokens_never_weights(mesh8):
-    """The device view's forward: three all-gathers (the tokens, their experts'
-    ids and their gates: each device routes its own tokens, once), one
-    reduce-scatter of the outputs; forward and backward: no collective moves an
-    expert weight (or a block of one)."""
+    """The device view's forward: one all-gather (the tokens, with their
+    experts' ids and their gates as columns: each device routes its own tokens,
+    once), one reduce-scatter of the outputs; forward and backward: no
+    collective moves an expert weight (or a block of one)."""
     for is_forward, counts in _dispatch_collectives(mesh8, "all_gather"):
         assert counts["all-to-all"] == 0
         if is_forward:
-            assert counts["all-gather"] == 3 and counts["reduce-scatter"] == 1, counts
+            assert counts["all-gather"] == 1 and counts["reduce-scatter"] == 1, counts
             assert counts["all-reduce"] == 0, counts
 
 
