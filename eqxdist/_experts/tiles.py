@@ -56,6 +56,9 @@ def recording() -> Iterator[list[dict[str, Any]]]:
     try:
         yield records
     finally:
+        # The callbacks run when the computation does, after the call that
+        # dispatched it returned: wait for them before the list is read.
+        jax.effects_barrier()
         _RECORDS.remove(records)
 
 

@@ -186,7 +186,7 @@ def test_each_device_runs_only_its_assignments(mesh8, dispatch):
     moe = ed.MoE(D, H, 16, top_k=2, key=jax.random.key(4), dispatch=dispatch)
     x, c = _rng_array((512, D), 2), _rng_array((512, D), 3)
     with recording() as records:
-        _device_view(moe, x, c, mesh8)
+        jax.block_until_ready(_device_view(moe, x, c, mesh8))
     _assert_bounded(records, 512 * 2, local=2)
     for kind in ("forward", "backward"):
         ran = [r for r in records if r["kind"] == kind]
