@@ -453,6 +453,34 @@ class MoENet(eqx.Module):
         self.head = eqx.nn.Linear(MOE_D, 4, key=k3)
 
 
+def router_probs(moe: Any, x: Any) -> Any:
+    """`ed.MoE`'s router probabilities of tokens `x` (T, d), in plain JAX."""
+    logits = x @ moe.router.weight.T
+    if moe.router_kind == "sigmoid":
+        return jax.nn.sigmoid(logits)
+    return jax.nn.softmax(logits, axis=-1)
+
+
+def every_expert(moe: Any, x: Any) -> Any:
+    """Every token of `x` (T, d) through every expert of `moe`, in plain JAX:
+    (T, E, d), the dense references' products."""
+    hidden = moe.activation(jnp.einsum("td,edh->teh", x, moe.w_in))
+    if moe.gated:
+        hidden = hidden * jnp.einsum("td,edh->teh", x, moe.w_gate)
+    return jnp.einsum("teh,ehd->ted", hidden, moe.w_out)
+
+
+def normal_array(shape: tuple[int, ...], seed: int) -> Any:
+    """A float32 array of standard normal draws from generator `seed`."""
+    return jnp.asarray(np.random.default_rng(seed).normal(size=shape), jnp.float32)
+
+
+def assert_trees_close(a: Any, b: Any, **tol: float) -> None:
+    """The array leaves of `a` and `b` pairwise within `tol`."""
+    for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True):
+        np.testing.assert_allclose(np.asarray(x), np.asarray(y), **tol)
+
+
 def moe_forward(model: MoENet, x: Any) -> tuple:
     """The logits of rows `x` (all of them routed together) and the MoE's aux."""
     h = jax.vmap(model.embed)(x)

@@ -9,6 +9,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from harness import assert_trees_close, every_expert, normal_array, router_probs
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 import eqxdist as ed
@@ -20,33 +21,26 @@ TOL = {"rtol": 1e-5, "atol": 1e-5}
 
 def _dense(moe, x):
     """Every token through every expert, combined with the top-k gates."""
-    logits = x @ moe.router.weight.T
-    sig = moe.router_kind == "sigmoid"
-    p = jax.nn.sigmoid(logits) if sig else jax.nn.softmax(logits, axis=-1)
+    p = router_probs(moe, x)
     _, chosen = jax.lax.top_k(p, moe.top_k)
     mask = jax.nn.one_hot(chosen, moe.num_experts).sum(axis=1)
     gates = p * mask
     if moe.normalize_gates:  # the default for top_k > 1; top-1 keeps p
         gates = gates / jnp.sum(gates, axis=-1, keepdims=True)
-    hidden = moe.activation(jnp.einsum("td,edh->teh", x, moe.w_in))
-    if moe.gated:
-        hidden = hidden * jnp.einsum("td,edh->teh", x, moe.w_gate)
-    out = jnp.einsum("teh,ehd->ted", hidden, moe.w_out)
-    return jnp.einsum("te,ted->td", gates, out)
+    return jnp.einsum("te,ted->td", gates, every_expert(moe, x))
 
 
 def _tokens(seed=1, shape=(T, D)):
-    return jnp.asarray(np.random.default_rng(seed).normal(size=shape), jnp.float32)
+    return normal_array(shape, seed)
 
 
 def _weights(shape, seed=7):
     # A fixed random weighting of the outputs: a loss no symmetry can fake.
-    return jnp.asarray(np.random.default_rng(seed).normal(size=shape), jnp.float32)
+    return normal_array(shape, seed)
 
 
 def _assert_trees_close(a, b):
-    for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True):
-        np.testing.assert_allclose(np.asarray(x), np.asarray(y), **TOL)
+    assert_trees_close(a, b, **TOL)
 
 
 def _check_against_dense(moe, x):

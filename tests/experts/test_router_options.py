@@ -14,7 +14,17 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from harness import MOE_D, MOE_E, MOE_H, MoENet, moe_loss
+from harness import (
+    MOE_D,
+    MOE_E,
+    MOE_H,
+    MoENet,
+    assert_trees_close,
+    every_expert,
+    moe_loss,
+    normal_array,
+    router_probs,
+)
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 import eqxdist as ed
@@ -26,18 +36,11 @@ D, H, T = 4, 6, 16
 TOL = {"rtol": 1e-5, "atol": 1e-5}
 
 
-def _probs(moe, x):
-    logits = x @ moe.router.weight.T
-    if moe.router_kind == "sigmoid":
-        return jax.nn.sigmoid(logits)
-    return jax.nn.softmax(logits, axis=-1)
-
-
 def _reference(moe, x, *, normalize, keep=None):
     """Every token through every expert, combined with its top-k gates (`p`, or
     `p / sum(p)` over the top-k), the assignments `keep` (T, k) says are
     dropped given gate 0."""
-    p = _probs(moe, x)
+    p = router_probs(moe, x)
     top, chosen = jax.lax.top_k(p, moe.top_k)
     gates = top / jnp.sum(top, axis=-1, keepdims=True) if normalize else top
     if keep is not None:
@@ -45,24 +48,19 @@ def _reference(moe, x, *, normalize, keep=None):
     per_expert = jnp.einsum(
         "tk,tke->te", gates, jax.nn.one_hot(chosen, moe.num_experts)
     )
-    hidden = moe.activation(jnp.einsum("td,edh->teh", x, moe.w_in))
-    if moe.gated:
-        hidden = hidden * jnp.einsum("td,edh->teh", x, moe.w_gate)
-    out = jnp.einsum("teh,ehd->ted", hidden, moe.w_out)
-    return jnp.einsum("te,ted->td", per_expert, out)
+    return jnp.einsum("te,ted->td", per_expert, every_expert(moe, x))
 
 
 def _tokens(seed=1, shape=(T, D)):
-    return jnp.asarray(np.random.default_rng(seed).normal(size=shape), jnp.float32)
+    return normal_array(shape, seed)
 
 
 def _weights(shape, seed=7):
-    return jnp.asarray(np.random.default_rng(seed).normal(size=shape), jnp.float32)
+    return normal_array(shape, seed)
 
 
 def _assert_trees_close(a, b):
-    for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True):
-        np.testing.assert_allclose(np.asarray(x), np.asarray(y), **TOL)
+    assert_trees_close(a, b, **TOL)
 
 
 def _values_and_grads(moe, x, c, reference):
@@ -166,7 +164,7 @@ def test_capacity_keeps_by_choice_rank_then_token_order(factor):
     e, k = 4, 2
     moe = ed.MoE(D, H, e, top_k=k, key=jax.random.key(3), capacity_factor=factor)
     x, c = _skewed(moe), _weights((T, D))
-    chosen = np.asarray(jax.lax.top_k(_probs(moe, x), k)[1])
+    chosen = np.asarray(jax.lax.top_k(router_probs(moe, x), k)[1])
     limit = math.ceil(factor * T * k / e)
     keep = _kept_by_hand(chosen, e, limit)
     assert not keep.all()  # the routing is skewed enough to drop
