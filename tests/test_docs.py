@@ -8,6 +8,7 @@ it: its first block, run in a fresh process without `XLA_FLAGS`, gives the 8
 devices the pages are written for (so it calls `ed.simulate_cpu_devices(8)`
 itself)."""
 
+import ast
 import contextlib
 import io
 import re
@@ -15,12 +16,12 @@ import warnings
 from pathlib import Path
 
 import pytest
+from fresh_pythons import run_fresh
 from stated_output import (
     Block,
     blocks_of,
     line_matches,
     mismatch,
-    run_as_pasted,
     stated_output,
 )
 
@@ -80,25 +81,49 @@ def uses_a_mesh(page: Path) -> bool:
     return any(re.search(r"create_\w*mesh\(", block.code) for block in blocks_of(page))
 
 
+SET_UP_PAGES = [
+    p for p in PAGES if uses_a_mesh(p) and page_id(p) not in REWORKED_ELSEWHERE
+]
+
+
+def set_up_part(code: str) -> str:
+    """A page's set-up: its first block up to the statement that calls
+    `ed.simulate_cpu_devices` (the whole block where none does). Nothing after
+    that call can change how many devices JAX starts with, and the rest of the
+    block runs in `test_doc_snippets_run_and_print_what_they_state`."""
+    for statement in ast.parse(code).body:
+        if "simulate_cpu_devices(" in (ast.get_source_segment(code, statement) or ""):
+            assert statement.end_lineno is not None
+            return "\n".join(code.splitlines()[: statement.end_lineno])
+    return code
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize(
-    "page",
-    [p for p in PAGES if uses_a_mesh(p) and page_id(p) not in REWORKED_ELSEWHERE],
-    ids=page_id,
-)
-def test_doc_page_set_up_runs_as_pasted(page: Path, tmp_path: Path) -> None:
-    script = tmp_path / "set_up.py"
-    script.write_text(
-        blocks_of(page)[0].code + "\n\nimport jax\n\n"
-        "print('devices:', jax.device_count())\n"
-    )
-    out = run_as_pasted(script)
-    assert out.returncode == 0, out.stdout + out.stderr
-    assert out.stdout.splitlines()[-1] == "devices: 8", (
-        f"{page_id(page)}'s first block, pasted into a fresh Python, gives "
-        f"{out.stdout.splitlines()[-1]!r}: call `ed.simulate_cpu_devices(8)` in it "
-        "before anything starts JAX"
-    )
+def test_every_pages_set_up_runs_as_pasted(tmp_path: Path) -> None:
+    """Each page's set-up, with the device count printed after it, run as a
+    reader pastes it into a fresh Python (`fresh_pythons.py`: one fork per page of
+    a process that imported eqxdist before JAX started), gives 8 devices. One test
+    for all pages: one process imports eqxdist once for all of them."""
+    scripts = []
+    for i, page in enumerate(SET_UP_PAGES):
+        scripts.append(script := tmp_path / f"page_{i}.py")
+        script.write_text(
+            set_up_part(blocks_of(page)[0].code) + "\n\nimport jax\n\n"
+            "print('devices:', jax.device_count())\n"
+        )
+    ran = run_fresh([[str(s)] for s in scripts], tmp_path)
+    problems = []
+    for page, (status, output) in zip(SET_UP_PAGES, ran, strict=True):
+        last = output.splitlines()[-1] if output else ""
+        if status != 0:
+            problems.append(f"{page_id(page)}'s set-up fails as pasted:\n{output}")
+        elif last != "devices: 8":
+            problems.append(
+                f"{page_id(page)}'s first block, pasted into a fresh Python, gives "
+                f"{last!r}: call `ed.simulate_cpu_devices(8)` in it before anything "
+                "starts JAX"
+            )
+    assert not problems, "\n\n".join(problems)
 
 
 @pytest.mark.parametrize(

@@ -12,6 +12,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from fresh_pythons import run_fresh
 
 ROOT = Path(__file__).resolve().parent.parent
 EXAMPLES = sorted(
@@ -44,36 +45,13 @@ def _run(
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("script", EXAMPLES, ids=lambda p: p.name)
-def test_example_answers_help(script: Path, script_env: dict[str, str]) -> None:
-    out = _run(script_env, str(script), "--help")
-    assert out.returncode == 0, out.stderr
-    assert out.stdout.startswith("usage:")
-
-
-@pytest.mark.slow
-def test_main_job_at_its_defaults(tmp_path: Path, script_env: dict[str, str]) -> None:
-    """README command 1 as the README runs it (only the output directory moved)."""
-    out = _run(
-        script_env, "examples/train_classifier.py", "--out", str(tmp_path), timeout=1800
-    )
-    assert out.returncode == 0, out.stdout + out.stderr
-    for strategy in ("single", "dp", "fsdp", "reorder"):
-        assert f"\n{strategy} " in out.stdout
-        rows = [
-            json.loads(line)
-            for line in (tmp_path / strategy / "metrics.jsonl").read_text().splitlines()
-        ]
-        # Every 5th step and the last of 10 epochs x 11 steps; one evaluation per
-        # epoch.
-        assert [r["step"] for r in rows if "loss" in r] == [*range(5, 110, 5), 110]
-        assert [r["step"] for r in rows if "eval_loss" in r] == list(range(11, 111, 11))
-        assert all(
-            r["learning_rate"] == pytest.approx(3e-3) for r in rows if "loss" in r
-        )
-        assert list((tmp_path / "tensorboard" / strategy).glob("events.out.*"))
-    assert "parameters of single/dp/fsdp agree: yes (after epoch 1" in out.stdout
-    assert "held-out confusion matrix" in out.stdout
+def test_every_example_answers_help(tmp_path: Path) -> None:
+    """`python examples/<name>.py --help`, each in a fresh Python (`run_fresh`: one
+    process imports eqxdist once for all of them)."""
+    ran = run_fresh([[str(script), "--help"] for script in EXAMPLES], tmp_path)
+    for script, (status, output) in zip(EXAMPLES, ran, strict=True):
+        assert status == 0, f"{script.name} --help:\n{output}"
+        assert output.startswith("usage:"), f"{script.name} --help:\n{output}"
 
 
 def _logged_after(path: Path, step: int) -> list[dict[str, float]]:
@@ -88,36 +66,56 @@ def _logged_after(path: Path, step: int) -> list[dict[str, float]]:
 
 
 @pytest.mark.slow
-def test_main_job_resumes_exactly(tmp_path: Path, script_env: dict[str, str]) -> None:
-    """A run stopped after epoch 1 and resumed from its checkpoint continues the
-    loader's stream exactly: every loss, accuracy and held-out metric it logs
-    after the restart is bit-identical to the uninterrupted run's (another batch
-    would change the loss); the checkpoint's metadata holds the loader's position
-    and the stream's seed and batch size, and a resume with another seed is
-    refused."""
+def test_main_job_trains_four_ways_and_resumes_exactly(
+    tmp_path: Path, script_env: dict[str, str]
+) -> None:
+    """README command 1 as the README runs it, for 2 epochs instead of 10 (each
+    epoch runs the same programs; the README's figures after 10 come from running
+    it): every strategy logs, evaluates and writes TensorBoard events, and the
+    first three agree. Then a data-parallel run stopped after epoch 1 and resumed
+    from its checkpoint continues the loader's stream exactly: every loss,
+    accuracy and held-out metric it logs after the restart is bit-identical to the
+    uninterrupted run's (another batch would change the loss); the checkpoint's
+    metadata holds the loader's position and the stream's seed and batch size,
+    and a resume with another seed is refused."""
     import eqxdist as ed
 
-    args = ["examples/train_classifier.py", "--epochs", "2", "--strategies", "dp"]
-    whole = _run(script_env, *args, "--out", str(tmp_path / "whole"))
-    assert whole.returncode == 0, whole.stderr
-    first = _run(
-        script_env, *args, "--out", str(tmp_path / "split"), "--stop-after", "1"
-    )
+    whole = tmp_path / "whole"
+    main_job = ["examples/train_classifier.py", "--epochs", "2"]
+    out = _run(script_env, *main_job, "--out", str(whole), timeout=1800)
+    assert out.returncode == 0, out.stdout + out.stderr
+    for strategy in ("single", "dp", "fsdp", "reorder"):
+        assert f"\n{strategy} " in out.stdout
+        rows = [
+            json.loads(line)
+            for line in (whole / strategy / "metrics.jsonl").read_text().splitlines()
+        ]
+        # Every 5th step and the last of 2 epochs x 11 steps; one evaluation per
+        # epoch.
+        assert [r["step"] for r in rows if "loss" in r] == [5, 10, 15, 20, 22]
+        assert [r["step"] for r in rows if "eval_loss" in r] == [11, 22]
+        assert all(
+            r["learning_rate"] == pytest.approx(3e-3) for r in rows if "loss" in r
+        )
+        assert list((whole / "tensorboard" / strategy).glob("events.out.*"))
+    assert "parameters of single/dp/fsdp agree: yes (after epoch 1" in out.stdout
+    assert "held-out confusion matrix" in out.stdout
+
+    args = [*main_job, "--strategies", "dp", "--out", str(tmp_path / "split")]
+    first = _run(script_env, *args, "--stop-after", "1")
     assert first.returncode == 0, first.stderr
     with ed.CheckpointManager(tmp_path / "split" / "dp") as manager:
         assert manager.latest_step() == 11
         assert manager.metadata(11) == {"loader_step": 11, "seed": 0, "batch_size": 128}
     assert re.search(r"\ndp +8 +1 ", first.stdout), first.stdout  # epochs trained
-    other = _run(
-        script_env, *args, "--out", str(tmp_path / "split"), "--resume", "--seed", "1"
-    )
+    other = _run(script_env, *args, "--resume", "--seed", "1")
     assert other.returncode != 0
     assert "this run asks for {'seed': 1, 'batch_size': 128}" in other.stderr
-    second = _run(script_env, *args, "--out", str(tmp_path / "split"), "--resume")
+    second = _run(script_env, *args, "--resume")
     assert second.returncode == 0, second.stderr
     assert "dp resumed at step 11" in second.stdout
     resumed = _logged_after(tmp_path / "split" / "dp" / "metrics.jsonl", 11)
-    reference = _logged_after(tmp_path / "whole" / "dp" / "metrics.jsonl", 11)
+    reference = _logged_after(whole / "dp" / "metrics.jsonl", 11)
     assert [r["step"] for r in resumed] == [15, 20, 22, 22]
     assert resumed == reference
 

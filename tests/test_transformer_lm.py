@@ -15,6 +15,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from fresh_pythons import run_fresh
 
 ROOT = Path(__file__).resolve().parent.parent
 SCRIPT = ROOT / "examples" / "transformer_lm.py"
@@ -112,39 +113,45 @@ def test_trains_agrees_with_data_parallel_and_resumes_the_exact_stream(
 
 
 @pytest.mark.slow
-def test_help_describes_every_option(script_env: dict[str, str]) -> None:
-    out = _run(script_env, "--help")
-    assert out.returncode == 0, out.stderr
-    assert out.stdout.startswith("usage:")
-    listing = out.stdout.split("options:", 1)[1]
+def test_help_describes_every_option(tmp_path: Path) -> None:
+    """`--help`, and the arguments refused before anything runs: each in a fresh
+    Python (`run_fresh`: one process imports eqxdist once for all of them)."""
+    runs = [
+        ["--help"],
+        ["--seq-len", "16", "--min-len", "17"],
+        ["--schedule", "zb-h1"],
+        [
+            *("--pipeline-parallel", "2", "--context-parallel", "2"),
+            *("--schedule", "interleaved", "--repeats", "2"),
+        ],
+        ["--expert-parallel"],
+        ["--context-parallel", "4", "--seq-len", "12"],
+    ]
+    (status, text), *refused = run_fresh([[str(SCRIPT), *r] for r in runs], tmp_path)
+    assert status == 0, text
+    assert text.startswith("usage:")
+    listing = text.split("options:", 1)[1]
     entries = re.findall(r"^  (--[a-z-]+)(.*?)(?=^  -|\Z)", listing, flags=re.M | re.S)
     options = [name for name, _ in entries]
     assert "--steps" in options and "--compare-steps" in options
     assert "--min-len" in options
-    for name, text in entries:
+    for name, help_text in entries:
         # Every option has a help text that states its default.
-        assert "(default:" in text, name
-    bad = _run(script_env, "--seq-len", "16", "--min-len", "17")
-    assert bad.returncode != 0
-    assert "--min-len must be in [1, --seq-len=16]; got 17" in bad.stderr
+        assert "(default:" in help_text, name
     # Every schedule of ed.Pipeline is offered (1f1b the default), for a pipeline.
-    assert re.search(
-        r"--schedule \{1f1b,gpipe,zb-h1,circular,interleaved\}", out.stdout
-    )
-    bad = _run(script_env, "--schedule", "zb-h1")
-    assert bad.returncode != 0
-    assert "add --pipeline-parallel N" in bad.stderr
-    bad = _run(
-        script_env,
-        *("--pipeline-parallel", "2", "--context-parallel", "2"),
-        *("--schedule", "interleaved", "--repeats", "2"),
-    )
-    assert bad.returncode != 0
-    assert "--schedule interleaved does not go with --context-parallel" in bad.stderr
-    bad = _run(script_env, "--expert-parallel")
-    assert bad.returncode != 0
-    assert "--expert-parallel splits the experts" in bad.stderr
-    assert "add --experts N" in bad.stderr
+    assert re.search(r"--schedule \{1f1b,gpipe,zb-h1,circular,interleaved\}", text)
+    for status, text in refused:
+        assert status != 0, text
+    messages = [
+        "--min-len must be in [1, --seq-len=16]; got 17",
+        "add --pipeline-parallel N",
+        "--schedule interleaved does not go with --context-parallel",
+        "--expert-parallel splits the experts",
+        "--seq-len 12 must be a multiple of 2 x --context-parallel = 8",
+    ]
+    for (_, text), message in zip(refused, messages, strict=True):
+        assert message in text, text
+    assert "add --experts N" in refused[3][1]
 
 
 @pytest.mark.slow
@@ -232,6 +239,3 @@ def test_context_parallel_in_pipeline_stages_with_the_chunked_loss(
     )
     assert agree is not None, text
     assert float(agree[1]) < 1e-5
-    bad = _run(script_env, "--context-parallel", "4", "--seq-len", "12")
-    assert bad.returncode != 0
-    assert "--seq-len 12 must be a multiple of 2 x --context-parallel = 8" in bad.stderr
