@@ -1,6 +1,8 @@
 """Safe donation: a step donates only the state it returned itself; a consumed
-state is a ValueError everywhere, never a crash. Each scenario runs in a fresh
-process, so that a segfault fails the test instead of killing pytest."""
+state is a ValueError everywhere, never a crash. The scenarios run in a process
+of their own, so that a segfault fails the test instead of killing pytest; one
+process runs every scenario of a strategy in turn, each from a fresh step and
+fresh states (the process says which scenario it is in before it starts it)."""
 
 import subprocess
 import sys
@@ -8,7 +10,8 @@ import textwrap
 
 import pytest
 
-PRELUDE = textwrap.dedent(
+# Run once per process.
+SET_UP = textwrap.dedent(
     """
     import os
     import eqxdist as ed
@@ -28,6 +31,12 @@ PRELUDE = textwrap.dedent(
     batch = {"x": rng.normal(size=(16, 4)).astype(np.float32),
              "y": rng.normal(size=(16, 2)).astype(np.float32)}
     model = eqx.nn.MLP(4, 2, 32, 1, key=jax.random.key(0))
+    """
+)
+
+# Run before each scenario: a fresh step, and a state it consumed (`s2`).
+PRELUDE = textwrap.dedent(
+    """
     step = ed.make_train_step(loss_fn, opt, mesh, strategy=os.environ["STRATEGY"],
                               min_weight_size=16)
     s1 = ed.TrainState.create(model, opt, jax.random.key(0))
@@ -100,25 +109,34 @@ SCENARIOS = {
 }
 
 
-def _run_scenario(scenario, env):
-    """`SCENARIOS[scenario]` after the prelude, in a fresh process: it ends."""
-    code = PRELUDE + "\n" + SCENARIOS[scenario] + "\nprint('OK')\n"
+def _run_scenarios(scenarios, env):
+    """`SCENARIOS[scenario]` after the prelude for each of `scenarios`, in turn in
+    one fresh process, each in a namespace of its own: it ends, each scenario
+    passes."""
+    code = SET_UP + "\nimport sys\nbase = dict(globals())\n"
+    for scenario in scenarios:
+        body = PRELUDE + "\n" + SCENARIOS[scenario]
+        code += (
+            f"print('scenario', {scenario!r}, flush=True)\n"
+            f"exec(compile({body!r}, {scenario!r}, 'exec'), dict(base))\n"
+        )
     proc = subprocess.run(
-        [sys.executable, "-c", code],
+        [sys.executable, "-c", code + "print('OK')\n"],
         capture_output=True,
         text=True,
-        timeout=300,
+        timeout=600,
         env=env,
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr
+    ran = [line.split()[1] for line in proc.stdout.splitlines() if "scenario" in line]
+    assert ran == list(scenarios)
     assert proc.stdout.strip().endswith("OK")
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("strategy", ["dp", "fsdp"])
-@pytest.mark.parametrize("scenario", sorted(SCENARIOS))
-def test_consumed_state(scenario, strategy, cached_env):
-    _run_scenario(scenario, {**cached_env, "STRATEGY": strategy})
+def test_consumed_state(strategy, cached_env):
+    _run_scenarios(sorted(SCENARIOS), {**cached_env, "STRATEGY": strategy})
 
 
 HOST_COPY_ENTRY_POINTS = ["step", "place_state", "lower", "eval", "save_checkpoint"]
@@ -126,8 +144,9 @@ HOST_COPY_ENTRY_POINTS = ["step", "place_state", "lower", "eval", "save_checkpoi
 
 @pytest.mark.slow
 @pytest.mark.parametrize("strategy", ["dp", "fsdp"])
-@pytest.mark.parametrize("scenario", HOST_COPY_ENTRY_POINTS)
-def test_consumed_state_read_to_host(scenario, strategy, cached_env):
+def test_consumed_state_read_to_host(strategy, cached_env):
     """A consumed state whose arrays were read to the host first
     (`jax.device_get`) is the same `ValueError`, never a SIGSEGV."""
-    _run_scenario(scenario, {**cached_env, "STRATEGY": strategy, "HOST_COPY": "1"})
+    _run_scenarios(
+        HOST_COPY_ENTRY_POINTS, {**cached_env, "STRATEGY": strategy, "HOST_COPY": "1"}
+    )
