@@ -128,14 +128,16 @@ def test_quickstart_runs(script_env: dict[str, str]) -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("strategy", ["dp", "fsdp"])
 def test_dcgan_parts_equal_one_device(
-    tmp_path: Path, script_env: dict[str, str], strategy: str
+    tmp_path: Path, script_env: dict[str, str]
 ) -> None:
     """examples/dcgan.py: its two part steps, in the global view, through
     `train_loop` with checkpoints, against the same training in plain Equinox and
     Optax on one device (SGD: Adam's first steps amplify rounding, see the
-    example's docstring)."""
+    example's docstring). Data parallel; `--strategy fsdp` is the same script
+    with another `strategy=` (part steps under FSDP in either view:
+    `tests/step/test_parts.py`)."""
+    strategy = "dp"
     out = _run(
         script_env, "examples/dcgan.py", "--steps", "3", "--optimizer", "sgd",
         "--lr", "0.05", "--strategy", strategy, "--check", "--out", str(tmp_path),
