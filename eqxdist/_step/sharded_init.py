@@ -7,7 +7,8 @@ keeps each layer's random-number working arrays alive together, about one
 parameter shard per layer on top of the state. Built as a few programs, each
 returning a run of consecutive leaves (XLA drops the rest of the initialiser from
 each), a device holds at most the leaves already built, one group's leaves and one
-group's working arrays.
+group's working arrays. A small state (`MIN_GROUP_BYTES` per device) is one
+program: each group is a compilation of its own.
 """
 
 import dataclasses
@@ -28,12 +29,23 @@ INIT_GROUPS = 8
 """Groups of leaves `init_state` builds the state in, each at most this fraction
 of a device's share of the state (a larger leaf is a group of its own)."""
 
+MIN_GROUP_BYTES = 2**20
+"""The least a group may hold per device. Below it the grouping buys less than
+half a MiB of peak memory (one program holds at most about 1.5x the share) and
+costs a compilation per group, each about as long as the whole initialiser's
+(0.4 s on CPU for the transformer example's): a state of at most this many bytes
+per device is one program."""
 
-def leaf_groups(sizes: Sequence[int], groups: int = INIT_GROUPS) -> list[list[int]]:
+
+def leaf_groups(
+    sizes: Sequence[int],
+    groups: int = INIT_GROUPS,
+    min_bytes: int = MIN_GROUP_BYTES,
+) -> list[list[int]]:
     """Consecutive runs of the indices of `sizes`, each adding up to at most
-    `sum(sizes) / groups` (or holding a single larger entry); an entry of size 0
-    (a key) joins the run before it."""
-    budget = sum(sizes) / groups
+    `max(sum(sizes) / groups, min_bytes)` (or holding a single larger entry); an
+    entry of size 0 (a key) joins the run before it."""
+    budget = max(sum(sizes) / groups, min_bytes)
     out: list[list[int]] = []
     current: list[int] = []
     held = 0

@@ -139,7 +139,10 @@ def test_init_state_no_device_holds_a_full_copy(mesh8):
 )
 def test_init_groups_are_runs_of_an_eighth_of_the_bytes(sizes, groups):
     # Each group holds at most sum / 8 (a larger leaf alone), in leaf order.
-    assert leaf_groups(sizes) == groups
+    assert leaf_groups(sizes, min_bytes=0) == groups
+    # Of at least `min_bytes` each: a small state is one group (one program).
+    assert leaf_groups(sizes) == ([list(range(len(sizes)))] if sizes else [])
+    assert leaf_groups([4, 4, 4, 4], min_bytes=8) == [[0, 1], [2, 3]]
 
 
 def test_init_state_mistakes(mesh8):
