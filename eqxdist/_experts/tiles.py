@@ -171,8 +171,24 @@ def _loop(count: Array, body: Callable[[Array, Any], Any], init: Any) -> Any:
     return jax.lax.while_loop(lambda c: c[0] < count, step, (zero, init))
 
 
-def _weight(w: Array | None, g: Array) -> Array | None:
-    return None if w is None else jax.lax.dynamic_index_in_dim(w, g, keepdims=False)
+def _expert_weights(
+    weights: tuple[Array, Array | None, Array], g: Array
+) -> tuple[Array, Array | None, Array]:
+    """Expert g's `(w_in, w_gate, w_out)` (`w_gate` `None` without a gate)."""
+    w_in, w_gate, w_out = (
+        None if w is None else jax.lax.dynamic_index_in_dim(w, g, keepdims=False)
+        for w in weights
+    )
+    assert w_in is not None and w_out is not None
+    return w_in, w_gate, w_out
+
+
+def _ffn_tiles(
+    src: Array, gates: Array, sizes: Array, tile: int
+) -> tuple[_Tiles, Array, Array]:
+    """The tiles of the rows sorted by group, and the rows' tokens and gates
+    padded by a tile (what `tiled_ffn` and its gradient loop over)."""
+    return _tiles(sizes, src.shape[0], tile), _padded(src, tile), _padded(gates, tile)
 
 
 def _gather(
@@ -203,16 +219,13 @@ def tiled_ffn(
     gathered and the outputs added tile by tile: nothing of the buffer's size
     is read or written but the zeros out. Not differentiable by JAX: its
     gradient is `tiled_ffn_grads`."""
-    rows = src.shape[0]
-    t = _tiles(sizes, rows, tile)
-    sp, gp = _padded(src, tile), _padded(gates, tile)
+    t, sp, gp = _ffn_tiles(src, gates, sizes, tile)
     dtype = jnp.result_type(x, gates, *(w for w in weights if w is not None))
     out = _varying(jnp.zeros((x.shape[0], weights[2].shape[-1]), dtype),
                    x, src, gates, sizes, weights)  # fmt: skip
 
     def body(j: Array, out: Array) -> Array:
-        w_in, w_gate, w_out = (_weight(w, t.expert[j]) for w in weights)
-        assert w_in is not None and w_out is not None
+        w_in, w_gate, w_out = _expert_weights(weights, t.expert[j])
         idx, xs = _gather(x, sp, t, j, tile)
         hidden = activation(xs @ w_in)
         if w_gate is not None:
@@ -221,7 +234,7 @@ def tiled_ffn(
         return out.at[idx].add(y.astype(dtype))
 
     ran, out = _loop(t.active, body, out)
-    _record("forward", ran, sizes, tile, rows)
+    _record("forward", ran, sizes, tile, src.shape[0])
     summed: Array = out
     return summed
 
@@ -240,9 +253,7 @@ def tiled_ffn_grads(
     """The gradient of `sum(tiled_ffn(x, src, gates, ...) * g)`: `(dx, dgates,
     (dw_in, dw_gate, dw_out))`, over the same tiles (eight products a tile, the
     two hidden ones recomputed); `dgates` zero for the rows past the groups."""
-    rows = src.shape[0]
-    t = _tiles(sizes, rows, tile)
-    sp, gp = _padded(src, tile), _padded(gates, tile)
+    t, sp, gp = _ffn_tiles(src, gates, sizes, tile)
     like = (x, src, gates, sizes, weights, g)
     zeros = lambda a: _varying(jnp.zeros_like(a), *like)  # noqa: E731
     init = (
@@ -254,8 +265,7 @@ def tiled_ffn_grads(
     def body(j: Array, carry: Any) -> Any:
         dx, dgates, dws = carry
         e = t.expert[j]
-        w_in, w_gate, w_out = (_weight(w, e) for w in weights)
-        assert w_in is not None and w_out is not None
+        w_in, w_gate, w_out = _expert_weights(weights, e)
         idx, xs = _gather(x, sp, t, j, tile)
         cs = jnp.where((jnp.arange(tile) < t.valid[j])[:, None], g[idx], 0)
         gs = _rows(gp, t, j, tile)[:, None]
@@ -284,6 +294,7 @@ def tiled_ffn_grads(
         return dx.at[idx].add(dxs.astype(dx.dtype)), dgates, dws
 
     ran, (dx, dgates, dws) = _loop(t.active, body, init)
+    rows = src.shape[0]
     _record("backward", ran, sizes, tile, rows)
     return dx, dgates[:rows], dws
 
