@@ -475,10 +475,28 @@ def normal_array(shape: tuple[int, ...], seed: int) -> Any:
     return jnp.asarray(np.random.default_rng(seed).normal(size=shape), jnp.float32)
 
 
+# The one MoE layer of the experts' value tests (test_moe, test_router_options):
+# d_model, d_hidden, tokens, and the tolerance against its plain-JAX reference.
+LAYER_D, LAYER_H, LAYER_T = 4, 6, 16
+LAYER_TOL = {"rtol": 1e-5, "atol": 1e-5}
+
+
+def layer_tokens(seed: int = 1, shape: tuple[int, ...] = (LAYER_T, LAYER_D)) -> Any:
+    """The layer's input tokens, normal draws from generator `seed`."""
+    return normal_array(shape, seed)
+
+
+def output_weights(shape: tuple[int, ...], seed: int = 7) -> Any:
+    """A fixed random weighting of a layer's outputs: a loss no symmetry can
+    fake."""
+    return normal_array(shape, seed)
+
+
 def assert_trees_close(a: Any, b: Any, **tol: float) -> None:
-    """The array leaves of `a` and `b` pairwise within `tol`."""
+    """The array leaves of `a` and `b` pairwise within `tol` (`LAYER_TOL` by
+    default)."""
     for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True):
-        np.testing.assert_allclose(np.asarray(x), np.asarray(y), **tol)
+        np.testing.assert_allclose(np.asarray(x), np.asarray(y), **(tol or LAYER_TOL))
 
 
 def moe_forward(model: MoENet, x: Any) -> tuple:

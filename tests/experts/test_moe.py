@@ -9,14 +9,24 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from harness import assert_trees_close, every_expert, normal_array, router_probs
+from harness import (
+    LAYER_D,
+    LAYER_H,
+    LAYER_T,
+    LAYER_TOL,
+    assert_trees_close,
+    every_expert,
+    layer_tokens,
+    output_weights,
+    router_probs,
+)
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 import eqxdist as ed
 from eqxdist._experts import EXPERT_LEAVES, with_expert_axis
 
-D, H, T = 4, 6, 16
-TOL = {"rtol": 1e-5, "atol": 1e-5}
+D, H, T = LAYER_D, LAYER_H, LAYER_T
+TOL = LAYER_TOL
 
 
 def _dense(moe, x):
@@ -30,28 +40,15 @@ def _dense(moe, x):
     return jnp.einsum("te,ted->td", gates, every_expert(moe, x))
 
 
-def _tokens(seed=1, shape=(T, D)):
-    return normal_array(shape, seed)
-
-
-def _weights(shape, seed=7):
-    # A fixed random weighting of the outputs: a loss no symmetry can fake.
-    return normal_array(shape, seed)
-
-
-def _assert_trees_close(a, b):
-    assert_trees_close(a, b, **TOL)
-
-
 def _check_against_dense(moe, x):
-    c = _weights(x.shape)
+    c = output_weights(x.shape)
     y, _ = eqx.filter_jit(lambda m, x: m(x))(moe, x)
     np.testing.assert_allclose(y, _dense(moe, x), **TOL)
     grad = eqx.filter_jit(eqx.filter_grad(lambda mx: jnp.sum(mx[0](mx[1])[0] * c)))
     grads = grad((moe, x))
     want = jax.grad(lambda m, x: jnp.sum(_dense(m, x) * c), argnums=(0, 1))(moe, x)
     want = (eqx.filter(want[0], eqx.is_inexact_array), want[1])
-    _assert_trees_close(grads, want)
+    assert_trees_close(grads, want)
 
 
 @pytest.mark.parametrize(
@@ -70,7 +67,7 @@ def test_moe_equals_the_dense_reference(num_experts, top_k, gated, router):
     assert (moe.w_gate is None) is not gated
     assert moe.w_in.shape == (num_experts, D, H)
     assert moe.w_out.shape == (num_experts, H, D)
-    _check_against_dense(moe, _tokens())
+    _check_against_dense(moe, layer_tokens())
 
 
 @pytest.mark.parametrize("top_k", [1, 2])
@@ -80,7 +77,7 @@ def test_every_token_to_one_expert_is_dropless(top_k):
     moe = ed.MoE(D, H, 4, top_k=top_k, key=jax.random.key(0))
     rows = jnp.asarray([[1.0] * D, [-1.0] * D, [3.0] * D, [-1.0] * D])
     moe = eqx.tree_at(lambda m: m.router.weight, moe, rows)
-    x = jnp.abs(_tokens()) + 0.1
+    x = jnp.abs(layer_tokens()) + 0.1
     _, aux = moe(x)
     want = [T, 0, T, 0] if top_k == 2 else [0, 0, T, 0]
     np.testing.assert_array_equal(aux["tokens_per_expert"], want)
@@ -89,8 +86,8 @@ def test_every_token_to_one_expert_is_dropless(top_k):
 
 def test_under_vmap_per_sequence():
     moe = ed.MoE(D, H, 4, top_k=2, key=jax.random.key(3))
-    x = _tokens(shape=(3, 8, D))
-    c = _weights(x.shape)
+    x = layer_tokens(shape=(3, 8, D))
+    c = output_weights(x.shape)
     y, aux = jax.vmap(moe)(x)
     np.testing.assert_allclose(y, jax.vmap(lambda s: _dense(moe, s))(x), **TOL)
     for i in range(3):  # aux per sequence
@@ -99,17 +96,17 @@ def test_under_vmap_per_sequence():
             np.testing.assert_allclose(aux[name][i], one[name], **TOL)
     grads = jax.grad(lambda m: jnp.sum(jax.vmap(m)(x)[0] * c))(moe)
     want = jax.grad(lambda m: jnp.sum(jax.vmap(lambda s: _dense(m, s))(x) * c))(moe)
-    _assert_trees_close(grads, want)
+    assert_trees_close(grads, want)
     per_sequence = jax.vmap(
         jax.grad(lambda m, s, w: jnp.sum(m(s)[0] * w)), in_axes=(None, 0, 0)
     )(moe, x, c)
-    _assert_trees_close(jax.tree.map(lambda g: g.sum(0), per_sequence), grads)
+    assert_trees_close(jax.tree.map(lambda g: g.sum(0), per_sequence), grads)
 
 
 @pytest.mark.parametrize("router", ["softmax", "sigmoid"])
 def test_aux_values_by_hand(router):
     moe = ed.MoE(D, H, 4, top_k=2, key=jax.random.key(4), router=router)
-    x = _tokens()
+    x = layer_tokens()
     _, aux = moe(x)
     logits = np.asarray(x, np.float64) @ np.asarray(moe.router.weight, np.float64).T
     if router == "softmax":
@@ -183,11 +180,11 @@ def _assert_split_device_view_is_one_device(moe, x, mesh8):
     """`moe` with its experts over "data" and the tokens `x` split over it,
     inside `shard_map`: its value and gradients (weights, tokens) equal one
     device's. Returns the reference's weight gradients."""
-    c = _weights((T, D))
+    c = output_weights((T, D))
     value, grads, gx = _device_grads(with_expert_axis(moe, "data"), x, c, mesh8, "data")
     want, (want_g, want_gx) = _reference_grads(moe, x, c, 8)
     np.testing.assert_allclose(value, want, **TOL)
-    _assert_trees_close(
+    assert_trees_close(
         eqx.filter(grads, eqx.is_array), eqx.filter(want_g, eqx.is_array)
     )
     # A device's tokens' gradient is its part of the sum of the devices' losses'
@@ -207,7 +204,7 @@ def test_device_view_tokens_split_over_the_expert_axis(
         D, H, num_experts, top_k=2, key=jax.random.key(5), gated=gated,
         dispatch=dispatch,
     )  # fmt: skip
-    _assert_split_device_view_is_one_device(moe, _tokens(), mesh8)
+    _assert_split_device_view_is_one_device(moe, layer_tokens(), mesh8)
 
 
 def test_device_view_under_vmap_over_rows(mesh8):
@@ -217,7 +214,7 @@ def test_device_view_under_vmap_over_rows(mesh8):
     sharded = with_expert_axis(moe, "data")
     params, static = eqx.partition(sharded, eqx.is_array)
     specs = _specs(sharded, "data")
-    x = _tokens(shape=(16, 3, D))
+    x = layer_tokens(shape=(16, 3, D))
 
     def loss(params, x):
         return jnp.sum(jax.vmap(eqx.combine(params, static))(x)[0] ** 2)
@@ -241,7 +238,7 @@ def test_device_view_under_vmap_over_rows(mesh8):
 
     want, want_g = jax.value_and_grad(reference)(moe)
     np.testing.assert_allclose(value, want, **TOL)
-    _assert_trees_close(grads, eqx.filter(want_g, eqx.is_array))
+    assert_trees_close(grads, eqx.filter(want_g, eqx.is_array))
 
 
 @pytest.mark.parametrize("check_vma", [False, True])
@@ -253,12 +250,12 @@ def test_device_view_tokens_replicated_over_the_expert_axis(check_vma):
         (2, 4), ("data", "expert"), axis_types=(jax.sharding.AxisType.Auto,) * 2
     )
     moe = ed.MoE(D, H, 8, top_k=2, key=jax.random.key(6))
-    x, c = _tokens(), _weights((T, D))
+    x, c = layer_tokens(), output_weights((T, D))
     sharded = with_expert_axis(moe, "expert", tokens_split=False)
     value, grads, gx = _device_grads(sharded, x, c, mesh, "data", check_vma)
     want, (want_g, want_gx) = _reference_grads(moe, x, c, 2)
     np.testing.assert_allclose(value, want, **TOL)
-    _assert_trees_close(
+    assert_trees_close(
         eqx.filter(grads, eqx.is_array), eqx.filter(want_g, eqx.is_array)
     )
     np.testing.assert_allclose(gx / 2, want_gx, **TOL)
@@ -293,7 +290,7 @@ def test_global_view_equals_one_device(axis_types, batched, dispatch, tokens):
     shape, x_spec = ((2, T, D), P(None, "data")) if batched else ((T, D), P("data"))
     if tokens != T:
         shape, x_spec = (2, tokens, D), P()
-    x, c = _tokens(shape=shape), _weights(shape)
+    x, c = layer_tokens(shape=shape), output_weights(shape)
 
     def apply(params, x):
         layer = eqx.combine(params, static)
@@ -311,7 +308,7 @@ def test_global_view_equals_one_device(axis_types, batched, dispatch, tokens):
         y, grads = jax.jit(both)(placed, jax.device_put(x, NamedSharding(mesh, x_spec)))
     want = jax.grad(lambda m, x: jnp.sum(dense(m, x) * c), argnums=(0, 1))(moe, x)
     np.testing.assert_allclose(np.asarray(y), dense(moe, x), **TOL)
-    _assert_trees_close(grads, (eqx.filter(want[0], eqx.is_array), want[1]))
+    assert_trees_close(grads, (eqx.filter(want[0], eqx.is_array), want[1]))
     assert grads[0].w_in.sharding.spec[0] == "data"
 
 
@@ -342,7 +339,7 @@ def _dispatch_collectives(mesh8, dispatch):
     def gradient(params, x):
         return jax.grad(lambda p: jnp.sum(forward(p, x) ** 2))(params)
 
-    x = _tokens(shape=(64, 8))
+    x = layer_tokens(shape=(64, 8))
     for fn, out in ((forward, P("data")), (gradient, specs)):
         mapped = jax.shard_map(
             fn, mesh=mesh8, in_specs=(specs, P("data")), out_specs=out,
@@ -376,7 +373,7 @@ def test_all_to_all_every_token_to_one_expert_is_dropless(mesh8, top_k):
     rows = jnp.asarray([[1.0] * D, [-1.0] * D, [3.0] * D] + [[-1.0] * D] * 5)
     moe = eqx.tree_at(lambda m: m.router.weight, moe, rows)
     want_g = _assert_split_device_view_is_one_device(
-        moe, jnp.abs(_tokens()) + 0.1, mesh8
+        moe, jnp.abs(layer_tokens()) + 0.1, mesh8
     )
     assert np.abs(np.asarray(want_g.w_in[2])).max() > 0  # expert 2 did train
 
@@ -429,11 +426,11 @@ def test_a_size_that_is_not_an_int_is_a_type_error():
 def test_bad_tokens_and_axes_say_what_to_change(mesh8):
     moe = ed.MoE(D, H, 4, key=jax.random.key(0))
     with pytest.raises(ValueError, match=r"MoE: `x` has shape \(2, 16, 4\).*vmap"):
-        moe(_tokens(shape=(2, T, D)))
+        moe(layer_tokens(shape=(2, T, D)))
     with pytest.raises(ValueError, match="MoE: `expert_axis`='expert'.*neither"):
-        with_expert_axis(moe, "expert")(_tokens())
+        with_expert_axis(moe, "expert")(layer_tokens())
     with jax.set_mesh(mesh8), pytest.raises(ValueError, match="not divisible by the 8"):
-        with_expert_axis(moe, "data")(_tokens())  # 4 experts, 8 devices
+        with_expert_axis(moe, "data")(layer_tokens())  # 4 experts, 8 devices
     moe8 = with_expert_axis(ed.MoE(D, H, 8, key=jax.random.key(0)), "data")
     params, static = eqx.partition(moe8, eqx.is_array)
     whole = jax.tree.map(lambda _: P(), params)  # the experts not sharded
@@ -442,4 +439,4 @@ def test_bad_tokens_and_axes_say_what_to_change(mesh8):
         in_specs=(whole, P("data")), out_specs=P("data"), check_vma=False,
     )  # fmt: skip
     with pytest.raises(ValueError, match="leaf `w_in` has shape \\(8, 4, 6\\)"):
-        mapped(params, _tokens())
+        mapped(params, layer_tokens())

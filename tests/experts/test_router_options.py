@@ -15,14 +15,19 @@ import numpy as np
 import optax
 import pytest
 from harness import (
+    LAYER_D,
+    LAYER_H,
+    LAYER_T,
+    LAYER_TOL,
     MOE_D,
     MOE_E,
     MOE_H,
     MoENet,
     assert_trees_close,
     every_expert,
+    layer_tokens,
     moe_loss,
-    normal_array,
+    output_weights,
     router_probs,
 )
 from jax.sharding import NamedSharding, PartitionSpec as P
@@ -32,8 +37,8 @@ from eqxdist._experts import with_expert_axis
 from eqxdist._experts.routing import Config, route
 from eqxdist._jaxpr import counted_as, matmul_flops
 
-D, H, T = 4, 6, 16
-TOL = {"rtol": 1e-5, "atol": 1e-5}
+D, H, T = LAYER_D, LAYER_H, LAYER_T
+TOL = LAYER_TOL
 
 
 def _reference(moe, x, *, normalize, keep=None):
@@ -49,18 +54,6 @@ def _reference(moe, x, *, normalize, keep=None):
         "tk,tke->te", gates, jax.nn.one_hot(chosen, moe.num_experts)
     )
     return jnp.einsum("te,ted->td", per_expert, every_expert(moe, x))
-
-
-def _tokens(seed=1, shape=(T, D)):
-    return normal_array(shape, seed)
-
-
-def _weights(shape, seed=7):
-    return normal_array(shape, seed)
-
-
-def _assert_trees_close(a, b):
-    assert_trees_close(a, b, **TOL)
 
 
 def _values_and_grads(moe, x, c, reference):
@@ -81,14 +74,14 @@ def test_top1_gate_is_the_probability_and_trains_the_router():
     gate of exactly 1, `p / sum(p)`, gives it none)."""
     moe = ed.MoE(D, H, 4, top_k=1, key=jax.random.key(0))
     assert moe.normalize_gates is False
-    x, c = _tokens(), _weights((T, D))
+    x, c = layer_tokens(), output_weights((T, D))
     y, _ = moe(x)
     np.testing.assert_allclose(y, _reference(moe, x, normalize=False), **TOL)
     got, want = _values_and_grads(
         moe, x, c, lambda m, x: _reference(m, x, normalize=False)
     )
     np.testing.assert_allclose(got[0], want[0], **TOL)
-    _assert_trees_close(got[1], want[1])
+    assert_trees_close(got[1], want[1])
     assert np.abs(np.asarray(got[1][0].router.weight)).max() > 1e-2
     # Normalised, a top-1 gate is 1 and the router learns nothing from the task.
     one = ed.MoE(D, H, 4, top_k=1, key=jax.random.key(0), normalize_gates=True)
@@ -102,12 +95,12 @@ def test_normalize_gates_either_way(top_k, normalize):
         D, H, 4, top_k=top_k, key=jax.random.key(1), normalize_gates=normalize
     )  # fmt: skip
     assert moe.normalize_gates is normalize
-    x, c = _tokens(), _weights((T, D))
+    x, c = layer_tokens(), output_weights((T, D))
     got, want = _values_and_grads(
         moe, x, c, lambda m, x: _reference(m, x, normalize=normalize)
     )
     np.testing.assert_allclose(got[0], want[0], **TOL)
-    _assert_trees_close(got[1], want[1])
+    assert_trees_close(got[1], want[1])
 
 
 def _sets(experts):
@@ -121,7 +114,7 @@ def test_float32_routing_of_bf16_tokens_picks_the_float32_experts():
     tokens, e, k, d = 512, 64, 8, 64
     moe = ed.MoE(d, 32, e, top_k=k, key=jax.random.key(2))
     moe = jax.tree.map(lambda a: a.astype(jnp.bfloat16) if eqx.is_array(a) else a, moe)
-    x = _tokens(shape=(tokens, d)).astype(jnp.bfloat16)
+    x = layer_tokens(shape=(tokens, d)).astype(jnp.bfloat16)
     p = jax.nn.softmax(x.astype(jnp.float32) @ moe.router.weight.astype(jnp.float32).T)
     want = _sets(jax.lax.top_k(p, k)[1])
     config = Config(e, k, "softmax", jax.nn.silu, True, moe.router_dtype)
@@ -163,7 +156,7 @@ def _skewed(moe, seed=3):
 def test_capacity_keeps_by_choice_rank_then_token_order(factor):
     e, k = 4, 2
     moe = ed.MoE(D, H, e, top_k=k, key=jax.random.key(3), capacity_factor=factor)
-    x, c = _skewed(moe), _weights((T, D))
+    x, c = _skewed(moe), output_weights((T, D))
     chosen = np.asarray(jax.lax.top_k(router_probs(moe, x), k)[1])
     limit = math.ceil(factor * T * k / e)
     keep = _kept_by_hand(chosen, e, limit)
@@ -177,7 +170,7 @@ def test_capacity_keeps_by_choice_rank_then_token_order(factor):
     np.testing.assert_allclose(y, reference(moe, x), **TOL)
     got, want = _values_and_grads(moe, x, c, reference)
     np.testing.assert_allclose(got[0], want[0], **TOL)
-    _assert_trees_close(got[1], want[1])
+    assert_trees_close(got[1], want[1])
 
 
 def test_dropless_drops_nothing():
@@ -215,7 +208,7 @@ def test_capacity_under_expert_parallelism_in_the_global_view(
     sharded = with_expert_axis(moe, "data")
     params, static = eqx.partition(sharded, eqx.is_array)
     x = _skewed(moe)[:tokens]
-    c = _weights(x.shape)
+    c = output_weights(x.shape)
     spec = P("data") if tokens % 8 == 0 else P()
 
     def both(params, x):
@@ -244,7 +237,7 @@ def test_capacity_under_expert_parallelism_in_the_global_view(
     assert float(want_dropped) > 0
     np.testing.assert_allclose(value, want, **TOL)
     np.testing.assert_allclose(dropped, want_dropped, **TOL)
-    _assert_trees_close(grads, want_grads)
+    assert_trees_close(grads, want_grads)
 
 
 @pytest.mark.parametrize("dispatch", ["all_gather", "all_to_all"])
