@@ -4,8 +4,7 @@ JAX starts a backend, then forks one child per line of stdin, a JSON list `[out,
 script, *args]`. The child runs `python script *args` as Python would (`sys.argv`,
 `sys.path[0]` the script's folder, `__name__ == "__main__"`, a namespace of its own),
 its output (stdout and stderr) to the file `out`; the parent prints one JSON line
-per run, `{"out": ..., "status": ...}`, in order. `runs` names this as the
-caller's helper.
+per run, `{"out": ..., "status": ...}`, in order. Tests call `run_fresh`.
 
 A child is as fresh as a new interpreter for what the tests check with it (a docs
 page's set-up, an example's `--help` and argument errors): no JAX backend (so no
@@ -22,24 +21,21 @@ import threading
 import traceback
 from pathlib import Path
 
+from stated_output import readers_env
+
 ROOT = Path(__file__).resolve().parent.parent
 
 
 def run_fresh(runs: list[list[str]], folder: Path) -> list[tuple[int, str]]:
     """`python *run` for each of `runs` (a script and its arguments), each in a
-    fresh Python as described above, from the repository root, without this
-    process's `XLA_FLAGS`, importing the checkout's eqxdist; each run's exit
-    status and output (stdout then stderr, as written), its output file in
-    `folder`."""
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-    env["PYTHONPATH"] = os.pathsep.join(
-        [str(ROOT), *filter(None, [env.get("PYTHONPATH")])]
-    )
+    fresh Python as described above, from the repository root, in a reader's
+    environment (`stated_output.readers_env`); each run's exit status and output
+    (stdout then stderr, as written), its output file in `folder`."""
     outs = [str(folder / f"run_{i}.out") for i in range(len(runs))]
     ran = subprocess.run(
         [sys.executable, __file__],
         cwd=ROOT,
-        env=env,
+        env=readers_env(),
         input="".join(
             json.dumps([o, *r]) + "\n" for o, r in zip(outs, runs, strict=True)
         ),

@@ -159,18 +159,24 @@ def mismatch(stated: list[str], printed: list[str]) -> str | None:
     return "states:\n  " + "\n  ".join(stated) + "\nprints:\n  " + "\n  ".join(printed)
 
 
-def run_as_pasted(script: Path) -> subprocess.CompletedProcess:
-    """`script` run as a reader runs what they pasted: a fresh Python in the
-    script's folder, without this process's `XLA_FLAGS`, importing the checkout's
-    eqxdist (as the tests do); its output captured."""
+def readers_env() -> dict[str, str]:
+    """The environment a reader's fresh Python has: this process's without its
+    `XLA_FLAGS` (the 8 devices of conftest), importing the checkout's eqxdist (as
+    the tests do)."""
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
     env["PYTHONPATH"] = os.pathsep.join(
         [str(ROOT), *filter(None, [env.get("PYTHONPATH")])]
     )
+    return env
+
+
+def run_as_pasted(script: Path) -> subprocess.CompletedProcess:
+    """`script` run as a reader runs what they pasted: a fresh Python in the
+    script's folder (`readers_env`); its output captured."""
     return subprocess.run(
         [sys.executable, str(script)],
         cwd=script.parent,
-        env=env,
+        env=readers_env(),
         capture_output=True,
         text=True,
         timeout=300,
