@@ -137,10 +137,9 @@ def test_dcgan_parts_equal_one_device(
     example's docstring). Data parallel; `--strategy fsdp` is the same script
     with another `strategy=` (part steps under FSDP in either view:
     `tests/step/test_parts.py`)."""
-    strategy = "dp"
     out = _run(
         script_env, "examples/dcgan.py", "--steps", "3", "--optimizer", "sgd",
-        "--lr", "0.05", "--strategy", strategy, "--check", "--out", str(tmp_path),
+        "--lr", "0.05", "--strategy", "dp", "--check", "--out", str(tmp_path),
     )  # fmt: skip
     assert out.returncode == 0, out.stdout + out.stderr
     found = re.search(
