@@ -79,3 +79,27 @@ def shard_map_manual_axes(params: Any) -> frozenset[str]:
         f"'manual_axes' ({sorted(params)}); use a JAX version eqxdist supports (see "
         "its pyproject.toml) or report it to eqxdist."
     )
+
+
+def dce_jaxpr(jaxpr: Any, used_outputs: list[bool]) -> Any:
+    """`jaxpr` (open) with only what `used_outputs` need, nested programs (a
+    `jax.checkpoint`'s, a loop's) pruned too: JAX's own dead-code rule, which the
+    public API applies only when it lowers a whole program."""
+    dce = _internal("jax._src.interpreters.partial_eval", "dce_jaxpr")
+    return dce(jaxpr, used_outputs)[0]
+
+
+def jaxpr_of(jaxpr: Any, invars: list[Any], outvars: list[Any], eqns: list[Any]) -> Any:
+    """An open jaxpr of `eqns` (a subset, in order, of `jaxpr`'s) with the given
+    inputs and outputs, `jaxpr`'s constants and effects (JAX builds jaxprs only
+    by tracing)."""
+    make = _internal("jax._src.core", "Jaxpr")
+    info = _internal("jax._src.core", "DebugInfo")("split", None, None, None)
+    return make(jaxpr.constvars, invars, outvars, eqns, jaxpr.effects, info)
+
+
+def eval_jaxpr(jaxpr: Any, consts: list[Any], *args: Any) -> list[Any]:
+    """Run an open jaxpr on `args` in the current trace."""
+    run = _internal("jax._src.core", "eval_jaxpr")
+    out: list[Any] = run(jaxpr, consts, *args)
+    return out

@@ -75,29 +75,25 @@ def microbatch_key(
     return jax.random.fold_in(key, g)
 
 
-def run_stage(
+def stage_layers(
     stacked: Stacked,
     plan: StagePlan,
-    h: Any,
     key: Any,
     *,
     key_rows: bool,
     per_row: bool,
     remat: Any,
-    acc: Any = None,
     chunk: Any = 0,
     micro: Any = 0,
     data: tuple[str, ...] = (),
-) -> Any:
+) -> "StageLayers":
     """This stage's layers of the pipelined `stacked` (its leaves this stage's
-    L/P layers, in chunk order with `repeats`; the stage axis bound) on the
-    rows `h`, microbatch `micro` (a traced index), as `run_layers` runs them:
-    with R > 1 repeats, only its `chunk` (a traced index) of L/(P R) layers,
-    global chunk `chunk` P + s. A `key` not per row is the microbatch's
+    L/P layers, in chunk order with `repeats`; the stage axis bound), as
+    `layer_loop` gives them, for microbatch `micro` (a traced index): with R >
+    1 repeats, only its `chunk` (a traced index) of L/(P R) layers, global
+    chunk `chunk` P + s. A `key` not per row is the microbatch's
     (`microbatch_key`; `data`: the global view's data axes). `remat`: the
-    step's (`UNSET`: the stack's own). For blocks that return `(x, aux)`,
-    `(h, acc)` with these layers' aux written into `acc`, the microbatch's
-    accumulator (`stack_aux.place_aux`)."""
+    step's (`UNSET`: the stack's own)."""
     leaves, layer = layer_function(stacked, with_key=key is not None)
     if key is not None and not key_rows:
         key = microbatch_key(key, micro, plan.pipeline.microbatches, data)
@@ -110,10 +106,9 @@ def run_stage(
         # only where there are several.
         leaves = [jax.lax.dynamic_slice_in_dim(a, chunk * count, count) for a in leaves]
         first = (chunk * plan.stages + s) * count
-    out = run_layers(
+    return layer_loop(
         layer,
         leaves,
-        h,
         key,
         key_rows=key_rows,
         first=first,
@@ -122,10 +117,6 @@ def run_stage(
         unroll=stacked.unroll,
         per_row=per_row,
     )
-    if acc is None:
-        return out
-    h, aux = out
-    return h, place_aux(acc, aux, first, per_row=per_row)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -257,10 +248,52 @@ class ForwardEngine:
         )
 
 
-def run_layers(
+@dataclasses.dataclass(frozen=True)
+class StageLayers:
+    """A run of a stack's layers as a loop: `body(h, x) -> (h, aux)` one layer
+    on the rows `h` (`aux` `None` for blocks that return only `x`), `xs` the
+    loop's inputs stacked over the layers (each layer's leaves, then its key),
+    `first` the global index of the first (for the aux's place), and how the
+    loop runs (`remat`, `unroll`; `per_row`: each row its own call of the
+    block). `run` runs it; the written-out schedules run its layers' forward
+    and backward passes apart (`stage_passes`)."""
+
+    body: Callable[[Any, list[Any]], tuple[Any, Any]]
+    xs: list[Any]
+    first: Any
+    remat: Any
+    unroll: bool
+    per_row: bool
+
+    @property
+    def count(self) -> int:
+        return int(self.xs[0].shape[0])
+
+    def run(self, h: Any) -> tuple[Any, Any]:
+        """The layers in turn on `h`: `(h, ys)`, `ys` the aux stacked over the
+        layers (`(count, rows, ...)`; `None` without aux)."""
+        return loop_blocks(
+            self.body,
+            h,
+            self.xs,
+            remat=self.remat,
+            unroll=self.unroll,
+            length=self.count,
+        )
+
+    def finish(self, h: Any, ys: Any, acc: Any) -> Any:
+        """The stage's output as `run_stage` gives it: `h`, or for blocks that
+        return `(x, aux)` `(h, acc)` with these layers' aux written into the
+        microbatch's accumulator `acc` (`stack_aux.place_aux`; linear in `ys`
+        and `acc`)."""
+        if acc is None:
+            return h
+        return h, place_aux(acc, ys, self.first, per_row=self.per_row)
+
+
+def layer_loop(
     layer: Callable[..., Any],
     leaves: list[Any],
-    h: Any,
     key: Any,
     *,
     key_rows: bool,
@@ -269,15 +302,14 @@ def run_layers(
     remat: Any,
     unroll: bool = False,
     per_row: bool = True,
-) -> Any:
+) -> StageLayers:
     """`leaves`' layers (global layers `first`, `first + 1`, ... of a stack of
-    `num_layers`) in turn on the rows `h` (each row its own call of the block,
-    as under the loss's `vmap`; not `per_row`: one call on all of `h`, for
+    `num_layers`) as a loop over the rows (each row its own call of the block,
+    as under the loss's `vmap`; not `per_row`: one call on all of them, for
     blocks that take a batch). With a `key` (one per row if `key_rows`), each
     layer gets its key as the `Stacked` would give it: `jax.random.split(key,
     num_layers)[layer]`. With `unroll`, a Python loop over the layers, not a
-    scan (`loop_blocks`). For blocks that return `(x, aux)`: `(h, aux)`, each
-    aux leaf stacked over the layers (`(count, rows, ...)`)."""
+    scan (`loop_blocks`)."""
     count = int(jax.tree.leaves(leaves)[0].shape[0])
     chunk = list(leaves)
     in_axes: list[int | None] = [None] * len(leaves)
@@ -295,20 +327,46 @@ def run_layers(
             chunk.append(per_layer(key))
             in_axes.append(None)
 
-    found: list[bool] = []
-
     def body(h: Any, layer_leaves: list[Any]) -> tuple[Any, Any]:
         if not per_row:
             out = layer(layer_leaves, h)
         else:
             out = jax.vmap(layer, in_axes=(in_axes, 0))(layer_leaves, h)
-        y, aux, has_aux = split_aux(out, h, "pipeline")
-        found.append(has_aux)
+        y, aux, _ = split_aux(out, h, "pipeline")
         return y, aux
 
-    h, ys = loop_blocks(body, h, chunk, remat=remat, unroll=unroll, length=count)
-    # Blocks returning `(x, aux)`: the aux stacked over these layers, (count, ...).
-    return (h, ys) if any(found) else h
+    return StageLayers(body, chunk, first, remat, unroll, per_row)
+
+
+def run_layers(
+    layer: Callable[..., Any],
+    leaves: list[Any],
+    h: Any,
+    key: Any,
+    *,
+    key_rows: bool,
+    first: Any,
+    num_layers: int,
+    remat: Any,
+    unroll: bool = False,
+    per_row: bool = True,
+) -> Any:
+    """`layer_loop`'s layers run on `h`: `h`, or for blocks that return `(x,
+    aux)` `(h, aux)`, each aux leaf stacked over the layers (`(count, rows,
+    ...)`)."""
+    loop = layer_loop(
+        layer,
+        leaves,
+        key,
+        key_rows=key_rows,
+        first=first,
+        num_layers=num_layers,
+        remat=remat,
+        unroll=unroll,
+        per_row=per_row,
+    )
+    h, ys = loop.run(h)
+    return h if ys is None else (h, ys)
 
 
 def _take(tree: Any, i: Any) -> Any:

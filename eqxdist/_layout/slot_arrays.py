@@ -4,10 +4,11 @@ microbatch and chunk, the buffer entries it reads and writes, and the
 messages that arrive at the end of the slot.
 
 **Buffers.** A stage whose backward is written out (`stage_slots`) keeps
-three buffers of activations: `stash` (its inputs, from an F until the
-backward that is done with it: BW, or W after B), `inbox_f` (activations
-received, until their F) and `inbox_b` (cotangents received, or made by the
-loss after the stack on the last stage, until their BW or W). Which entry of
+four buffers: `stash` (what its F kept for the backward, until the backward
+that is done with it: BW, or W after B), `inbox_f` (activations received,
+until their F), `inbox_b` (cotangents received, or made by the loss after the
+stack on the last stage, until their BW or B) and `pending` (what a B left
+its W, until that W). Which entry of
 a buffer each (microbatch, chunk) takes is decided here, on the host, by
 giving each the first entry free when it arrives; a buffer is as long as the
 most entries the table keeps in it at once on any stage (P for 1F1B's
@@ -43,7 +44,8 @@ class SlotArrays:
     (the entry's in `stash`), `read` (an F's in `inbox_f`, a backward's in
     `inbox_b`), `own` (the last stage's F of the last chunk: where the loss's
     cotangent goes in `inbox_b`), `prev_at` and `next_at` (where the arriving
-    messages go); `sizes`: the three buffers' lengths."""
+    messages go), `pending` (a B's entry in `pending`, which its W reads);
+    `sizes`: the four buffers' lengths."""
 
     action: np.ndarray
     micro: np.ndarray
@@ -57,7 +59,8 @@ class SlotArrays:
     own: np.ndarray
     prev_at: np.ndarray
     next_at: np.ndarray
-    sizes: tuple[int, int, int]
+    pending: np.ndarray
+    sizes: tuple[int, int, int, int]
 
     @property
     def slots(self) -> int:
@@ -84,7 +87,7 @@ def slot_arrays(rows: Table, *, ring: bool | None = None) -> SlotArrays:
     buffers = _Buffers(action.shape, int(chunk.max(initial=0)))
     for t in range(len(rows)):
         buffers.slot(t, action[t], mb[t], chunk[t], (from_prev[t], from_next[t]))
-    stash, read, own, prev_at, next_at = buffers.tables
+    stash, read, own, prev_at, next_at, pending = buffers.tables
     return SlotArrays(
         action,
         mb,
@@ -98,6 +101,7 @@ def slot_arrays(rows: Table, *, ring: bool | None = None) -> SlotArrays:
         own,
         prev_at,
         next_at,
+        pending,
         buffers.sizes,
     )
 
@@ -132,17 +136,18 @@ class _Buffers:
 
     def __init__(self, shape: tuple[int, ...], last_chunk: int) -> None:
         self.last_chunk = last_chunk
-        self.tables = [np.zeros(shape, np.int32) for _ in range(5)]
+        self.tables = [np.zeros(shape, np.int32) for _ in range(6)]
         stages = shape[1]
-        # Per buffer (stash, inbox_f, inbox_b) and stage: (m, c) -> its entry.
+        # Per buffer (stash, inbox_f, inbox_b, pending) and stage: (m, c) -> its
+        # entry.
         self.held: list[list[dict[tuple[int, int], int]]] = [
-            [{} for _ in range(stages)] for _ in range(3)
+            [{} for _ in range(stages)] for _ in range(4)
         ]
-        self.most = [1, 1, 1]
+        self.most = [1, 1, 1, 1]
 
     @property
-    def sizes(self) -> tuple[int, int, int]:
-        return (self.most[0], self.most[1], self.most[2])
+    def sizes(self) -> tuple[int, int, int, int]:
+        return (self.most[0], self.most[1], self.most[2], self.most[3])
 
     def _take(self, buffer: int, s: int, key: tuple[int, int]) -> int:
         held = self.held[buffer][s]
@@ -160,7 +165,7 @@ class _Buffers:
         chunk: np.ndarray,
         arrivals: tuple[np.ndarray, np.ndarray],
     ) -> None:
-        stash, read, own, prev_at, next_at = self.tables
+        stash, read, own, prev_at, next_at, pending = self.tables
         stages = len(action)
         for s in range(stages):
             key, a = (int(mb[s]), int(chunk[s])), action[s]
@@ -170,10 +175,16 @@ class _Buffers:
                 stash[t, s] = self._take(0, s, key)
                 if s == stages - 1 and key[1] == self.last_chunk:
                     own[t, s] = self._take(2, s, key)
+            elif a == WEIGHT_GRAD:
+                # W frees the stash and what its B left it.
+                stash[t, s] = self.held[0][s].pop(key)
+                pending[t, s] = self.held[3][s].pop(key)
             elif a != IDLE:
-                done = bool(a != INPUT_GRAD)  # B leaves both for its W
-                stash[t, s] = _get(self.held[0][s], key, done)
-                read[t, s] = _get(self.held[2][s], key, done)
+                # B leaves the stash for its W, and what W reads in `pending`.
+                stash[t, s] = _get(self.held[0][s], key, bool(a != INPUT_GRAD))
+                read[t, s] = self.held[2][s].pop(key)
+                if a == INPUT_GRAD:
+                    pending[t, s] = self._take(3, s, key)
         for s in range(stages):
             if arrivals[0][s]:
                 src = s - 1 if s > 0 else stages - 1

@@ -1,21 +1,19 @@
 """The slot body of a schedule whose backward is written out rather than left
 to JAX's autodiff (1F1B, interleaved 1F1B, ZB-H1): `StageSlots` runs a
-table's F, BW, B and W entries on this stage through the engine's loop
-(`engine.run_slots`).
+table's F, B, W and BW entries on this stage through the engine's loop
+(`engine.run_slots`), each doing only its own work (`stage_passes`).
 
-A forward entry stores the stage's input (in the stash) and passes the stage's
-output on; on the last stage (of the last chunk) it also runs the step's `post`
-(the loss after the stack, a callback: `_step.one_f_one_b`) and its VJP, which
-gives the loss, the metrics, `post`'s parameter gradients and the cotangent of
-the stage's output. A backward entry recomputes the stage from its stored input
-under `jax.vjp` (the stack's `remat` policy says what that recomputation keeps)
-and passes the input's cotangent back; on stage 0 (chunk 0) it is kept for the
-step (the VJP of what comes before the stack). ZB-H1 splits it: B
-differentiates the stage with respect to its input only and passes the
-cotangent back at once; W, in a later slot, runs the stage again from the same
-stored input and cotangent and differentiates it with respect to the parameters
-only. Recomputing rather than keeping B's residuals holds W's memory to one
-activation and one cotangent per microbatch, as 1F1B's stash.
+A forward entry keeps what its backward passes need (each layer's residuals,
+as `remat` says) in the stash and passes the stage's output on; on the last
+stage (of the last chunk) it also runs the step's `post` (the loss after the
+stack, a callback: `_step.one_f_one_b`) and its VJP, which gives the loss,
+the metrics, `post`'s parameter gradients and the cotangent of the stage's
+output. B computes the input's cotangent from the stash and passes it back
+at once (on stage 0, chunk 0, it is kept for the step: the VJP of what comes
+before the stack), leaving W what it reads (the cotangents between each
+layer's products) in `pending`; W, in a later slot, computes the weights'
+gradients from the stash and `pending`, and frees both. BW is B and W in one
+entry. An idle entry computes nothing.
 """
 
 import dataclasses
@@ -29,6 +27,7 @@ import numpy as np
 
 from .engine import run_slots
 from .schedules import SlotArrays
+from .stage_passes import StagePasses, held, cotangent
 
 
 def _seed(out: Any, loss: bool) -> Any:
@@ -37,24 +36,6 @@ def _seed(out: Any, loss: bool) -> Any:
     if not jnp.issubdtype(out.dtype, jnp.inexact):
         return np.zeros(out.shape, jax.dtypes.float0)
     return jnp.ones_like(out) if loss else jnp.zeros_like(out)
-
-
-def cotangent(ct: Any, primal: Any) -> Any:
-    """A cotangent as `jax.vjp` takes it for `primal`: `float0` zeros where
-    `primal` is not floating (an integer leaf carried beside the activations:
-    a mask, positions)."""
-    if jnp.issubdtype(primal.dtype, jnp.inexact):
-        return ct
-    return np.zeros(primal.shape, jax.dtypes.float0)
-
-
-def _held(ct: Any, primal: Any) -> Any:
-    """A cotangent as the schedule's buffers and messages hold it: zeros of
-    `primal`'s dtype for a `float0` one (buffers are of the activations'
-    dtypes)."""
-    if ct.dtype == jax.dtypes.float0:
-        return jnp.zeros(primal.shape, primal.dtype)
-    return ct
 
 
 def _index(x: Any, i: Any) -> Any:
@@ -80,6 +61,7 @@ _TABLES = (
     "prev_at",
     "from_next",
     "next_at",
+    "pending",
 )
 
 
@@ -89,21 +71,20 @@ class StageSlots:
     gives the stage's parameter gradients (leaves), stage 0's input cotangents
     per microbatch, and the last stage's outputs of `post` per microbatch.
 
-    The loop's carry: `stash` (this stage's inputs of the (microbatch, chunk)
-    pairs in flight), `inbox_f` (activations received, not yet run),
-    `inbox_b` (cotangents received, or made by `post` on the last stage), the
-    gradient leaves, `dx` (stage 0's input cotangents) and `outs` (`post`'s
-    outputs); the table's array form says which entry of each buffer a pair
-    takes (`slot_arrays`).
+    The loop's carry: `stash` (what F kept for the backward of the
+    (microbatch, chunk) pairs in flight), `inbox_f` (activations received, not
+    yet run), `inbox_b` (cotangents received, or made by `post` on the last
+    stage), `pending` (what B left for W), the gradient leaves, `dx` (stage
+    0's input cotangents) and `outs` (`post`'s outputs); the table's array
+    form says which entry of each buffer a pair takes (`slot_arrays`).
 
     - `post`: `post(*params, *r, *y)`, the loss after the stack on one
       microbatch's other inputs `r` and the stack's output `y` (leaves), its
       outputs' first the loss (the step's callback: `_step.cut_loss`).
     - `key_tree`: the structure of the stack's key (`None` without one).
-    - `stage`: `stage(params, h, key, chunk, micro) -> y`, this stage's chunk
-      `chunk` of layers on microbatch `micro`'s rows `h` (leaves in, leaves
-      out); a backward entry recomputes it with the forward's key and `micro`,
-      so it draws the forward's noise.
+    - `passes`: this stage's F, B and W (`stage_passes.StagePasses`); each
+      backward pass gets the forward's key and microbatch, so the layers'
+      noise is the forward's.
     - `params`: the parameter leaves; `rest`: the microbatches' other inputs
       of `post`, stacked; `xs`, `keys`: the stack's input and key leaves per
       microbatch (stage 0 reads `xs`).
@@ -111,7 +92,7 @@ class StageSlots:
 
     post: Callable[..., Any]
     key_tree: Any
-    stage: Callable[..., Any]
+    passes: StagePasses
     params: list[Any]
     rest: list[Any]
     xs: list[Any]
@@ -121,21 +102,36 @@ class StageSlots:
 
     def run(self, table: SlotArrays) -> tuple[list[Any], list[Any], list[Any]]:
         micro = int(self.xs[0].shape[0])
-        bufs = [
-            [jnp.zeros((n, *x.shape[1:]), x.dtype) for x in self.xs]
-            for n in table.sizes
-        ]
+        h = [x[0] for x in self.xs]
+        key = self._key(0)
+        kept = jax.eval_shape(
+            lambda p, h, k: self.passes.forward(p, h, k, 0, 0)[1], self.params, h, key
+        )
+        saved = jax.eval_shape(
+            lambda p, kept, h, k: self.passes.input_grad(p, kept, h, k, 0, 0)[1],
+            self.params,
+            kept,
+            h,
+            key,
+        )
+        stash, inbox_f, inbox_b, pending = (
+            [jnp.zeros((n, *a.shape), a.dtype) for a in like]
+            for n, like in zip(table.sizes, (kept, h, h, saved), strict=True)
+        )
         out_shapes = jax.eval_shape(
             self._post, self.params, [r[0] for r in self.rest], [x[0] for x in self.xs]
         )
         init = (
-            *bufs,
+            stash,
+            inbox_f,
+            inbox_b,
+            pending,
             [jnp.zeros_like(x) for x in self.params],
             [jnp.zeros_like(x) for x in self.xs],
             [jnp.zeros((micro, *o.shape), o.dtype) for o in out_shapes],
         )
         slot = functools.partial(self._slot, table.chunks)
-        _, _, _, grads, dx, outs = run_slots(
+        *_, grads, dx, outs = run_slots(
             table, _TABLES, axis=self.axis, step=slot, init=init
         )
         return grads, dx, outs
@@ -154,14 +150,14 @@ class StageSlots:
         return [jnp.zeros_like(x[0]) for x in self.xs]
 
     def _forward(self, chunks: int, c: Any, e: dict[str, Any]) -> Any:
-        stash, inbox_f, inbox_b, grads, dx, outs = c
+        stash, inbox_f, inbox_b, pending, grads, dx, outs = c
         s, m, r = jax.lax.axis_index(self.axis), e["micro"], e["chunk"]
         h = [
             jnp.where((s == 0) & (r == 0), _index(x, m), _index(f, e["read"]))
             for x, f in zip(self.xs, inbox_f, strict=True)
         ]
-        stash = [_set(b, e["stash"], v) for b, v in zip(stash, h, strict=True)]
-        y = self.stage(self.params, h, self._key(m), r, m)
+        y, kept = self.passes.forward(self.params, h, self._key(m), r, m)
+        stash = [_set(b, e["stash"], v) for b, v in zip(stash, kept, strict=True)]
 
         def last(args: Any) -> Any:
             inbox_b, grads, outs = args
@@ -169,7 +165,7 @@ class StageSlots:
             out, vjp = jax.vjp(lambda p, y: self._post(p, rest, y), self.params, y)
             dp, dy = vjp([_seed(o, i == 0) for i, o in enumerate(out)])
             grads = [a + b for a, b in zip(grads, dp, strict=True)]
-            dy = [_held(d, v) for d, v in zip(dy, y, strict=True)]
+            dy = [held(d, v) for d, v in zip(dy, y, strict=True)]
             inbox_b = [_set(b, e["own"], v) for b, v in zip(inbox_b, dy, strict=True)]
             outs = [_set(b, m, v) for b, v in zip(outs, out, strict=True)]
             return inbox_b, grads, outs
@@ -178,36 +174,36 @@ class StageSlots:
         inbox_b, grads, outs = jax.lax.cond(
             at_end, last, lambda a: a, (inbox_b, grads, outs)
         )
-        return (stash, inbox_f, inbox_b, grads, dx, outs), y, self._zeros()
+        c = (stash, inbox_f, inbox_b, pending, grads, dx, outs)
+        return c, y, self._zeros()
 
     def _backward(self, wrt: str, c: Any, e: dict[str, Any]) -> Any:
         """A backward entry: `wrt` `"both"` (BW), `"input"` (B: the input's
-        cotangent, passed back) or `"weights"` (W: the parameters' gradient,
-        added up). Each runs the stage again from its stored input under
-        `jax.vjp` of what it differentiates (the stack's `remat` policy says
-        what that keeps); B leaves the input and the cotangent for its W."""
-        stash, inbox_f, inbox_b, grads, dx, outs = c
+        cotangent, passed back; what W reads left in `pending`) or
+        `"weights"` (W: the parameters' gradient, added up), from what the
+        forward kept (`stage_passes`)."""
+        stash, inbox_f, inbox_b, pending, grads, dx, outs = c
         s, m, r = jax.lax.axis_index(self.axis), e["micro"], e["chunk"]
-        h = [_index(b, e["stash"]) for b in stash]
-        dy = [_index(b, e["read"]) for b in inbox_b]
-        key, params = self._key(m), self.params
-        if wrt == "input":
-            y, vjp = jax.vjp(lambda h: self.stage(params, h, key, r, m), h)
-            dp, (dh,) = None, vjp([cotangent(d, v) for d, v in zip(dy, y, strict=True)])
-        elif wrt == "weights":
-            y, vjp = jax.vjp(lambda p: self.stage(p, h, key, r, m), params)
-            (dp,), dh = vjp([cotangent(d, v) for d, v in zip(dy, y, strict=True)]), None
+        kept = [_index(b, e["stash"]) for b in stash]
+        key, params, passes = self._key(m), self.params, self.passes
+        dh = None
+        if wrt == "weights":
+            saved = [_index(b, e["pending"]) for b in pending]
         else:
-            y, vjp = jax.vjp(lambda p, h: self.stage(p, h, key, r, m), params, h)
-            dp, dh = vjp([cotangent(d, v) for d, v in zip(dy, y, strict=True)])
-        if dp is not None:
+            dy = [_index(b, e["read"]) for b in inbox_b]
+            dh, saved = passes.input_grad(params, kept, dy, key, r, m)
+        if wrt == "input":
+            pending = [_set(b, e["pending"], v) for b, v in zip(pending, saved, strict=True)]
+        else:
+            dp = passes.weight_grad(params, kept, saved, key, r, m)
             grads = [a + b for a, b in zip(grads, dp, strict=True)]
         if dh is None:
-            return (stash, inbox_f, inbox_b, grads, dx, outs), *([self._zeros()] * 2)
-        dh = [_held(d, v) for d, v in zip(dh, h, strict=True)]
+            c = (stash, inbox_f, inbox_b, pending, grads, dx, outs)
+            return c, *([self._zeros()] * 2)
         first = (s == 0) & (r == 0)
         dx = [_set_if(b, m, v, first) for b, v in zip(dx, dh, strict=True)]
-        return (stash, inbox_f, inbox_b, grads, dx, outs), self._zeros(), dh
+        c = (stash, inbox_f, inbox_b, pending, grads, dx, outs)
+        return c, self._zeros(), dh
 
     def _idle(self, c: Any, e: dict[str, Any]) -> Any:
         return c, self._zeros(), self._zeros()
@@ -225,7 +221,7 @@ class StageSlots:
             functools.partial(self._backward, "weights"),
         ]
         c, send_f, send_b = jax.lax.switch(entry["action"], actions, c, entry)
-        stash, inbox_f, inbox_b, grads, dx, outs = c
+        stash, inbox_f, inbox_b, pending, grads, dx, outs = c
         got_f, got_b = _exchange(send_f, send_b, self.axis, self.stages, chunks > 1)
         inbox_f = [
             _set_if(b, entry["prev_at"], v, entry["from_prev"] == 1)
@@ -235,7 +231,7 @@ class StageSlots:
             _set_if(b, entry["next_at"], v, entry["from_next"] == 1)
             for b, v in zip(inbox_b, got_b, strict=True)
         ]
-        return (stash, inbox_f, inbox_b, grads, dx, outs)
+        return (stash, inbox_f, inbox_b, pending, grads, dx, outs)
 
 
 def _exchange(

@@ -22,7 +22,7 @@ from jax.sharding import PartitionSpec as P
 from jaxtyping import Array
 
 from .._data_parallel import fold_rng_over_axis
-from .._layout.engine import run_stage
+from .._layout.engine import stage_layers
 from .._layout.partitioned import KeyPath, choose
 from .._layout.parts.fsdp import FsdpOptions
 from .._layout.plan import WEIGHT
@@ -245,47 +245,42 @@ class DeviceGradients:
         return loss_reads_layers(marked, full, inputs.plan.specs, stages.axis)
 
     def _stage(self, frozen: Any) -> Callable[..., Any]:
-        """Inside the step's `shard_map`: `stage(params, h, key, key_rows,
-        per_row, acc, chunk, micro)`, this stage's layers (its `chunk` of them,
-        with repeats) of the pipelined `Stacked` on microbatch `micro`'s rows
-        `h` (the stage of the schedules whose backward is written out;
-        `params`: the trained leaves; `acc`: the microbatch's aux accumulator,
-        `None` without aux). A stack key not per row is the microbatch's
-        (`engine.microbatch_key`; in the global view numbered over the batch's
-        data shards)."""
+        """Inside the step's `shard_map`: `layers(params, key, key_rows,
+        per_row, chunk, micro)`, this stage's layers (its `chunk` of them, with
+        repeats) of the pipelined `Stacked` for microbatch `micro`, as a loop
+        (`_layout.engine.StageLayers`: the schedules whose backward is written
+        out run its layers' passes apart; `params`: the trained leaves). A
+        stack key not per row is the microbatch's (`engine.microbatch_key`; in
+        the global view numbered over the batch's data shards)."""
         inputs = self.inputs
         stages = inputs.plan.stages
         assert stages is not None
         remat = self.options.remat
         data = inputs.layout.data_axes if self.options.view == "global" else ()
 
-        def stage(
+        def layers(
             params: Any,
-            h: Any,
             key: Any,
             key_rows: bool,
             per_row: bool,
-            acc: Any,
             chunk: Any,
             micro: Any,
         ) -> Any:
             params = cast_floating(params, self.options.compute_dtype)
             model = inputs.model(params, frozen, pipelined=False)
-            return run_stage(
+            return stage_layers(
                 stages.where(model),
                 stages,
-                h,
                 key,
                 key_rows=key_rows,
                 per_row=per_row,
                 remat=remat,
-                acc=acc,
                 chunk=chunk,
                 micro=micro,
                 data=data,
             )
 
-        return stage
+        return layers
 
     def _partitioned(
         self, trained: Any, state: Any, batch: Any, key: Any

@@ -40,7 +40,8 @@ from .._layout.pipeline import StagePlan
 from .._layout.rules import is_spec_leaf
 from .._layout.schedules import slot_arrays, table
 from .._layout.stack_aux import zeros
-from .._layout.stage_slots import StageSlots, cotangent
+from .._layout.stage_passes import StagePasses, cotangent
+from .._layout.stage_slots import StageSlots
 from .._layout.stages import Seen
 from .._metrics.tree import merge_metrics
 from .._utils import is_array
@@ -60,12 +61,11 @@ class OneFOneB:
     - `marked`: `marked(params, model_state, minibatch, key, seen)`, the checked
       loss (`CheckedLoss`'s output) on a model whose pipelined stack is a
       `MarkedStack` recording into `seen`.
-    - `stage`: `stage(params, h, key, key_rows, per_row, acc, chunk, micro) ->
-      h`, this stage's layers (chunk `chunk`) on microbatch `micro`'s rows `h`
-      (`key`: the rows' keys (`key_rows`) or the stack's key, or `None`;
-      `per_row`: each block called per row, else on all of `h`); for blocks
-      that return `(x, aux)`, `(h, acc)` with this stage's aux written into the
-      microbatch's accumulator `acc` (else `None`).
+    - `layers`: `layers(params, key, key_rows, per_row, chunk, micro)`, this
+      stage's layers (chunk `chunk`) for microbatch `micro` as a loop
+      (`_layout.engine.StageLayers`; `key`: the rows' keys (`key_rows`) or the
+      stack's key, or `None`; `per_row`: each block called per row, else on
+      all the rows), whose passes `StagePasses` runs apart.
     - `plan`: the pipeline; `specs`: the model's specs (`ModelPlan.specs`),
       which say which leaves are a stage's own layers.
     - `checked`: the user's loss, checked (`weighted` is read after tracing).
@@ -75,7 +75,7 @@ class OneFOneB:
     """
 
     marked: Callable[..., Any]
-    stage: Callable[..., Any]
+    layers: Callable[..., Any]
     plan: StagePlan
     specs: Any
     checked: CheckedLoss
@@ -162,20 +162,16 @@ class OneFOneB:
         accs = jax.tree.leaves(zeros(loss.aux, (micro,)))
         acc_tree = jax.tree.structure(loss.aux)
 
-        def stage(
-            p: list[Any], h: list[Any], key: Any, chunk: Any, m: Any
-        ) -> list[Any]:
-            x = jax.tree.unflatten(loss.x_tree, h[:n_x])
-            acc = None if loss.aux is None else jax.tree.unflatten(acc_tree, h[n_x:])
+        def layers(p: list[Any], key: Any, chunk: Any, m: Any) -> Any:
             params = jax.tree.unflatten(p_tree, p)
-            rows = loss.key_rows, loss.per_row
-            out = self.stage(params, x, key, *rows, acc, chunk, m)
-            return list(jax.tree.leaves(out))
+            return self.layers(params, key, loss.key_rows, loss.per_row, chunk, m)
 
         slots = StageSlots(
             post=loss.post,
             key_tree=loss.key_tree,
-            stage=stage,
+            passes=StagePasses(
+                layers, loss.x_tree, None if loss.aux is None else acc_tree
+            ),
             params=p_leaves,
             rest=rest,
             xs=[*inputs[:n_x], *accs],

@@ -1,0 +1,275 @@
+"""The passes of one stage's layers under a schedule whose backward is written
+out (`stage_slots`), each doing only its own work:
+
+- **F** (`forward`) runs the layers once, each under `jax.vjp` of the block
+  as the stack's `remat` wraps it, and keeps each layer's residuals — what
+  that block's backward reads (`None`: everything it needs; `"full"`: the
+  block's input; a policy: what it saves) — stacked over the layers. A
+  residual that is one of the layer's own inputs (its weights, its key) is
+  not kept: the backward passes take it from the stage's parameters again,
+  so the stash never holds a copy of the weights.
+- **B** (`input_grad`) runs the layers' backward passes in reverse, each
+  pruned to the input's cotangent (`split_backward`), from the kept
+  residuals: no forward (unless a remat policy left it to recompute), no
+  weight products. Each layer hands W what its weights' gradients read
+  beyond the residuals (the cotangents between its products).
+- **W** (`weight_grad`) runs, layer by layer in any order, only the weight
+  products, from the residuals and what B handed it: no forward, no
+  input-gradient chain.
+
+The stage's own glue around its layers (slicing a chunk of the stage's
+layers, the key each layer draws, placing the layers' aux in the microbatch's
+accumulator) is cheap and re-run where a pass needs it; placing the aux is
+linear, so its transpose needs no kept values.
+"""
+
+import dataclasses
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from .engine import StageLayers
+from .remat import rematerialised
+from .split_backward import SplitBackward
+
+
+def _inexact(x: Any) -> bool:
+    return bool(jnp.issubdtype(x.dtype, jnp.inexact))
+
+
+def cotangent(ct: Any, primal: Any) -> Any:
+    """A cotangent as `jax.vjp` takes it for `primal`: `float0` zeros where
+    `primal` is not floating (an integer leaf carried beside the activations:
+    a mask, positions)."""
+    if jnp.issubdtype(primal.dtype, jnp.inexact):
+        return ct
+    return np.zeros(primal.shape, jax.dtypes.float0)
+
+
+def held(ct: Any, primal: Any) -> Any:
+    """A cotangent as the schedule's buffers and messages hold it: zeros of
+    `primal`'s dtype for a `float0` one (buffers are of the activations'
+    dtypes)."""
+    if ct.dtype == jax.dtypes.float0:
+        return jnp.zeros(primal.shape, primal.dtype)
+    return ct
+
+
+def _loop(
+    step: Callable[..., Any],
+    carry: Any,
+    xs: Any,
+    *,
+    length: int,
+    unroll: bool,
+    reverse: bool = False,
+) -> tuple[Any, Any]:
+    """`jax.lax.scan(step, carry, xs, reverse=reverse)`, or with `unroll` the
+    same in a Python loop (no `while` in the program: the stack's `unroll`)."""
+    if not unroll:
+        return jax.lax.scan(step, carry, xs, length=length, reverse=reverse)
+    ys: list[Any] = [None] * length
+    for i in reversed(range(length)) if reverse else range(length):
+        carry, ys[i] = step(carry, jax.tree.map(lambda x: x[i], xs))  # noqa: B023
+    return carry, jax.tree.map(lambda *y: jnp.stack(y), *ys)
+
+
+@dataclasses.dataclass
+class _Learned:
+    """What the first trace of a layer's `jax.vjp` showed, the same for every
+    layer and microbatch: the pullback's structure, which residuals are the
+    layer's inputs `xs` (their index, else `None`), the output's and the
+    stage's structures, and (on first use) the split of the pullback."""
+
+    tree: Any = None
+    from_x: list[int | None] | None = None
+    out_tree: Any = None
+    ys: Any = None  # the aux stacked over the layers, as shapes (or None)
+    split: SplitBackward | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class StagePasses:
+    """F, B and W of one stage's layers on one microbatch (see the module
+    docstring), on the stage's activations as leaves: the stack's input `x`
+    (the first `n_x` leaves, of structure `x_tree`), then the aux accumulator
+    (`acc_tree`, `None` without aux).
+
+    `layers(params, key, chunk, micro) -> StageLayers`: the stage's layers
+    (chunk `chunk`) for microbatch `micro` from the parameter leaves."""
+
+    layers: Callable[..., StageLayers]
+    x_tree: Any
+    acc_tree: Any
+    learned: _Learned = dataclasses.field(default_factory=_Learned)
+
+    # -- F ------------------------------------------------------------------
+
+    def forward(
+        self, params: list[Any], h: list[Any], key: Any, chunk: Any, micro: Any
+    ) -> tuple[list[Any], list[Any]]:
+        """The stage's output leaves and what its backward passes need: each
+        layer's residuals (leaves stacked over the layers)."""
+        loop = self.layers(params, key, chunk, micro)
+        n_x = self.x_tree.num_leaves
+        x = jax.tree.unflatten(self.x_tree, h[:n_x])
+        acc = None
+        if self.acc_tree is not None:
+            acc = jax.tree.unflatten(self.acc_tree, h[n_x:])
+        block = rematerialised(loop.body, loop.remat)
+
+        def step(h: Any, xs: list[Any]) -> tuple[Any, Any]:
+            out, pullback = jax.vjp(block, h, xs)
+            res, tree = jax.tree.flatten(pullback)
+            mine = jax.tree.leaves(xs)
+            from_x = [next((j for j, a in enumerate(mine) if a is r), None) for r in res]
+            self._learn(tree, from_x)
+            y, aux = out
+            return y, (aux, [r for r, j in zip(res, from_x, strict=True) if j is None])
+
+        h_out, (ys, kept) = _loop(
+            step, x, loop.xs, length=loop.count, unroll=loop.unroll
+        )
+        out = loop.finish(h_out, ys, acc)
+        self.learned.out_tree = jax.tree.structure(out)
+        self.learned.ys = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), ys)
+        return jax.tree.leaves(out), kept
+
+    def _learn(self, tree: Any, from_x: list[int | None]) -> None:
+        learned = self.learned
+        if learned.tree is None:
+            learned.tree, learned.from_x = tree, from_x
+        elif from_x != learned.from_x:
+            raise AssertionError(
+                "pipeline: a layer's backward keeps other values in another trace"
+            )
+
+    # -- B ------------------------------------------------------------------
+
+    def input_grad(
+        self,
+        params: list[Any],
+        kept: list[Any],
+        dy: list[Any],
+        key: Any,
+        chunk: Any,
+        micro: Any,
+    ) -> tuple[list[Any], list[Any]]:
+        """The cotangent of the stage's input leaves (zeros of their dtype for
+        integer leaves) for the cotangent `dy` of its output leaves, and what
+        each layer's W reads (leaves stacked over the layers)."""
+        loop = self.layers(params, key, chunk, micro)
+        learned = self.learned
+        n_x = self.x_tree.num_leaves
+        d_out = jax.tree.unflatten(learned.out_tree, [cotangent(d, d) for d in dy])
+        zeros = jax.tree.unflatten(self.x_tree, [jnp.zeros_like(d) for d in dy[:n_x]])
+        ys = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), learned.ys)
+        acc = None
+        if self.acc_tree is not None:
+            acc = jax.tree.unflatten(self.acc_tree, [jnp.zeros_like(d) for d in dy[n_x:]])
+        # The glue after the layers is linear: its transpose at zeros.
+        _, glue = jax.vjp(loop.finish, zeros, ys, acc)
+        d_h, d_ys, d_acc = jax.tree.map(held, glue(d_out), (zeros, ys, acc))
+
+        def step(dh: Any, a: Any) -> tuple[Any, Any]:
+            kept_i, xs_i, dys_i = a
+            res = self._residuals(kept_i, xs_i)
+            ct = [c for c in jax.tree.leaves((dh, dys_i)) if _inexact(c)]
+            split = self._split(res, dh, dys_i, xs_i)
+            d_in, saved = split.input_grad(res, ct)
+            return self.held(d_in, dh), saved
+
+        d_h, saved = _loop(
+            step,
+            d_h,
+            (kept, loop.xs, d_ys),
+            length=loop.count,
+            unroll=loop.unroll,
+            reverse=True,
+        )
+        return [*jax.tree.leaves(d_h), *jax.tree.leaves(d_acc)], saved
+
+    def _residuals(self, kept: list[Any], xs: list[Any]) -> list[Any]:
+        """A layer's residual leaves: those kept, with the layer's own inputs
+        put back where they were residuals."""
+        mine = jax.tree.leaves(xs)
+        it = iter(kept)
+        assert self.learned.from_x is not None
+        return [next(it) if j is None else mine[j] for j in self.learned.from_x]
+
+    def held(self, d_in: list[Any], like: Any) -> Any:
+        """The input's cotangent leaves (inexact ones only) as a tree like
+        `like`, zeros of their dtype for the integer leaves."""
+        it = iter(d_in)
+        return jax.tree.map(
+            lambda a: next(it) if _inexact(a) else jnp.zeros_like(a), like
+        )
+
+    def _split(self, res: list[Any], dh: Any, dys: Any, xs: list[Any]) -> SplitBackward:
+        """The layer's pullback split in B and W (traced once)."""
+        learned = self.learned
+        if learned.split is not None:
+            return learned.split
+        tree = learned.tree
+        outs = (dh, dys)
+        out_leaves, out_tree = jax.tree.flatten(outs)
+        floats = [_inexact(c) for c in out_leaves]
+        n_dh = sum(_inexact(a) for a in jax.tree.leaves(dh))
+        xs_floats = [_inexact(a) for a in jax.tree.leaves(xs)]
+
+        def pullback(r: list[Any], ct: list[Any]) -> list[Any]:
+            it = iter(ct)
+            full = [
+                next(it) if f else np.zeros(np.shape(c), jax.dtypes.float0)
+                for f, c in zip(floats, out_leaves, strict=True)
+            ]
+            d_h, d_xs = jax.tree.unflatten(tree, r)(jax.tree.unflatten(out_tree, full))
+            keep = [a for a in jax.tree.leaves(d_h) if _inexact(a)]
+            d_xs = jax.tree.leaves(d_xs)
+            return [*keep, *(d for d, f in zip(d_xs, xs_floats, strict=True) if f)]
+
+        ct = [c for c in out_leaves if _inexact(c)]
+        learned.split = SplitBackward.trace(pullback, res, ct, n_dh)
+        return learned.split
+
+    # -- W ------------------------------------------------------------------
+
+    def weight_grad(
+        self,
+        params: list[Any],
+        kept: list[Any],
+        saved: list[Any],
+        key: Any,
+        chunk: Any,
+        micro: Any,
+    ) -> list[Any]:
+        """The gradient of the parameter leaves from the layers' residuals and
+        what B handed each layer's W."""
+        found: list[StageLayers] = []
+
+        def inputs(p: list[Any]) -> list[Any]:
+            found.append(self.layers(p, key, chunk, micro))
+            return found[-1].xs
+
+        xs, glue = jax.vjp(inputs, params)
+        loop = found[0]
+        split = self.learned.split
+        assert split is not None  # B of the same table traced it
+
+        def step(carry: None, a: Any) -> tuple[None, Any]:
+            kept_i, xs_i, saved_i = a
+            return None, split.weight_grad(self._residuals(kept_i, xs_i), saved_i)
+
+        _, d_floats = _loop(
+            step, None, (kept, xs, saved), length=loop.count, unroll=loop.unroll
+        )
+        it = iter(d_floats)
+        d_xs = [
+            next(it) if _inexact(x) else np.zeros(x.shape, jax.dtypes.float0)
+            for x in xs
+        ]
+        (dp,) = glue(d_xs)
+        return list(dp)
