@@ -27,8 +27,9 @@ Three sections, each model:
    8}` (one stage, one microbatch; each device runs B/8 rows through all L
    blocks, as each device of P = 4 runs B/2 rows through L/4). The measured
    bubble is 1 - t_ref / t(M), beside the schedule's table's idle fraction
-   (`Pipeline.idle_fraction`: (P - 1)/(R M + P - 1) for all but ZB-H1's
-   (P - 1)/(3 M + P - 1)). It is what the
+   (`Pipeline.idle_fraction`, the table run in lockstep: (P - 1)/(R M + P - 1)
+   for GPipe and the circular schedule, 2 (P - 1)/(3 R M + 2 (P - 1)) for 1F1B
+   and interleaved 1F1B, (P - 1)/(3 M + P - 1) for ZB-H1). It is what the
    pipeline costs over that reference: the bubble (GPipe and the circular
    schedule compute on every iteration of their loop, on garbage in the bubble,
    so on CPU devices the bubble is compute, not idle time), smaller
@@ -37,8 +38,9 @@ Three sections, each model:
    (`lax.switch`), which on 8 simulated devices sharing the host's cores frees
    the cores for the busy stages: its bubble shows less here than on real
    devices; it also recomputes each stage's forward pass in its backward pass
-   (ZB-H1 twice: in B and in W), and its compiled loop runs each row of its
-   table in lockstep, as long as the row's longest entry.
+   (twice, as ZB-H1 does: in B and in W), and its compiled loop runs each row
+   of its table in lockstep, as long as the row's longest entry (which the
+   table's figure counts).
    The compiled temporaries per device of each schedule and M come with it.
    GPipe's times are fitted by least squares to t(M) = a + b / M + c M: b / M
    is the bubble's work (b = (P - 1) x the stage's work per step), c the cost
@@ -316,7 +318,7 @@ def bubble_rows(model: Model, quick: bool, repeats: int, steps: int) -> list[str
         name, b = case.name, built[case.name]
         pipeline = case.options["pipeline"]
         # The table's idle fraction (`Pipeline.idle_fraction`): what the
-        # schedule leaves idle if each entry started when it could.
+        # schedule's compiled loop leaves idle, its rows run in lockstep.
         table = pipeline.idle_fraction(case.axes["stage"])
         rows.append(
             f"{model.name:11s} bubble  {name:44s} {times[name] * 1e3:7.1f} ms/step  "

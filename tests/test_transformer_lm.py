@@ -177,7 +177,7 @@ def test_pipeline_stages_agree_with_data_parallel(
     assert "2 blocks, d_model 32" in text and "mesh {'stage': 2, 'data': 4}" in text
     assert (
         "pipeline: 1f1b, 2 stages of 1 block(s), repeats 1, 2 microbatches of 2 "
-        "rows per device: idle fraction 0.33 (ed.Pipeline.idle_fraction); remat none"
+        "rows per device: idle fraction 0.25 (ed.Pipeline.idle_fraction); remat none"
     ) in text
     # The experts' auxiliary loss is on the progress line.
     assert len(re.findall(r"perplexity \S+  aux_loss \d", text)) == 2

@@ -54,14 +54,16 @@ class Pipeline(eqx.Module):
       activations of all M microbatches kept per stage), `"circular"` (GPipe
       over R repeats of the ring, `repeats > 1`, M >= P: the bubble shrinks from
       (P - 1)/(M + P - 1) to (P - 1)/(R M + P - 1)), `"1f1b"` (one forward,
-      one backward: at most P microbatches' activations alive per stage; the
-      loss after the stack runs once per microbatch, in either view),
-      `"interleaved"` (interleaved 1F1B over R >= 2 chunks per stage, held as
-      the circular schedule holds them: the bubble of the circular schedule
-      with 1F1B's order) or `"zb-h1"` (zero bubble: each backward split into
-      the input's gradient, B, and the weights', W, the W passes filling 1F1B's
-      idle slots; at most P microbatches alive per stage, as 1F1B). See
-      `table` and `idle_fraction`.
+      one backward, each backward split into the input's gradient, B, and the
+      weights', W, right after it: at most P microbatches' activations alive
+      per stage; the loss after the stack runs once per microbatch, in either
+      view), `"interleaved"` (interleaved 1F1B over R >= 2 chunks per stage,
+      held as the circular schedule holds them: 1F1B's order over R M
+      microbatch-chunks, a smaller bubble) or `"zb-h1"` (zero bubble: each
+      backward split into B and W, the W passes deferred into the slots where
+      1F1B would idle; at most P microbatches alive per stage, as 1F1B). See
+      `table` and `idle_fraction` (the bubble of the compiled loop, run in
+      lockstep).
     - `repeats`: R, the chunks per stage of `"circular"` and `"interleaved"`.
     - `where`: `where(model)` returns the `Stacked` to pipeline (as for
       `eqx.tree_at`); `None`: the model's only `Stacked`.

@@ -17,28 +17,35 @@ is read in a later one.
   M; then the backward, reversed, as for GPipe.
 - `"1f1b"`: PipeDream-flush's order per stage (P - 1 - s warm-up forwards, then
   one forward and one backward in turn, then the remaining backwards), each
-  stage taking its next action as soon as its input has arrived.
+  backward split into B (the pass that sends the cotangent back) and W right
+  after it, each stage taking its next entry as soon as its input has arrived.
+  Split, because a row lasts as long as its longest entry: a BW (two units)
+  beside another stage's F (one) idles that stage a unit, and 1F1B's steady
+  state mixes them in every row (with BW entries it would idle 0.400 at P =
+  4, M = 8, more than GPipe's 0.273; split, 0.200).
 - `"interleaved"` (R chunks per stage, held as the circular schedule holds
   them): Megatron's interleaved 1F1B. The forwards go in groups of P
   microbatches, each group through chunk 0, then chunk 1, ...; the backwards
   in the same groups, the chunks in reverse; stage s runs 2 (P - 1 - s) + (R -
   1) P warm-up forwards, then one forward and one backward in turn (more
-  warm-up where a group is not whole and the clock would stall).
+  warm-up where a group is not whole and the clock would stall); each
+  backward split into B and W as for 1F1B, for the same reason (with BW
+  entries 0.294 at P = 4, M = 8, R = 2, worse than GPipe; split, 0.111).
 - `"zb-h1"`: 1F1B's order of forwards and input-gradient passes B, each
   backward split in two; a stage runs its next F or B as soon as its input has
   arrived, and a deferred W (oldest first) when it cannot: while it waits, or
   where one more F would keep more microbatches alive (F run, W not yet) than
   1F1B does (P - s on stage s).
 
-**Idle fraction.** Each stage runs its entries in the table's order, F, B and
-W taking one unit of time and BW two (it runs the stage's forward again and
-its VJP), each as soon as its stage is free and its inputs are there (F: the
-previous stage's F of the microbatch; B and BW: the stage's own F and the next
-stage's backward; W: the stage's own B). `idle_fraction` is the idle time over
-all stages' time until the last entry ends: P - 1 slots' worth of F and BW
-per stage for GPipe and 1F1B, (P - 1)/(M + P - 1) of the whole. The compiled
-loop runs a row in lockstep, as long as its longest entry, so its own idle
-time can be more (rows that mix F and BW).
+**Idle fraction.** The table counted as the lockstep loop the step compiles:
+every stage runs its entry of a row together, and the row lasts as long as its
+longest entry (F, B and W one unit of time, BW two: it runs the stage's
+forward again and its VJP; an idle entry none). `idle_fraction` is the idle
+time of all stages over P x the sum of the rows' durations: the bubble the step
+pays, no replay of entries started as soon as they could. GPipe and the
+circular schedule: (P - 1)/(R M + P - 1) (forward rows of one unit, backward
+rows of two); 1F1B and interleaved 1F1B (M a multiple of P):
+2 (P - 1)/(3 R M + 2 (P - 1)); ZB-H1 (M >= P): (P - 1)/(3 M + P - 1).
 
 **The array form** (`slot_arrays.SlotArrays`) is what the engine reads inside
 the compiled loop.
@@ -81,8 +88,8 @@ __all__ = [
 ]
 
 # The schedules whose backward is written out (`stage_slots`), not left to
-# JAX's autodiff of a forward loop: a stage runs F, B, W and BW entries in the
-# order of the table.
+# JAX's autodiff of a forward loop: a stage runs F, B and W entries in the
+# order of the table (each backward split into B and W).
 WRITTEN_OUT = ("1f1b", "interleaved", "zb-h1")
 
 _COST = {"F": 1, "B": 1, "W": 1, "BW": 2}
@@ -117,34 +124,23 @@ def table(pipeline: Any, stages: int) -> Table:
 
 
 def idle_fraction(pipeline: Any, stages: int) -> float:
-    """The idle time of `pipeline`'s table on `stages` stages over all
-    stages' time (F, B and W one unit, BW two; see the module docstring)."""
+    """The idle time of `pipeline`'s table on `stages` stages, run as the
+    lockstep loop the step compiles, over all stages' time (see the module
+    docstring)."""
     return idle_fraction_of(table(pipeline, stages))
 
 
 def idle_fraction_of(rows: Table) -> float:
-    """The idle fraction of a table (see the module docstring): idle time over
-    stages x the time the last entry ends."""
-    stages = len(rows[0]) if rows else 0
-    chunks = _chunks(rows)
-    end: dict[Key, int] = {}
-    free = [0] * stages
-    busy = 0
+    """The idle fraction of a table run in lockstep (see the module
+    docstring): each row lasts as long as its longest entry (F, B and W one
+    unit, BW two, `None` none); the idle time of all stages over stages x the
+    rows' total duration."""
+    total = busy = 0
     for row in rows:
-        for s, entry in enumerate(row):
-            if entry is None:
-                continue
-            kind, m, c = entry
-            needs = _needs(kind, m, c, s, stages, chunks)
-            start = max([free[s], *(end[n] for n in needs)])
-            end[(_family(kind), m, c, s)] = free[s] = start + _COST[kind]
-            busy += _COST[kind]
-    total = stages * max(free, default=0)
+        costs = [0 if entry is None else _COST[entry[0]] for entry in row]
+        total += len(row) * max(costs, default=0)
+        busy += sum(costs)
     return (total - busy) / total if total else 0.0
-
-
-def _chunks(rows: Table) -> int:
-    return 1 + max((e[2] for row in rows for e in row if e is not None), default=0)
 
 
 def _family(kind: str) -> str:
@@ -198,8 +194,9 @@ Order = list[Entry]
 
 
 def one_f_one_b(stages: int, micro: int) -> Table:
-    """PipeDream-flush's 1F1B on a clock of slots (see the module docstring);
-    checked to keep at most P - s microbatches in flight on stage s."""
+    """PipeDream-flush's 1F1B on a clock of slots, each backward split into B
+    and W (see the module docstring); checked to keep at most P - s
+    microbatches in flight on stage s."""
     orders = []
     for s in range(stages):
         forwards = [(m, 0) for m in range(micro)]
@@ -211,18 +208,27 @@ def one_f_one_b(stages: int, micro: int) -> Table:
 
 
 def _one_then_one(
-    forwards: list[tuple[int, int]], backwards: list[tuple[int, int]], warm: int
+    forwards: list[tuple[int, int]],
+    backwards: list[tuple[int, int]],
+    warm: int,
+    backward: tuple[str, ...] = ("B", "W"),
 ) -> Order:
     """`warm` forwards, then one forward and one backward in turn, then the
-    remaining backwards."""
+    remaining backwards; each backward the entries of kinds `backward` in
+    turn (B then W: the backward split in two)."""
+
+    def back(e: tuple[int, int]) -> Order:
+        return [(kind, *e) for kind in backward]
+
     order: Order = [("F", *e) for e in forwards[:warm]]
     for i, e in enumerate(forwards[warm:]):
-        order += [("F", *e), ("BW", *backwards[i])]
-    return order + [("BW", *e) for e in backwards[len(forwards) - warm :]]
+        order += [("F", *e), *back(backwards[i])]
+    return order + [x for e in backwards[len(forwards) - warm :] for x in back(e)]
 
 
 def interleaved(stages: int, micro: int, repeats: int) -> Table:
-    """Interleaved 1F1B (see the module docstring)."""
+    """Interleaved 1F1B, each backward split into B and W (see the module
+    docstring)."""
     groups = [range(g, min(g + stages, micro)) for g in range(0, micro, stages)]
     forwards = [(m, c) for g in groups for c in range(repeats) for m in g]
     backwards = [(m, c) for g in groups for c in reversed(range(repeats)) for m in g]
@@ -243,8 +249,8 @@ def zero_bubble(stages: int, micro: int) -> Table:
     firsts = []
     for s in range(stages):
         forwards = [(m, 0) for m in range(micro)]
-        order = _one_then_one(forwards, forwards, min(stages - 1 - s, micro))
-        firsts.append([("B" if k == "BW" else k, m, c) for k, m, c in order])
+        warm = min(stages - 1 - s, micro)
+        firsts.append(_one_then_one(forwards, forwards, warm, backward=("B",)))
     deferred: list[list[tuple[int, int]]] = [[] for _ in range(stages)]
     alive = [0] * stages
 
