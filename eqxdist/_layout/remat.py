@@ -90,12 +90,19 @@ def policy_of(remat: Any) -> Callable[..., Any] | None:
 
 
 def rematerialised(
-    body: Callable[..., Any], remat: Any, *, name_input: bool = True
+    body: Callable[..., Any],
+    remat: Any,
+    *,
+    name_input: bool = True,
+    prevent_cse: bool = True,
 ) -> Callable[..., Any]:
     """`body(carry, xs)` of a scan over blocks, wrapped to keep what `remat` says
     (`None`: `body` itself). The carry, the block's input, is named
     `BLOCK_INPUT` (what `"offload"` moves), except for the earlier boolean, whose
-    programs stay as they were."""
+    programs stay as they were. `prevent_cse=False` where no forward shares the
+    program with the recomputation (a pipeline's B and W entries: an
+    optimisation barrier there is unneeded, and XLA:CPU cannot emit one inside
+    a fusion)."""
     policy = policy_of(remat)
     if policy is None:
         return body
@@ -106,7 +113,7 @@ def rematerialised(
             named = jax.tree.map(lambda a: checkpoint_name(a, BLOCK_INPUT), carry)
             return inner(named, xs)
 
-    return jax.checkpoint(body, policy=policy)
+    return jax.checkpoint(body, policy=policy, prevent_cse=prevent_cse)
 
 
 def check_unroll(unroll: Any, caller: str, *, optional: bool = False) -> Any:

@@ -119,13 +119,17 @@ class StagePasses:
         acc = None
         if self.acc_tree is not None:
             acc = jax.tree.unflatten(self.acc_tree, h[n_x:])
-        block = rematerialised(loop.body, loop.remat)
+        # B and W run the recomputation in programs (switch branches) of their
+        # own, apart from any forward: nothing for XLA to merge it with.
+        block = rematerialised(loop.body, loop.remat, prevent_cse=False)
 
         def step(h: Any, xs: list[Any]) -> tuple[Any, Any]:
             out, pullback = jax.vjp(block, h, xs)
             res, tree = jax.tree.flatten(pullback)
             mine = jax.tree.leaves(xs)
-            from_x = [next((j for j, a in enumerate(mine) if a is r), None) for r in res]
+            from_x = [
+                next((j for j, a in enumerate(mine) if a is r), None) for r in res
+            ]
             self._learn(tree, from_x)
             y, aux = out
             return y, (aux, [r for r, j in zip(res, from_x, strict=True) if j is None])
@@ -135,7 +139,9 @@ class StagePasses:
         )
         out = loop.finish(h_out, ys, acc)
         self.learned.out_tree = jax.tree.structure(out)
-        self.learned.ys = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), ys)
+        self.learned.ys = jax.tree.map(
+            lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), ys
+        )
         return jax.tree.leaves(out), kept
 
     def _learn(self, tree: Any, from_x: list[int | None]) -> None:
@@ -169,7 +175,9 @@ class StagePasses:
         ys = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), learned.ys)
         acc = None
         if self.acc_tree is not None:
-            acc = jax.tree.unflatten(self.acc_tree, [jnp.zeros_like(d) for d in dy[n_x:]])
+            acc = jax.tree.unflatten(
+                self.acc_tree, [jnp.zeros_like(d) for d in dy[n_x:]]
+            )
         # The glue after the layers is linear: its transpose at zeros.
         _, glue = jax.vjp(loop.finish, zeros, ys, acc)
         d_h, d_ys, d_acc = jax.tree.map(held, glue(d_out), (zeros, ys, acc))
@@ -273,3 +281,65 @@ class StagePasses:
         ]
         (dp,) = glue(d_xs)
         return list(dp)
+
+
+def pass_flops(
+    stacked: Any, x: Any, *, remat: Any = None, per_row: bool = True
+) -> dict[str, float]:
+    """What each entry of a written-out schedule computes on one stage holding
+    all of `stacked`'s layers, for the rows `x`: XLA's FLOPs of each pass
+    compiled on its own (the layers unrolled, so every layer counts), `"F"`,
+    `"B"`, `"W"` and `"BW"` (B then W in one program). Measures the passes'
+    work (the pipeline guide's table, `benchmarks/bench_pipeline.py`, the
+    tests)."""
+    from .remat import check_remat
+    from .stacked import layer_function
+
+    leaves, layer = layer_function(stacked, with_key=False)
+    count = stacked.num_layers
+
+    def layers(p: list[Any], key: Any, chunk: Any, micro: Any) -> StageLayers:
+        loop = layer_loop_of(layer, p, count, check_remat(remat, "pass_flops"), per_row)
+        return loop
+
+    passes = StagePasses(layers, jax.tree.structure(x), None)
+    h = jax.tree.leaves(x)
+    y, kept = passes.forward(leaves, h, None, 0, 0)
+    _, saved = passes.input_grad(leaves, kept, y, None, 0, 0)
+
+    def flops(fn: Callable[..., Any], *args: Any) -> float:
+        cost: Any = jax.jit(fn).lower(*args).compile().cost_analysis()
+        return float(cost["flops"])
+
+    def both(p: list[Any], kept: list[Any], dy: list[Any]) -> Any:
+        dh, saved = passes.input_grad(p, kept, dy, None, 0, 0)
+        return dh, passes.weight_grad(p, kept, saved, None, 0, 0)
+
+    return {
+        "F": flops(lambda p, h: passes.forward(p, h, None, 0, 0), leaves, h),
+        "B": flops(
+            lambda p, k, d: passes.input_grad(p, k, d, None, 0, 0), leaves, kept, y
+        ),
+        "W": flops(
+            lambda p, k, s: passes.weight_grad(p, k, s, None, 0, 0), leaves, kept, saved
+        ),
+        "BW": flops(both, leaves, kept, y),
+    }
+
+
+def layer_loop_of(
+    layer: Callable[..., Any], leaves: list[Any], count: int, remat: Any, per_row: bool
+) -> StageLayers:
+    from .engine import layer_loop
+
+    return layer_loop(
+        layer,
+        leaves,
+        None,
+        key_rows=False,
+        first=0,
+        num_layers=count,
+        remat=remat,
+        unroll=True,
+        per_row=per_row,
+    )

@@ -27,7 +27,7 @@ import numpy as np
 
 from .engine import run_slots
 from .schedules import SlotArrays
-from .stage_passes import StagePasses, held, cotangent
+from .stage_passes import StagePasses, held
 
 
 def _seed(out: Any, loss: bool) -> Any:
@@ -193,7 +193,9 @@ class StageSlots:
             dy = [_index(b, e["read"]) for b in inbox_b]
             dh, saved = passes.input_grad(params, kept, dy, key, r, m)
         if wrt == "input":
-            pending = [_set(b, e["pending"], v) for b, v in zip(pending, saved, strict=True)]
+            pending = [
+                _set(b, e["pending"], v) for b, v in zip(pending, saved, strict=True)
+            ]
         else:
             dp = passes.weight_grad(params, kept, saved, key, r, m)
             grads = [a + b for a, b in zip(grads, dp, strict=True)]
