@@ -81,6 +81,7 @@ import optax
 from jax.sharding import PartitionSpec as P
 
 import eqxdist as ed
+from eqxdist._layout.stage_passes import pass_flops
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
 from _transformer import STACKED_MEGATRON_RULES, benchmark_model
@@ -209,6 +210,7 @@ class Built(NamedTuple):
     run: Callable[[], Any]
     peak: int
     temp: int
+    model_flops: float
 
 
 def build(model: Model, case: Case, timed: bool = True) -> Built:
@@ -224,6 +226,7 @@ def build(model: Model, case: Case, timed: bool = True) -> Built:
     )
     batch = ed.shard_batch(model.batch, step.layout.batch_sharding)
     memory = step.lower(state, batch).compile().memory_analysis()
+    model_flops = step.cost(state, batch)["model_flops"]
     peak = (
         memory.argument_size_in_bytes
         + memory.output_size_in_bytes
@@ -238,7 +241,7 @@ def build(model: Model, case: Case, timed: bool = True) -> Built:
 
     if timed:
         jax.block_until_ready(run())  # compiled (from the cache) and warm
-    return Built(run, int(peak), int(memory.temp_size_in_bytes))
+    return Built(run, int(peak), int(memory.temp_size_in_bytes), model_flops)
 
 
 def time_runs(runs: dict[str, Callable[[], Any]], repeats: int, steps: int) -> Any:
@@ -363,13 +366,67 @@ def remat_rows(model: Model, quick: bool) -> list[str]:
     return rows
 
 
+def work_rows(model: Model, quick: bool, repeats: int, steps: int) -> list[str]:
+    """Each schedule's step against GPipe and data parallelism on the same
+    model and rows, its model FLOPs against data parallelism's, the compiled
+    temporaries at M = 4P, and what each entry kind computes."""
+    dp = Case("dp, data 8", {"data": 8}, {})
+    schedules = ["gpipe", "1f1b", "zb-h1", "interleaved"]
+
+    def case(schedule: str, micro: int) -> Case:
+        repeats = 2 if schedule == "interleaved" else 1
+        pipeline = ed.Pipeline("stage", micro, schedule=schedule, repeats=repeats)
+        name = f"stage 4 x data 2, {schedule} M={micro}"
+        return Case(name, {"stage": 4, "data": 2}, {"pipeline": pipeline})
+
+    cases = [dp] + [case(s, 8) for s in schedules]
+    built = {c.name: build(model, c) for c in cases}
+    times = time_runs({n: b.run for n, b in built.items()}, repeats, steps)
+    gpipe, base = times[cases[1].name], built[dp.name]
+    rows = []
+    for c in cases:
+        b, t = built[c.name], times[c.name]
+        rows.append(
+            f"{model.name:11s} work    {c.name:30s} {t * 1e3:7.1f} ms/step "
+            f"({t / gpipe:4.2f}x gpipe, {t / times[dp.name]:4.2f}x dp)  model FLOPs "
+            f"{b.model_flops / base.model_flops:4.2f}x dp"
+        )
+        print(rows[-1], flush=True)
+    temps = {s: build(model, case(s, 16), timed=False).temp for s in schedules[:3]}
+    rows.append(
+        f"{model.name:11s} memory  M=16 temp MiB/device: gpipe "
+        f"{temps['gpipe'] / MiB:.1f}, 1f1b {temps['1f1b'] / MiB:.1f} "
+        f"({temps['1f1b'] / temps['gpipe']:.2f}x gpipe), zb-h1 "
+        f"{temps['zb-h1'] / MiB:.1f} ({temps['zb-h1'] / temps['1f1b']:.2f}x 1f1b)"
+    )
+    print(rows[-1], flush=True)
+    stacked = model.build().blocks
+    x = entry_input(model)
+    cost = pass_flops(stacked, x, remat=None, per_row=True)
+    units = ", ".join(f"{k} {v / cost['F']:.2f}" for k, v in cost.items())
+    rows.append(f"{model.name:11s} entries XLA FLOPs in units of F: {units}")
+    print(rows[-1], flush=True)
+    return rows
+
+
+def entry_input(model: Model) -> Any:
+    """A microbatch of the stack's input rows for `pass_flops` (M = 8 over
+    data 2): what a stage's entry runs on."""
+    if model.name == "x @ W":
+        return jnp.ones((model.batch["x"].shape[0] // 16, 128))
+    rows = model.batch["tokens"].shape[0] // 16
+    return jnp.ones((rows, 32, 64))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="fewer cases, 8 blocks")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--steps", type=int, default=2)
     parser.add_argument("--layers", type=int, default=16, help="blocks (of 8)")
-    parser.add_argument("--only", choices=("layout", "bubble", "remat"), default=None)
+    parser.add_argument(
+        "--only", choices=("layout", "bubble", "remat", "work"), default=None
+    )
     args = parser.parse_args()
     layers = 8 if args.quick else args.layers
     if layers % 8:
@@ -388,6 +445,8 @@ def main() -> None:
             rows += bubble_rows(model, args.quick, args.repeats, args.steps)
         if args.only in (None, "remat"):
             rows += remat_rows(model, args.quick)
+        if args.only in (None, "work"):
+            rows += work_rows(model, args.quick, args.repeats, args.steps)
     print(f"\n{layers} blocks; {time.perf_counter() - start:.0f} s in all")
     print("\n".join(rows))
 

@@ -68,6 +68,34 @@ def counted_as(fn: Callable[..., Any], flops: Fraction | int) -> Callable[..., A
     return jax.jit(program)
 
 
+# The name of a nested `jax.jit` program whose products count a fraction of
+# what it runs (`counted_scaled`): `{_SCALED}_{numerator}_{denominator}`.
+_SCALED = "eqxdist_flops_scaled"
+
+
+def counted_scaled(fn: Callable[..., Any], scale: Fraction) -> Callable[..., Any]:
+    """`fn` as a nested `jax.jit` program whose products `matmul_flops` counts
+    times `scale`, in its forward and in its gradient alike (JAX keeps a nested
+    program's name through differentiation): a loop whose body runs one
+    entry's work, of which only a `scale` of the iterations do work that
+    counts (a pipeline's forward loop, its idle slots computing nothing)."""
+    scale = Fraction(scale)
+
+    def program(*args: Any) -> Any:
+        return fn(*args)
+
+    program.__name__ = f"{_SCALED}_{scale.numerator}_{scale.denominator}"
+    return jax.jit(program)
+
+
+def _scale(eqn: Any) -> Fraction:
+    name = eqn.params.get("name")
+    if not isinstance(name, str) or not name.startswith(_SCALED + "_"):
+        return Fraction(1)
+    numerator, denominator = name[len(_SCALED) + 1 :].split("_")
+    return Fraction(int(numerator), int(denominator))
+
+
 def _stated(eqn: Any) -> Fraction | None:
     name = eqn.params.get("name")
     if not isinstance(name, str) or not name.startswith(_COUNTED + "_"):
@@ -82,7 +110,9 @@ def matmul_flops(jaxpr: Any) -> int:
     counted `length` times, a `jax.shard_map`'s body once per device of its manual
     axes (its shapes are one device's), a `cond`'s costliest branch, and a
     `while_loop`'s body once (its trip count is known only when it runs). A
-    program marked by `counted_as` (an MoE's expert products) counts as marked."""
+    program marked by `counted_as` (an MoE's expert products, a pipeline's
+    written-out schedule) counts as marked, one marked by `counted_scaled` (a
+    pipeline's forward loop) its products times its scale."""
     return round(_flops(jaxpr))
 
 
@@ -102,12 +132,13 @@ def _flops(jaxpr: Any) -> Fraction:
         elif name == "cond":
             total += max(_flops(b) for b in eqn.params["branches"])
         else:
-            times = 1
+            times: Fraction | int = 1
             if name == "scan":
                 times = int(eqn.params["length"])
             elif name == "shard_map":
                 shape = eqn.params["mesh"].shape
                 times = math.prod(shape[a] for a in shard_map_manual_axes(eqn.params))
+            times *= _scale(eqn)
             inner = sum(
                 (_flops(sub) for v in eqn.params.values() for sub in sub_jaxprs(v)),
                 Fraction(0),

@@ -17,11 +17,13 @@ loop (an update and a read more per slot, kept for its backward pass).
 import dataclasses
 import functools
 from collections.abc import Callable
+from fractions import Fraction
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 
+from .._jaxpr import counted_scaled
 from .pipeline import StagePlan
 from .remat import UNSET, loop_blocks
 from .schedules import FORWARD, SlotArrays, forward_arrays
@@ -172,7 +174,21 @@ class ForwardEngine:
             if repeats > 1:
                 first = _where(r == 0, first, _take(loop, m))
             h = _where(s == 0, first, buf)
-            y = self._chunk(leaves, h, r, None if key is None else (key, keys, m))
+
+            def run(h: Any) -> Any:
+                return self._chunk(
+                    leaves, h, r, None if key is None else (key, keys, m)
+                )
+
+            # An idle slot computes nothing (its output, zeros, is unused); its
+            # backward, the cond's transpose, computes nothing either.
+            shapes = jax.eval_shape(run, h)
+            y = jax.lax.cond(
+                entry["action"] == FORWARD,
+                run,
+                lambda h: jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), shapes),
+                h,
+            )
             if self.aux is not None:
                 y, aux = y
                 acc = self._place(acc, aux, entry, s)
@@ -193,13 +209,16 @@ class ForwardEngine:
             jax.tree.map(jnp.zeros_like, xm),
             None if self.aux is None else zeros(self.aux, (m_total,)),
         )
-        _, _, out, acc = run_slots(
-            forward_arrays(stages, m_total, repeats),
-            ("action", "micro", "chunk", "from_prev", "prev_micro"),
-            axis=self.axis,
-            step=slot,
-            init=init,
-        )
+        arrays = forward_arrays(stages, m_total, repeats)
+
+        def loop(init: Any) -> Any:
+            fields = ("action", "micro", "chunk", "from_prev", "prev_micro")
+            return run_slots(arrays, fields, axis=self.axis, step=slot, init=init)
+
+        # Model FLOPs: each slot's body is one chunk's work, which only the
+        # R M slots of each stage's entries (not its P - 1 idle ones) do.
+        scale = Fraction(repeats * m_total, arrays.slots)
+        _, _, out, acc = counted_scaled(loop, scale)(init)
         out = _from_last(out, self.axis, not self.sum_input)
         out = jax.tree.map(lambda a: a.reshape(-1, *a.shape[2:]), out)
         if self.aux is None:

@@ -19,14 +19,16 @@ entry. An idle entry computes nothing.
 import dataclasses
 import functools
 from collections.abc import Callable
+from fractions import Fraction
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from .._jaxpr import counted_as, matmul_flops
 from .engine import run_slots
-from .schedules import SlotArrays
+from .schedules import BACKWARD, FORWARD, INPUT_GRAD, WEIGHT_GRAD, SlotArrays
 from .stage_passes import StagePasses, held
 
 
@@ -104,36 +106,62 @@ class StageSlots:
         micro = int(self.xs[0].shape[0])
         h = [x[0] for x in self.xs]
         key = self._key(0)
-        kept = jax.eval_shape(
-            lambda p, h, k: self.passes.forward(p, h, k, 0, 0)[1], self.params, h, key
-        )
-        saved = jax.eval_shape(
-            lambda p, kept, h, k: self.passes.input_grad(p, kept, h, k, 0, 0)[1],
-            self.params,
-            kept,
-            h,
-            key,
-        )
+        passes, params = self.passes, self.params
+        f_jaxpr, (_, kept) = jax.make_jaxpr(
+            lambda p, h, k: passes.forward(p, h, k, 0, 0), return_shape=True
+        )(params, h, key)
+        b_jaxpr, (_, saved) = jax.make_jaxpr(
+            lambda p, kept, dy, k: passes.input_grad(p, kept, dy, k, 0, 0),
+            return_shape=True,
+        )(params, kept, h, key)
+        w_jaxpr = jax.make_jaxpr(
+            lambda p, kept, saved, k: passes.weight_grad(p, kept, saved, k, 0, 0)
+        )(params, kept, saved, key)
+        # `pending` with a spare last entry, for BW's B (`_slot`).
+        spare = (0, 0, 0, 1)
         stash, inbox_f, inbox_b, pending = (
-            [jnp.zeros((n, *a.shape), a.dtype) for a in like]
-            for n, like in zip(table.sizes, (kept, h, h, saved), strict=True)
+            [jnp.zeros((n + k, *a.shape), a.dtype) for a in like]
+            for n, k, like in zip(table.sizes, spare, (kept, h, h, saved), strict=True)
         )
-        out_shapes = jax.eval_shape(
-            self._post, self.params, [r[0] for r in self.rest], [x[0] for x in self.xs]
+        rest = [r[0] for r in self.rest]
+
+        def post(p: list[Any], r: list[Any], y: list[Any]) -> Any:
+            out, vjp = jax.vjp(lambda p, y: self._post(p, r, y), p, y)
+            return out, vjp([_seed(o, i == 0) for i, o in enumerate(out)])
+
+        post_jaxpr, (out_shapes, _) = jax.make_jaxpr(post, return_shape=True)(
+            params, rest, h
         )
         init = (
             stash,
             inbox_f,
             inbox_b,
             pending,
-            [jnp.zeros_like(x) for x in self.params],
+            [jnp.zeros_like(x) for x in params],
             [jnp.zeros_like(x) for x in self.xs],
             [jnp.zeros((micro, *o.shape), o.dtype) for o in out_shapes],
         )
-        slot = functools.partial(self._slot, table.chunks)
-        *_, grads, dx, outs = run_slots(
-            table, _TABLES, axis=self.axis, step=slot, init=init
+        # The model FLOPs of the loop, what its entries compute: each pass's
+        # products times its entries in the table (a device's share), and the
+        # loss after the stack once per microbatch on the last stage. Counted
+        # from the loop's program, every slot would count every pass.
+        work = [matmul_flops(j) for j in (f_jaxpr, b_jaxpr, w_jaxpr)]
+        entries = [
+            int((table.action == code).sum())
+            for code in (FORWARD, INPUT_GRAD, WEIGHT_GRAD, BACKWARD)
+        ]
+        per_pass = [*work, work[1] + work[2]]
+        flops = Fraction(
+            sum(n * f for n, f in zip(entries, per_pass, strict=True))
+            + micro * matmul_flops(post_jaxpr),
+            self.stages,
         )
+        slot = functools.partial(self._slot, table.chunks)
+
+        def loop(init: Any) -> Any:
+            return run_slots(table, _TABLES, axis=self.axis, step=slot, init=init)
+
+        *_, grads, dx, outs = counted_as(loop, flops)(init)
         return grads, dx, outs
 
     def _post(self, p: list[Any], r: list[Any], y: list[Any]) -> list[Any]:
@@ -146,94 +174,88 @@ class StageSlots:
             return None
         return jax.tree.unflatten(self.key_tree, [_index(k, m) for k in self.keys])
 
-    def _zeros(self) -> list[Any]:
-        return [jnp.zeros_like(x[0]) for x in self.xs]
+    def _slot(self, chunks: int, c: Any, e: dict[str, Any]) -> Any:
+        """One slot: this stage's entry (`run_slots`), then the messages
+        (round the ring with several chunks).
 
-    def _forward(self, chunks: int, c: Any, e: dict[str, Any]) -> Any:
+        Each kind of work is a `lax.cond` of its own that updates the buffers
+        it writes (F the stash, the last stage's F the gradients, its
+        cotangent and `post`'s outputs, B `pending`, W the gradients): XLA
+        updates a two-way conditional's operand in place, where a `switch`
+        over the five actions copied every buffer it updated on every slot,
+        and a switch's outputs need zeros from the branches that make
+        nothing, the size of the stash and of the gradients (on the CPU
+        devices, most of the step's time)."""
         stash, inbox_f, inbox_b, pending, grads, dx, outs = c
-        s, m, r = jax.lax.axis_index(self.axis), e["micro"], e["chunk"]
-        h = [
-            jnp.where((s == 0) & (r == 0), _index(x, m), _index(f, e["read"]))
-            for x, f in zip(self.xs, inbox_f, strict=True)
-        ]
-        y, kept = self.passes.forward(self.params, h, self._key(m), r, m)
-        stash = [_set(b, e["stash"], v) for b, v in zip(stash, kept, strict=True)]
+        s, m, r, a = (
+            jax.lax.axis_index(self.axis),
+            e["micro"],
+            e["chunk"],
+            e["action"],
+        )
+        key, params, passes = self._key(m), self.params, self.passes
+        zeros = [jnp.zeros_like(x[0]) for x in self.xs]
 
-        def last(args: Any) -> Any:
-            inbox_b, grads, outs = args
+        def forward(stash: list[Any]) -> tuple[list[Any], list[Any]]:
+            h = [
+                jnp.where((s == 0) & (r == 0), _index(x, m), _index(f, e["read"]))
+                for x, f in zip(self.xs, inbox_f, strict=True)
+            ]
+            y, kept = passes.forward(params, h, key, r, m)
+            return _put(stash, e["stash"], kept, True), y
+
+        stash, y = jax.lax.cond(
+            a == FORWARD, forward, lambda stash: (stash, zeros), stash
+        )
+
+        def post(args: Any) -> Any:
+            """The loss after the stack on the last stage's output: its
+            parameters' gradient, the output's cotangent and its outputs."""
+            grads, inbox_b, outs = args
             rest = [_index(x, m) for x in self.rest]
-            out, vjp = jax.vjp(lambda p, y: self._post(p, rest, y), self.params, y)
+            out, vjp = jax.vjp(lambda p, y: self._post(p, rest, y), params, y)
             dp, dy = vjp([_seed(o, i == 0) for i, o in enumerate(out)])
-            grads = [a + b for a, b in zip(grads, dp, strict=True)]
+            grads = [g + d for g, d in zip(grads, dp, strict=True)]
             dy = [held(d, v) for d, v in zip(dy, y, strict=True)]
-            inbox_b = [_set(b, e["own"], v) for b, v in zip(inbox_b, dy, strict=True)]
-            outs = [_set(b, m, v) for b, v in zip(outs, out, strict=True)]
-            return inbox_b, grads, outs
+            inbox_b = _put(inbox_b, e["own"], dy, True)
+            return grads, inbox_b, _put(outs, m, out, True)
 
         at_end = (s == self.stages - 1) & (r == chunks - 1)
-        inbox_b, grads, outs = jax.lax.cond(
-            at_end, last, lambda a: a, (inbox_b, grads, outs)
+        grads, inbox_b, outs = jax.lax.cond(
+            (a == FORWARD) & at_end, post, lambda args: args, (grads, inbox_b, outs)
         )
-        c = (stash, inbox_f, inbox_b, pending, grads, dx, outs)
-        return c, y, self._zeros()
+        # Where B leaves what its W reads: its entry of `pending`; BW's B,
+        # whose W runs in the same slot, the spare last entry.
+        at_pending = jnp.where(a == BACKWARD, pending[0].shape[0] - 1, e["pending"])
 
-    def _backward(self, wrt: str, c: Any, e: dict[str, Any]) -> Any:
-        """A backward entry: `wrt` `"both"` (BW), `"input"` (B: the input's
-        cotangent, passed back; what W reads left in `pending`) or
-        `"weights"` (W: the parameters' gradient, added up), from what the
-        forward kept (`stage_passes`)."""
-        stash, inbox_f, inbox_b, pending, grads, dx, outs = c
-        s, m, r = jax.lax.axis_index(self.axis), e["micro"], e["chunk"]
-        kept = [_index(b, e["stash"]) for b in stash]
-        key, params, passes = self._key(m), self.params, self.passes
-        dh = None
-        if wrt == "weights":
-            saved = [_index(b, e["pending"]) for b in pending]
-        else:
+        def backward(pending: list[Any]) -> tuple[list[Any], list[Any]]:
+            kept = [_index(b, e["stash"]) for b in stash]
             dy = [_index(b, e["read"]) for b in inbox_b]
             dh, saved = passes.input_grad(params, kept, dy, key, r, m)
-        if wrt == "input":
-            pending = [
-                _set(b, e["pending"], v) for b, v in zip(pending, saved, strict=True)
-            ]
-        else:
+            return _put(pending, at_pending, saved, True), dh
+
+        is_b = (a == INPUT_GRAD) | (a == BACKWARD)
+        pending, dh = jax.lax.cond(
+            is_b, backward, lambda pending: (pending, zeros), pending
+        )
+
+        def weights(grads: list[Any]) -> list[Any]:
+            kept = [_index(b, e["stash"]) for b in stash]
+            saved = [_index(b, at_pending) for b in pending]
             dp = passes.weight_grad(params, kept, saved, key, r, m)
-            grads = [a + b for a, b in zip(grads, dp, strict=True)]
-        if dh is None:
-            c = (stash, inbox_f, inbox_b, pending, grads, dx, outs)
-            return c, *([self._zeros()] * 2)
-        first = (s == 0) & (r == 0)
-        dx = [_set_if(b, m, v, first) for b, v in zip(dx, dh, strict=True)]
-        c = (stash, inbox_f, inbox_b, pending, grads, dx, outs)
-        return c, self._zeros(), dh
+            return [g + d for g, d in zip(grads, dp, strict=True)]
 
-    def _idle(self, c: Any, e: dict[str, Any]) -> Any:
-        return c, self._zeros(), self._zeros()
-
-    def _slot(self, chunks: int, c: Any, entry: dict[str, Any]) -> Any:
-        """One slot: this stage's entry (`run_slots`), then the messages
-        (round the ring with several chunks)."""
-        actions: list[
-            Callable[..., Any]
-        ] = [  # in the order of the action codes (`slot_arrays`)
-            self._idle,
-            functools.partial(self._forward, chunks),
-            functools.partial(self._backward, "both"),
-            functools.partial(self._backward, "input"),
-            functools.partial(self._backward, "weights"),
-        ]
-        c, send_f, send_b = jax.lax.switch(entry["action"], actions, c, entry)
-        stash, inbox_f, inbox_b, pending, grads, dx, outs = c
-        got_f, got_b = _exchange(send_f, send_b, self.axis, self.stages, chunks > 1)
-        inbox_f = [
-            _set_if(b, entry["prev_at"], v, entry["from_prev"] == 1)
-            for b, v in zip(inbox_f, got_f, strict=True)
-        ]
-        inbox_b = [
-            _set_if(b, entry["next_at"], v, entry["from_next"] == 1)
-            for b, v in zip(inbox_b, got_b, strict=True)
-        ]
+        is_w = (a == WEIGHT_GRAD) | (a == BACKWARD)
+        grads = jax.lax.cond(is_w, weights, lambda grads: grads, grads)
+        dx = _put(dx, m, dh, (s == 0) & (r == 0) & is_b)
+        got_f, got_b = _exchange(y, dh, self.axis, self.stages, chunks > 1)
+        inbox_f = _put(inbox_f, e["prev_at"], got_f, e["from_prev"] == 1)
+        inbox_b = _put(inbox_b, e["next_at"], got_b, e["from_next"] == 1)
         return (stash, inbox_f, inbox_b, pending, grads, dx, outs)
+
+
+def _put(buffers: list[Any], i: Any, values: list[Any], when: Any) -> list[Any]:
+    return [_set_if(b, i, v, when) for b, v in zip(buffers, values, strict=True)]
 
 
 def _exchange(
