@@ -11,7 +11,7 @@ an `ed.Stacked`, trained with adamw:
   @ w2 + b2`, width 128, hidden 256) on 256 rows a step: a model written
   another way than the examples'.
 
-Three sections, each model:
+Four sections, each model:
 
 1. `layout`: a train step under FSDP over `{"data": 8}`, FSDP x TP over
    `{"data": 4, "model": 2}` (Megatron rules; for `x @ W` `w1` by columns,
@@ -49,6 +49,15 @@ Three sections, each model:
 3. `remat`: the compiled temporaries of each remat policy (`none`, `full`,
    `dots`, `offload`: on CPU, where device memory is host memory, `offload`
    keeps what `full` keeps) under GPipe and 1F1B, P = 4, M = 8.
+4. `work`: what the written-out schedules buy: data parallelism over `{"data":
+   8}` and each schedule on `{"stage": 4, "data": 2}` at M = 8 (no FSDP), for
+   the same model and rows: ms/step against GPipe and against data
+   parallelism, and `model_flops` against data parallelism's; the compiled
+   temporaries of GPipe, 1F1B and ZB-H1 at M = 4P = 16; and what each entry
+   kind computes (XLA's FLOPs of each pass compiled on its own, in units of F:
+   `eqxdist._layout.stage_passes.pass_flops`). On CPU devices sharing cores
+   the step time is all the devices' work together, so it shows recompute and
+   per-slot overhead, not bubbles.
 
 Times are medians of `--repeats` interleaved repeats (the order rotating) of
 `--steps` steps each; the memory figures are deterministic. Compiled programs
@@ -56,6 +65,7 @@ are shared between the step and `memory_analysis()` through a temporary JAX
 compilation cache.
 
     python benchmarks/bench_pipeline.py [--quick] [--repeats 3] [--steps 2]
+        [--only layout|bubble|remat|work]
 
 The script sets up 8 simulated CPU devices itself (before JAX starts).
 """

@@ -7,11 +7,13 @@ the circular schedule (only F entries: the stage runs its chunk on every slot,
 an idle slot's result unused, so that the loop stays one straight program JAX
 differentiates; autodiff runs the table's backward half). The body of the
 schedules whose backward is written out (`stage_slots.StageSlots`: 1F1B,
-interleaved 1F1B, ZB-H1) runs F, BW, B and W entries, its backward written out
-with `jax.vjp`, the loss after the stack a callback of the step's. One body
-for both would put an inbox indexed by microbatch into GPipe's differentiated
-loop (an update and a read more per slot, kept for its backward pass).
-`run_layers` and `run_stage` are the layers of one stage, which both run.
+interleaved 1F1B, ZB-H1) runs F, BW, B and W entries, each doing only its own
+work (`stage_passes`), the loss after the stack a callback of the step's. One
+body for both would put an inbox indexed by microbatch into GPipe's
+differentiated loop (an update and a read more per slot, kept for its backward
+pass). The layers of one stage are a loop (`StageLayers`: `layer_loop`,
+`stage_layers`), which GPipe's body runs (`run_layers`) and the written-out
+schedules' passes run apart.
 """
 
 import dataclasses
@@ -175,20 +177,11 @@ class ForwardEngine:
                 first = _where(r == 0, first, _take(loop, m))
             h = _where(s == 0, first, buf)
 
-            def run(h: Any) -> Any:
-                return self._chunk(
-                    leaves, h, r, None if key is None else (key, keys, m)
-                )
-
-            # An idle slot computes nothing (its output, zeros, is unused); its
-            # backward, the cond's transpose, computes nothing either.
-            shapes = jax.eval_shape(run, h)
-            y = jax.lax.cond(
-                entry["action"] == FORWARD,
-                run,
-                lambda h: jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), shapes),
-                h,
-            )
+            # Idle slots run too, on garbage, their results unused: the loop
+            # stays one straight program, whose collectives inside the layers
+            # (ring attention over a context axis, FSDP's gathers) every
+            # device runs. Their work is not model work (`counted_scaled`).
+            y = self._chunk(leaves, h, r, None if key is None else (key, keys, m))
             if self.aux is not None:
                 y, aux = y
                 acc = self._place(acc, aux, entry, s)
@@ -215,8 +208,8 @@ class ForwardEngine:
             fields = ("action", "micro", "chunk", "from_prev", "prev_micro")
             return run_slots(arrays, fields, axis=self.axis, step=slot, init=init)
 
-        # Model FLOPs: each slot's body is one chunk's work, which only the
-        # R M slots of each stage's entries (not its P - 1 idle ones) do.
+        # Model FLOPs: each slot's body is one chunk's work, of which only the
+        # R M slots of each stage's entries count (not its P - 1 idle ones).
         scale = Fraction(repeats * m_total, arrays.slots)
         _, _, out, acc = counted_scaled(loop, scale)(init)
         out = _from_last(out, self.axis, not self.sum_input)
@@ -301,7 +294,7 @@ class StageLayers:
         )
 
     def finish(self, h: Any, ys: Any, acc: Any) -> Any:
-        """The stage's output as `run_stage` gives it: `h`, or for blocks that
+        """The stage's output: `h`, or for blocks that
         return `(x, aux)` `(h, acc)` with these layers' aux written into the
         microbatch's accumulator `acc` (`stack_aux.place_aux`; linear in `ys`
         and `acc`)."""

@@ -117,8 +117,9 @@ class StageSlots:
         w_jaxpr = jax.make_jaxpr(
             lambda p, kept, saved, k: passes.weight_grad(p, kept, saved, k, 0, 0)
         )(params, kept, saved, key)
-        # `pending` with a spare last entry, for BW's B (`_slot`).
-        spare = (0, 0, 0, 1)
+        # `pending` with a spare last entry where the table has BW entries,
+        # for their B (`_slot`).
+        spare = (0, 0, 0, int((table.action == BACKWARD).any()))
         stash, inbox_f, inbox_b, pending = (
             [jnp.zeros((n + k, *a.shape), a.dtype) for a in like]
             for n, k, like in zip(table.sizes, spare, (kept, h, h, saved), strict=True)
