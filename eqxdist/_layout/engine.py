@@ -12,8 +12,8 @@ work (`stage_passes`), the loss after the stack a callback of the step's. One
 body for both would put an inbox indexed by microbatch into GPipe's
 differentiated loop (an update and a read more per slot, kept for its backward
 pass). The layers of one stage are a loop (`StageLayers`: `layer_loop`,
-`stage_layers`), which GPipe's body runs (`run_layers`) and the written-out
-schedules' passes run apart.
+`stage_layers`), which GPipe's body runs (`StageLayers.run`) and the
+written-out schedules' passes run apart.
 """
 
 import dataclasses
@@ -246,10 +246,9 @@ class ForwardEngine:
             else:
                 key = microbatch_key(key, m, self.microbatches, self.data)
             keys = key
-        return run_layers(
+        loop = layer_loop(
             self.layer,
             chunk,
-            h,
             keys,
             key_rows=self.key_rows,
             first=first,
@@ -258,6 +257,9 @@ class ForwardEngine:
             unroll=self.unroll,
             per_row=self.per_row,
         )
+        h, ys = loop.run(h)
+        # Blocks returning `(x, aux)`: the aux stacked over these layers.
+        return h if ys is None else (h, ys)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -348,37 +350,6 @@ def layer_loop(
         return y, aux
 
     return StageLayers(body, chunk, first, remat, unroll, per_row)
-
-
-def run_layers(
-    layer: Callable[..., Any],
-    leaves: list[Any],
-    h: Any,
-    key: Any,
-    *,
-    key_rows: bool,
-    first: Any,
-    num_layers: int,
-    remat: Any,
-    unroll: bool = False,
-    per_row: bool = True,
-) -> Any:
-    """`layer_loop`'s layers run on `h`: `h`, or for blocks that return `(x,
-    aux)` `(h, aux)`, each aux leaf stacked over the layers (`(count, rows,
-    ...)`)."""
-    loop = layer_loop(
-        layer,
-        leaves,
-        key,
-        key_rows=key_rows,
-        first=first,
-        num_layers=num_layers,
-        remat=remat,
-        unroll=unroll,
-        per_row=per_row,
-    )
-    h, ys = loop.run(h)
-    return h if ys is None else (h, ys)
 
 
 def _take(tree: Any, i: Any) -> Any:

@@ -31,9 +31,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from .engine import StageLayers
-from .remat import rematerialised
+from .engine import StageLayers, layer_loop
+from .remat import check_remat, rematerialised
 from .split_backward import SplitBackward
+from .stacked import layer_function
 
 
 def _inexact(x: Any) -> bool:
@@ -292,15 +293,21 @@ def pass_flops(
     `"B"`, `"W"` and `"BW"` (B then W in one program). Measures the passes'
     work (the pipeline guide's table, `benchmarks/bench_pipeline.py`, the
     tests)."""
-    from .remat import check_remat
-    from .stacked import layer_function
-
     leaves, layer = layer_function(stacked, with_key=False)
     count = stacked.num_layers
 
     def layers(p: list[Any], key: Any, chunk: Any, micro: Any) -> StageLayers:
-        loop = layer_loop_of(layer, p, count, check_remat(remat, "pass_flops"), per_row)
-        return loop
+        return layer_loop(
+            layer,
+            p,
+            None,
+            key_rows=False,
+            first=0,
+            num_layers=count,
+            remat=check_remat(remat, "pass_flops"),
+            unroll=True,
+            per_row=per_row,
+        )
 
     passes = StagePasses(layers, jax.tree.structure(x), None)
     h = jax.tree.leaves(x)
@@ -325,21 +332,3 @@ def pass_flops(
         ),
         "BW": flops(both, leaves, kept, y),
     }
-
-
-def layer_loop_of(
-    layer: Callable[..., Any], leaves: list[Any], count: int, remat: Any, per_row: bool
-) -> StageLayers:
-    from .engine import layer_loop
-
-    return layer_loop(
-        layer,
-        leaves,
-        None,
-        key_rows=False,
-        first=0,
-        num_layers=count,
-        remat=remat,
-        unroll=True,
-        per_row=per_row,
-    )

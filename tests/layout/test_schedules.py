@@ -87,6 +87,17 @@ def _slots(rows):
     return at
 
 
+def _every(kinds, micro, repeats, stages):
+    """Each kind of entry once for every microbatch, chunk and stage."""
+    return {
+        (kind, m, c, s)
+        for kind in kinds
+        for m in range(micro)
+        for c in range(repeats)
+        for s in range(stages)
+    }
+
+
 @pytest.mark.parametrize(("schedule", "repeats", "stages", "micro"), CASES)
 def test_each_stage_runs_every_microbatch_and_chunk_once(
     schedule, repeats, stages, micro
@@ -94,14 +105,7 @@ def test_each_stage_runs_every_microbatch_and_chunk_once(
     rows = table(_pipeline(schedule, repeats, micro), stages)
     assert all(len(row) == stages for row in rows)
     kinds = ("F", "B", "W") if schedule in WRITTEN_OUT else ("F", "BW")
-    want = {
-        (kind, m, c, s)
-        for kind in kinds
-        for m in range(micro)
-        for c in range(repeats)
-        for s in range(stages)
-    }
-    assert set(_slots(rows)) == want
+    assert set(_slots(rows)) == _every(kinds, micro, repeats, stages)
     assert all(any(e is not None for e in row) for row in rows)
 
 
@@ -189,14 +193,7 @@ def test_every_table_is_a_valid_lockstep_loop(schedule, repeats, stages, micro):
             assert key not in done, (t, s, entry)
             done[key] = t
     families = ("F", "B", "W") if schedule in WRITTEN_OUT else ("F", "B")
-    want = {
-        (kind, m, c, s)
-        for kind in families
-        for m in range(micro)
-        for c in range(repeats)
-        for s in range(stages)
-    }
-    assert set(done) == want
+    assert set(done) == _every(families, micro, repeats, stages)
     limit = {"1f1b": lambda s: stages - s, "zb-h1": lambda s: stages}.get(schedule)
     for s in range(stages):
         kinds = [row[s][0] for row in rows if row[s] is not None]
