@@ -83,6 +83,17 @@ def test_the_layout_never_imports_the_step():
         assert not wrong, f"{_name(path)} imports {wrong}"
 
 
+def test_the_step_asks_the_layout_not_its_parts():
+    """The step asks its `Layout` what it needs (`context_axis`,
+    `loss_per_microbatch`, `fsdp_options`, `check_training`, `loss_view`); it
+    never looks a parallelism's part up by its type."""
+    for path in sorted((PACKAGE / "_step").rglob("*.py")):
+        wrong = sorted(
+            m for m in _imports(path) if m.startswith("eqxdist._layout.parts")
+        )
+        assert not wrong, f"{_name(path)} imports {wrong}"
+
+
 def _module_name(path: Path) -> str:
     parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)

@@ -21,16 +21,20 @@ from .._mesh import compute_mesh
 from .._utils import check_mesh, check_rows, is_array, plural
 from .flags import CPU_FSDP_OPTIONS, in_one_order
 from .options import LAYOUT_DEFAULTS, parse_parts
-from .parts.base import LossView, Part
+from .parts.base import Part
 from .parts.data import DataPart
-from .parts.fsdp import GLOBAL_VIEW_LAYOUT
+from .parts.fsdp import (
+    GLOBAL_VIEW_LAYOUT,
+    FsdpOptions as FsdpOptions,  # the step reads it here
+)
 from .pipeline import with_data_axis
 from .plan import ModelPlan, plan_model, structure_key
 from .rules import ParamRules, has_fsdp_modules
 from .state_specs import StateSpecs
+from .step_questions import StepQuestions
 
 
-class Layout:
+class Layout(StepQuestions):
     """Where every array of a step lives: the batch, the model, the optimizer
     state. Build it once and pass it to `make_train_step`, `make_eval_step` and
     `BatchLoader` in place of a mesh.
@@ -247,10 +251,6 @@ class Layout:
         `fsdp_layout="outputs"`, built once."""
         return _for_view(self, view)
 
-    def part(self, kind: type[Any]) -> Any:
-        """This layout's part of `kind` (e.g. `PipelinePart`), or `None`."""
-        return next((p for p in self.parts if isinstance(p, kind)), None)
-
     # -- what a user reads -----------------------------------------------------
 
     def describe(self) -> str:
@@ -294,12 +294,6 @@ class Layout:
                 keywords.update(part.plan_keywords(self.mesh, model, self.caller))
             self._plans[key] = plan_model(model, caller=self.caller, **keywords)
         return self._plans[key]
-
-    def for_loss(self, model: Any, view: LossView) -> Any:
-        """The model as a step's loss sees it (every part's `for_loss`)."""
-        for part in self.parts:
-            model = part.for_loss(model, view)
-        return model
 
     def compute_mesh(self, with_state: bool) -> Mesh:
         """The mesh a step computes on (`_mesh.compute_mesh`, `_mesh.retyped`):

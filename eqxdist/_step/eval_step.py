@@ -14,7 +14,6 @@ from jax.sharding import Mesh, PartitionSpec as P
 
 from .._data_parallel import local_shard_count
 from .._layout.layout import Layout, check_layout, resolve_layout
-from .._layout.parts.context import ContextPart
 from .._layout.stages import Seen
 from .._mesh import retyped
 from .._metrics.tree import (
@@ -390,10 +389,10 @@ def make_eval_step(
     """
     caller = "make_eval_step"
     chosen = resolve_layout(caller, layout, layout_keywords)
-    context = chosen.part(ContextPart)
+    context = chosen.context_axis
     if per_row and context is not None and view == "device":
         raise ValueError(
-            f"{caller}: per_row=True with context_axis={context.axis!r} in the "
+            f"{caller}: per_row=True with context_axis={context!r} in the "
             "device view: a device sees a share of each row's sequence, so its "
             "per-row outputs are not the rows'. Use view='global' (eval_fn sees "
             "whole sequences; ed.attention shards itself)."

@@ -24,10 +24,10 @@ from jaxtyping import Array
 from .._data_parallel import fold_rng_over_axis
 from .._layout.engine import stage_layers
 from .._layout.partitioned import KeyPath, choose
-from .._layout.parts.fsdp import FsdpOptions
 from .._layout.plan import WEIGHT
 from .._layout.schedules import WRITTEN_OUT
 from .._layout.stages import Seen
+from .._layout.step_questions import FsdpOptions
 from .._metrics.tree import reduce_metrics
 from .._utils import cast_floating, is_array
 from .accumulate import (

@@ -14,7 +14,6 @@ from jax.sharding import Mesh, PartitionSpec as P
 
 from .._layout.layout import Layout
 from .._layout.partitioned import KeyPath, partitioned as partitioned_layers
-from .._layout.parts.base import LossView
 from .._layout.plan import ModelPlan
 from .._layout.remat import UNSET
 from .._layout.stack_options import with_stack_options
@@ -99,16 +98,15 @@ class StepInputs:
             model = partitioned_layers(model, partitioned, axis)
         remat, unroll = self.stack
         model = with_stack_options(model, remat, unroll, "make_train_step")
-        seen = LossView(
-            self.plan.stages,
-            view,
-            remat,
-            marker,
-            pipelined,
-            self.layout.data_axes,
-            reads_layers,
+        return self.layout.loss_view(
+            model,
+            stages=self.plan.stages,
+            view=view,
+            remat=remat,
+            marker=marker,
+            pipelined=pipelined,
+            reads_layers=reads_layers,
         )
-        return self.layout.for_loss(model, seen)
 
     def model_state(self, state_arrays: Any) -> Any:
         return eqx.combine(state_arrays, self.state_static)

@@ -16,9 +16,6 @@ import optax
 from jaxtyping import Array
 
 from .._layout.layout import Layout
-from .._layout.parts.fsdp import FsdpOptions, FsdpPart
-from .._layout.parts.pipeline import PipelinePart
-from .._layout.schedules import WRITTEN_OUT
 from .._mesh import retyped
 from .._metrics.tree import check_summed
 from .accumulate import CheckedLoss
@@ -139,7 +136,7 @@ class TrainMath(eqx.Module):
             loss,
             inputs,
             options,
-            _fsdp_options(layout),
+            layout.fsdp_options,
             counts,
             wants_loss=wants_value or options.skip_nonfinite,
             model=unplaced_shapes(state.model),
@@ -153,16 +150,7 @@ def _global_gradients(layout: Layout, options: StepOptions) -> bool:
     rows whichever the view: each microbatch's loss is its share of the rows'
     (`hoist`: the device's in the device view, the whole batch's in the
     global view), which the sums over the microbatches and devices add up."""
-    pipeline = layout.part(PipelinePart)
-    written = pipeline is not None and pipeline.pipeline.schedule in WRITTEN_OUT
-    return options.view == "global" and not written
-
-
-def _fsdp_options(layout: Layout) -> FsdpOptions:
-    """How FSDP gathers and runs `Linear`s (the defaults without FSDP: nothing
-    is gathered then)."""
-    fsdp = layout.part(FsdpPart)
-    return FsdpOptions() if fsdp is None else fsdp.options
+    return options.view == "global" and not layout.loss_per_microbatch
 
 
 def _nonfinite(grads: Gradients) -> Array:

@@ -14,8 +14,6 @@ from .._data_parallel import place
 from .._hlo import compiled_cost
 from .._jaxpr import matmul_flops
 from .._layout.layout import Layout, check_layout, resolve_layout
-from .._layout.parts.context import ContextPart
-from .._layout.parts.pipeline import PipelinePart
 from .._layout.state_specs import describe_state
 from .._metrics.tree import without_counts
 from .._utils import (
@@ -368,10 +366,7 @@ def make_train_step(
         unroll=unroll,
     )
     chosen = chosen.for_view(options.view)
-    pipeline = chosen.part(PipelinePart)
-    if pipeline is not None:
-        context = chosen.part(ContextPart)
-        pipeline.check_training(caller, None if context is None else context.axis)
+    chosen.check_training(caller)
     optimizers = _optimizers(optimizer, part, caller)
     math = TrainMath(loss_fn, optimizers[part], chosen, options, part=part)
     return TrainStep(
