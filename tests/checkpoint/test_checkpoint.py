@@ -478,7 +478,10 @@ def test_sigterm_saves_and_the_rerun_resumes_bit_exactly(tmp_path, cached_env):
     script = SCRIPTS / "preempt_train.py"
     steps = "10"
     full = subprocess.run(
-        [sys.executable, script, tmp_path / "full", tmp_path / "full.npz", steps],
+        [
+            *(sys.executable, script, tmp_path / "full", tmp_path / "full.npz"),
+            *(steps, "no-pause"),  # no signal comes: no pause for one
+        ],
         capture_output=True,
         text=True,
         timeout=300,
@@ -503,7 +506,7 @@ def test_sigterm_saves_and_the_rerun_resumes_bit_exactly(tmp_path, cached_env):
     assert 3 <= stopped < 10 and ed.latest_step(ckpt) == stopped
     assert not (tmp_path / "resumed.npz").exists()
     rerun = subprocess.run(
-        [sys.executable, script, ckpt, tmp_path / "resumed.npz", steps],
+        [sys.executable, script, ckpt, tmp_path / "resumed.npz", steps, "no-pause"],
         capture_output=True,
         text=True,
         timeout=300,

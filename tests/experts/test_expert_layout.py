@@ -4,6 +4,7 @@ single-device training of the same model on the same global data (float32,
 1e-5), in both views, under every strategy, with tensor rules, minibatches,
 weighted losses and step statistics."""
 
+import functools
 import re
 
 import equinox as eqx
@@ -90,6 +91,24 @@ def _reference(model, batches, optimizer, loss, *, devices, minibatches, view):
     return eqx.combine(params, static)
 
 
+# The single-device references several tests compare with, each trained once per
+# test process: a reference is a function of the model, batches, optimizer, loss
+# and (devices, minibatches, view) alone, which the tests below share exactly.
+ADAMW = optax.adamw(1e-2)
+SGD = optax.sgd(0.1)
+
+
+@functools.cache
+def _moe_reference(devices, minibatches, view):
+    """`_reference` of `test_expert_parallel_training_equals_one_device`'s
+    training (several of its cases take the same devices, minibatches and view)."""
+    batches = [{"x": b["x"], "y": b["y"]} for b in _batches()]
+    return _reference(
+        MoENet(jax.random.key(0)), batches, ADAMW, moe_loss,
+        devices=devices, minibatches=minibatches, view=view,
+    )  # fmt: skip
+
+
 def _max_diff(a, b):
     a = jax.tree.leaves(eqx.filter(a, eqx.is_array))
     b = jax.tree.leaves(eqx.filter(b, eqx.is_array))
@@ -158,22 +177,16 @@ def test_expert_parallel_training_equals_one_device(name):
     shape, where, options = CASES[name]
     mesh = ed.create_device_mesh(shape)
     layout = ed.Layout(mesh, **where)
-    optimizer = optax.adamw(1e-2)
+    optimizer = ADAMW
     model = MoENet(jax.random.key(0))
     step = ed.make_train_step(moe_loss, optimizer, layout, **options)
     state = ed.TrainState.create(model, optimizer, jax.random.key(1))
-    batches = _batches()
-    for batch in batches:
+    for batch in _batches():
         state, _ = step(state, {"x": batch["x"], "y": batch["y"]})
-    devices = layout.num_shards
-    expected = _reference(
-        model,
-        [{"x": b["x"], "y": b["y"]} for b in batches],
-        optimizer,
-        moe_loss,
-        devices=devices,
-        minibatches=options.get("num_minibatches", 1),
-        view=options.get("view", "device"),
+    expected = _moe_reference(
+        layout.num_shards,
+        options.get("num_minibatches", 1),
+        options.get("view", "device"),
     )
     assert _max_diff(state.model, expected) < 1e-5
     specs = layout.model_specs(model)
@@ -262,27 +275,35 @@ def test_global_view_vmap_over_sequences_trains_as_one_device(shape, where, opti
     minibatches (on 8 devices: each sequence padded for the split), or beside a
     context axis (the layer's `shard_map` over some of the mesh's axes)."""
     layout = ed.Layout(ed.create_device_mesh(shape), expert_axis="data", **where)
-    optimizer = optax.sgd(0.1)
+    optimizer = SGD
     model = MoENet(jax.random.key(0))
     step = ed.make_train_step(
         _sequence_loss, optimizer, layout, view="global", **options
     )
     state = ed.TrainState.create(model, optimizer, jax.random.key(1))
+    for batch in _sequence_batches():
+        state, _ = step(state, batch)
+    assert _max_diff(state.model, _sequence_reference()) < 1e-5
+
+
+def _sequence_batches():
     rng = np.random.default_rng(0)
-    batches = [
+    return [
         {
             "x": rng.normal(size=(16, 4, 6)).astype(np.float32),
             "y": rng.integers(0, 4, (16, 4)).astype(np.int32),
         }
         for _ in range(2)
     ]
-    for batch in batches:
-        state, _ = step(state, batch)
-    expected = _reference(
-        model, batches, optimizer, _sequence_loss,
+
+
+@functools.cache
+def _sequence_reference():
+    """One device's training of `_sequence_loss`, the same for both cases."""
+    return _reference(
+        MoENet(jax.random.key(0)), _sequence_batches(), SGD, _sequence_loss,
         devices=1, minibatches=1, view="global",
     )  # fmt: skip
-    assert _max_diff(state.model, expected) < 1e-5
 
 
 class _Block(eqx.Module):
@@ -361,27 +382,38 @@ def test_moe_blocks_of_a_stacked_and_a_pipeline_train_as_on_one_device(name):
     where = {"expert_axis": "data", **where}
     view = where.pop("view", "device")
     layout = ed.Layout(ed.create_device_mesh(shape), **where)
-    optimizer = optax.sgd(0.1)
+    optimizer = SGD
     model = _StackedNet(jax.random.key(0))
     step = ed.make_train_step(_stacked_loss, optimizer, layout, view=view)
     state = ed.TrainState.create(model, optimizer, jax.random.key(1))
-    rng = np.random.default_rng(0)
-    batches = [{"x": rng.normal(size=(16, 4, D)).astype(np.float32)} for _ in range(2)]
     reported = []
-    for batch in batches:
+    for batch in _stacked_batches():
         state, metrics = step(state, batch)
         reported.append(np.asarray(metrics["aux"]))
-    expected = _reference(
-        model, batches, optimizer, _plain_stacked_loss,
-        devices=1, minibatches=1, view="global",
-    )  # fmt: skip
+    expected, want = _stacked_reference()
     assert _max_diff(state.model, expected) < 1e-5
     # The aux out of the stack, each row's and layer's, is one device's to
     # within a rounding of each (~1 ulp: XLA vectorises the router's
     # reductions by the microbatch's shape), so its mean to 1e-6.
     total, count = reported[0]
-    want = float(_plain_stacked_loss(model, batches[0], None)[1]["aux"])
     assert abs(total / count - want) < 1e-6
+
+
+def _stacked_batches():
+    rng = np.random.default_rng(0)
+    return [{"x": rng.normal(size=(16, 4, D)).astype(np.float32)} for _ in range(2)]
+
+
+@functools.cache
+def _stacked_reference():
+    """One device's training of the stack, and its first batch's aux: the same
+    for every case."""
+    model, batches = _StackedNet(jax.random.key(0)), _stacked_batches()
+    expected = _reference(
+        model, batches, SGD, _plain_stacked_loss,
+        devices=1, minibatches=1, view="global",
+    )  # fmt: skip
+    return expected, float(_plain_stacked_loss(model, batches[0], None)[1]["aux"])
 
 
 def test_a_state_moves_between_layouts_and_builds_in_place(tmp_path):

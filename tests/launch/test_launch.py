@@ -869,8 +869,11 @@ def test_sigterm_to_one_of_2_processes_saves_and_the_rerun_resumes_bit_exactly(
     without the launcher (SIGTERM to process 0), resumed under the launcher to
     the end. Both processes stop at the same step each time, and save it."""
     script, steps = SCRIPTS / "preempt_train.py", "10"
+    # The runs no signal is sent to take no pause per step (`no-pause`).
     full = run_launcher(
-        *launcher_command(script, tmp_path / "f", tmp_path / "full.npz", steps)[3:]
+        *launcher_command(
+            script, tmp_path / "f", tmp_path / "full.npz", steps, "no-pause"
+        )[3:]
     )
     assert full.returncode == 0, explain(full)
     ckpt, resumed = tmp_path / "ckpt", tmp_path / "resumed.npz"
@@ -893,7 +896,9 @@ def test_sigterm_to_one_of_2_processes_saves_and_the_rerun_resumes_bit_exactly(
     assert first < second < 10 and ed.latest_step(ckpt) == second
     assert not resumed.exists()
 
-    rerun = run_launcher(*launcher_command(script, ckpt, resumed, steps)[3:])
+    rerun = run_launcher(
+        *launcher_command(script, ckpt, resumed, steps, "no-pause")[3:]
+    )
     assert rerun.returncode == 0, explain(rerun)
     assert f"[0] resumed at {second}" in rerun.stdout
     assert_same_npz(np.load(resumed), np.load(tmp_path / "full.npz"))

@@ -3,7 +3,7 @@ tests/checkpoint/test_checkpoint.py (one plain process) and
 tests/launch/test_launch.py (under `eqxdist.launch`, and as
 SLURM-style processes started by hand):
 
-    preempt_train.py CKPT OUT STEPS [save-first|check-first]
+    preempt_train.py CKPT OUT STEPS [save-first|check-first] [no-pause]
 
 Resumes from the latest checkpoint in CKPT if there is one, trains the `common`
 problem (data parallel, a different batch per step) up to STEPS, and saves when
@@ -14,7 +14,9 @@ resumed run checks, on every process, that it reads back the step's own.
 
 The loop saves, then asks `reached_preemption` (`save-first`, the default), or asks
 first and saves only when preempted (`check-first`, Orbax's shape: with the long
-interval nothing else saves)."""
+interval nothing else saves). Each step pauses 0.3 s, so that a signal sent once
+a step is printed lands before the run ends; `no-pause` leaves that out, for the
+runs no signal is sent to (an uninterrupted reference, a rerun to the end)."""
 
 import sys
 import time
@@ -29,7 +31,9 @@ import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
 directory, out, steps = sys.argv[1], sys.argv[2], int(sys.argv[3])
-order = sys.argv[4] if len(sys.argv) > 4 else "save-first"
+options = sys.argv[4:]
+order = "check-first" if "check-first" in options else "save-first"
+pause = 0.0 if "no-pause" in options else 0.3
 mesh = ed.create_data_parallel_mesh()
 train_step = ed.make_train_step(common.loss_fn, common.OPTIMIZER, mesh, strategy="dp")
 
@@ -58,7 +62,7 @@ with ed.CheckpointManager(directory, save_interval_steps=1000, async_save=True) 
         state, _ = train_step(state, batch(step))
         jax.block_until_ready(state)
         print(f"pid {__import__('os').getpid()} step {step + 1}", flush=True)
-        time.sleep(0.3)
+        time.sleep(pause)
         metadata = {"next_step": step + 1}
         if order == "save-first":
             m.save(step + 1, state, metadata=metadata)
