@@ -112,6 +112,19 @@ def test_the_pipeline_is_one_folder_behind_its_interface():
         )
 
 
+def test_the_pipeline_interface_names_no_module():
+    """Every name the pipeline folder exports is the function or class, not a
+    module of the folder that shadows it (`from .x import y` binds the module
+    `x` on the package, over a name `x` imported before)."""
+    import types
+
+    import eqxdist._layout.pipeline as pipeline
+
+    for name in pipeline.__all__:
+        value = getattr(pipeline, name)
+        assert not isinstance(value, types.ModuleType), (name, value)
+
+
 def _module_name(path: Path) -> str:
     parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)

@@ -111,7 +111,7 @@ class EvalMath(eqx.Module):
 
             stages = split.plan.stages
             # An `eval_fn` that reads the pipelined stack's layers itself gets
-            # every stage's in the device view (`_layout/pipeline/stage_layers`).
+            # every stage's in the device view (`_layout/pipeline/layer_reads`).
             reads = (
                 bool(axes)
                 and stages is not None

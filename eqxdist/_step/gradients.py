@@ -222,7 +222,7 @@ class DeviceGradients:
         """Inside the step's `shard_map`, in the device view under GPipe or the
         circular schedule: whether the loss reads the pipelined stack's layers
         outside the stack (then it gets every stage's: `_layout.all_layers`),
-        from a shape-only trace with the stack marked (`stage_layers`). The
+        from a shape-only trace with the stack marked (`layer_reads`). The
         written-out schedules refuse such a loss (`one_f_one_b`)."""
         inputs, stages = self.inputs, self.inputs.plan.stages
         if (

@@ -3,7 +3,7 @@ configuration (`config`), the schedules as tables (`schedules`, `slot_arrays`),
 the loop that runs them (`engine`), what each entry computes (`stage_slots`,
 `stage_passes`, `split_backward`), how a pipelined `Stacked` is called
 (`stages`, `all_layers`) and where 1F1B cuts the loss (`cut_loss`,
-`stage_layers`).
+`layer_reads`).
 
 Code outside this folder imports only the names below, from here: the rest
 is the folder's own (`tests/test_house.py` checks it)."""
@@ -18,8 +18,8 @@ from .config import (
 )
 from .cut_loss import CutLoss, cut
 from .engine import stage_layers
+from .layer_reads import loss_reads_layers, reads, stage_leaves
 from .schedules import WRITTEN_OUT, slot_arrays, table
-from .stage_layers import loss_reads_layers, reads, stage_leaves
 from .stage_passes import StagePasses, cotangent
 from .stage_slots import StageSlots
 from .stages import Seen, pipelined, to_chunk_order
