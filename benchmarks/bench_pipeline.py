@@ -57,7 +57,7 @@ Four sections, each model:
    parallelism, and `model_flops` against data parallelism's; the compiled
    temporaries of GPipe, 1F1B and ZB-H1 at M = 4P = 16; and what each entry
    kind computes (XLA's FLOPs of each pass compiled on its own, in units of F:
-   `eqxdist._layout.stage_passes.pass_flops`). On CPU devices sharing cores
+   `eqxdist._layout.pipeline.stage_passes.pass_flops`). On CPU devices sharing cores
    the step time is all the devices' work together, so it shows recompute and
    per-slot overhead, not bubbles.
 
@@ -93,7 +93,7 @@ import optax
 from jax.sharding import PartitionSpec as P
 
 import eqxdist as ed
-from eqxdist._layout.stage_passes import pass_flops
+from eqxdist._layout.pipeline.stage_passes import pass_flops
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
 from _transformer import STACKED_MEGATRON_RULES, benchmark_model

@@ -78,3 +78,14 @@ def script_env(cached_env: dict[str, str]) -> dict[str, str]:
     it: without this process's `XLA_FLAGS` (each script sets up its own simulated
     devices), with the session's compilation cache (`cached_env`)."""
     return {k: v for k, v in cached_env.items() if k != "XLA_FLAGS"}
+
+
+def pytest_xdist_auto_num_workers(config: pytest.Config) -> int:
+    """`-n auto` (the default, `addopts`): one pytest-xdist worker per core,
+    as many as the memory holds at about 5 GiB each (a worker's 8 simulated
+    devices and its compiled programs peak near 4 GiB). Most tests spend their
+    time compiling on one thread, so a machine with more cores runs more at
+    once; on a 2-core machine, two."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else 1
+    memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    return max(1, min(cores, memory // (5 * 2**30)))

@@ -94,6 +94,37 @@ def test_the_step_asks_the_layout_not_its_parts():
         assert not wrong, f"{_name(path)} imports {wrong}"
 
 
+def test_the_pipeline_is_one_folder_behind_its_interface():
+    """The pipeline's mechanism (schedules, engine, slots, passes, the loss
+    cut) is `_layout/pipeline/`; every module outside it imports the folder's
+    names from `eqxdist._layout.pipeline` (its `__init__`), never a module
+    inside, so the folder can change behind that interface."""
+    inside = PACKAGE / "_layout" / "pipeline"
+    for path in MODULES:
+        if inside in path.parents:
+            continue
+        wrong = sorted(
+            m for m in _imports(path) if m.startswith("eqxdist._layout.pipeline.")
+        )
+        assert not wrong, (
+            f"{_name(path)} imports {wrong}; import the name from "
+            "eqxdist._layout.pipeline (add it to its __all__)"
+        )
+
+
+def test_the_pipeline_interface_names_no_module():
+    """Every name the pipeline folder exports is the function or class, not a
+    module of the folder that shadows it (`from .x import y` binds the module
+    `x` on the package, over a name `x` imported before)."""
+    import types
+
+    import eqxdist._layout.pipeline as pipeline
+
+    for name in pipeline.__all__:
+        value = getattr(pipeline, name)
+        assert not isinstance(value, types.ModuleType), (name, value)
+
+
 def _module_name(path: Path) -> str:
     parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)

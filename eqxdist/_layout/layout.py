@@ -282,8 +282,9 @@ class Layout(StepQuestions):
 
     def plan(self, model: Any) -> ModelPlan:
         """Where `model`'s leaves live (`plan_model`, from every part's
-        `plan_keywords`), computed once per structure, shapes and dtypes (a
-        step's slow path, its trace and `state_specs` all ask)."""
+        `plan_keywords`, then each part's `apply_to_plan` in turn), computed
+        once per structure, shapes and dtypes (a step's slow path, its trace
+        and `state_specs` all ask)."""
         key = structure_key(model)
         if key not in self._plans:
             keywords: dict[str, Any] = {
@@ -292,7 +293,10 @@ class Layout(StepQuestions):
             }
             for part in self.parts:
                 keywords.update(part.plan_keywords(self.mesh, model, self.caller))
-            self._plans[key] = plan_model(model, caller=self.caller, **keywords)
+            plan = plan_model(model, caller=self.caller, **keywords)
+            for part in self.parts:
+                plan = part.apply_to_plan(plan, self.mesh, model, self.caller)
+            self._plans[key] = plan
         return self._plans[key]
 
     def compute_mesh(self, with_state: bool) -> Mesh:

@@ -13,13 +13,12 @@ import warnings
 from typing import Any
 
 import jax
-import numpy as np
 from jax.sharding import Mesh, PartitionSpec as P
 
 from .._utils import is_array, is_array_like, path_str
 from .collectives import gather_tree, scatter_mean, unsynced_axes
 from .partitioned import KeyPath, linear_paths
-from .pipeline import StagePlan, stage_spec
+from .pipeline import StagePlan, to_chunk_order
 from .rules import (
     FsdpRule,
     ParamRules,
@@ -29,7 +28,6 @@ from .rules import (
     sharded_dim,
     spec_axes,
 )
-from .stages import to_chunk_order
 
 WEIGHT = jax.tree_util.GetAttrKey("weight")
 
@@ -177,8 +175,6 @@ def plan_model(
     rules: ParamRules,
     caller: str,
     zero1: FsdpRule | None = None,
-    stages: StagePlan | None = None,
-    experts: "ExpertPlan | None" = None,
 ) -> ModelPlan:
     """The plan of `model` when its leaves are sharded by `fsdp` (`None`: not at all
     over the data axes) and `rules` over the other axes; under ZeRO-1 (`zero1`:
@@ -197,116 +193,8 @@ def plan_model(
     leaves = [x for _, x in with_path]
     paths = [path_str(p) for p, _ in with_path]
     rule_specs = rules.match(paths, leaves)
-    plan = _plan_model(
+    return _plan_model(
         model, with_path, rule_specs, data_axes, fsdp, caller, zero1, treedef
-    )
-    if stages is not None:
-        plan = _staged(plan, stages, paths, treedef, caller)
-    if experts is not None:
-        plan = _with_experts(plan, experts, leaves, paths, treedef, data_axes, caller)
-    return plan
-
-
-@dataclasses.dataclass(frozen=True)
-class ExpertPlan:
-    """Expert parallelism resolved against a model: the experts' `axis` and,
-    per leaf of `jax.tree.leaves(model)`, whether it is an expert weight (its
-    dimension `ndim - 3` the experts, `ed.MoE`'s `w_in`/`w_gate`/`w_out`)."""
-
-    axis: str
-    leaves: tuple[bool, ...]
-
-
-def _with_experts(
-    plan: ModelPlan,
-    experts: ExpertPlan,
-    leaves: list[Any],
-    paths: list[str],
-    treedef: Any,
-    data_axes: tuple[str, ...],
-    caller: str,
-) -> ModelPlan:
-    """`plan` with every expert weight split over the experts' axis on its
-    expert dimension, entering the step's `shard_map` as that shard and never
-    gathered (each device computes with its experts, the tokens travel): the
-    strategy's FSDP shard of it is dropped, a tensor rule's other dimensions and
-    a pipeline's layer axis kept. Its gradient leaves the map as the shard's,
-    averaged over the axis by the layer (`_experts`); ZeRO-1 keeps it there."""
-    axis = experts.axis
-
-    def entries(spec: P | None, ndim: int) -> list[Any]:
-        return [*(spec or ()), *[None] * (ndim - len(spec or ()))]
-
-    def expert_spec(spec: P | None, x: Any, path: str, manual: bool) -> P:
-        dim = np.ndim(x) - 3
-        out = entries(spec, np.ndim(x))
-        if out[dim] is not None and not set(spec_axes(P(out[dim]))) <= set(data_axes):
-            raise ValueError(
-                f"{caller}: param_rules shard dimension {dim} (the experts) of the "
-                f"expert weight {path} as {spec}; the expert axis {axis!r} splits "
-                "that dimension. Shard the others (e.g. d_hidden over 'model')."
-            )
-        for d, entry in enumerate(out):
-            names = spec_axes(P(entry))
-            if names & set(data_axes) or (manual and d != 0):
-                out[d] = None  # no FSDP shard; in the map only the stages' axis
-        out[dim] = axis
-        while out and out[-1] is None:
-            out.pop()
-        return P(*out)
-
-    def update(tree: Any, manual: bool, flat: bool = False) -> Any:
-        if tree is None:
-            return None
-        specs = treedef.flatten_up_to(tree)
-        new = [
-            (P() if flat else expert_spec(s, x, path, manual))
-            if expert and s is not None
-            else s
-            for s, x, path, expert in zip(
-                specs, leaves, paths, experts.leaves, strict=True
-            )
-        ]
-        return jax.tree.unflatten(treedef, new)
-
-    return dataclasses.replace(
-        plan,
-        specs=update(plan.specs, manual=False),
-        manual=update(plan.manual, manual=True),
-        gather=update(plan.gather, manual=True, flat=True),
-        scatter=update(plan.scatter, manual=True),
-    )
-
-
-def _staged(
-    plan: ModelPlan, stages: StagePlan, paths: list[str], treedef: Any, caller: str
-) -> ModelPlan:
-    """`plan` with the pipelined `Stacked`'s leaves split over the stage axis on
-    their layer axis: the step's `shard_map`, manual over the stage axis too,
-    gives each stage its layers, whole over the data axes (XLA gathers an FSDP
-    shard at the boundary, once per step); their gradients leave it as sums
-    over the data axes (`sum_gradients`' all-reduce)."""
-
-    def update(tree: Any, value: Any) -> Any:
-        if tree is None:
-            return None
-        # Flattened as the model is (`treedef`): a `None` field of the model (a
-        # Linear without bias) is a node there, not a spec leaf.
-        leaves = treedef.flatten_up_to(tree)
-        new = [
-            value(s, path) if staged and s is not None else s
-            for s, staged, path in zip(leaves, stages.leaves, paths, strict=True)
-        ]
-        return jax.tree.unflatten(treedef, new)
-
-    axis = stages.axis
-    return dataclasses.replace(
-        plan,
-        specs=update(plan.specs, lambda s, path: stage_spec(s, axis, path, caller)),
-        manual=update(plan.manual, lambda s, path: P(axis)),
-        gather=update(plan.gather, lambda s, path: P()),
-        scatter=update(plan.scatter, lambda s, path: P(axis)),
-        stages=stages,
     )
 
 

@@ -8,7 +8,7 @@ from .parts.base import LossView, Part
 from .parts.context import ContextPart
 from .parts.fsdp import FsdpOptions, FsdpPart
 from .parts.pipeline import PipelinePart
-from .schedules import WRITTEN_OUT
+from .pipeline import WRITTEN_OUT
 
 __all__ = ["FsdpOptions", "StepQuestions"]
 

@@ -14,7 +14,7 @@ from jax.sharding import Mesh, PartitionSpec as P
 
 from .._data_parallel import local_shard_count
 from .._layout.layout import Layout, check_layout, resolve_layout
-from .._layout.stages import Seen
+from .._layout.pipeline import Seen, loss_reads_layers
 from .._mesh import retyped
 from .._metrics.tree import (
     check_metrics,
@@ -41,7 +41,6 @@ from .compiled import CompiledStep, Placement
 from .gradients import shapes
 from .inputs import StepInputs
 from .options import check_view
-from .stage_layers import loss_reads_layers
 from .state import TrainState, trainable_mask_tree
 
 
@@ -112,7 +111,7 @@ class EvalMath(eqx.Module):
 
             stages = split.plan.stages
             # An `eval_fn` that reads the pipelined stack's layers itself gets
-            # every stage's in the device view (`_step/stage_layers`).
+            # every stage's in the device view (`_layout/pipeline/layer_reads`).
             reads = (
                 bool(axes)
                 and stages is not None

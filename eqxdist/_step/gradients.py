@@ -22,11 +22,9 @@ from jax.sharding import PartitionSpec as P
 from jaxtyping import Array
 
 from .._data_parallel import fold_rng_over_axis
-from .._layout.engine import stage_layers
 from .._layout.partitioned import KeyPath, choose
+from .._layout.pipeline import WRITTEN_OUT, Seen, loss_reads_layers, stage_layers
 from .._layout.plan import WEIGHT
-from .._layout.schedules import WRITTEN_OUT
-from .._layout.stages import Seen
 from .._layout.step_questions import FsdpOptions
 from .._metrics.tree import reduce_metrics
 from .._utils import cast_floating, is_array
@@ -40,7 +38,6 @@ from .accumulate import (
 from .inputs import StepInputs, sync_model_state
 from .one_f_one_b import OneFOneB
 from .options import StepOptions
-from .stage_layers import loss_reads_layers
 from .statistics import NONFINITE, SQUARES, global_sums, local_sums
 from .update import gradient_finishers
 
@@ -225,7 +222,7 @@ class DeviceGradients:
         """Inside the step's `shard_map`, in the device view under GPipe or the
         circular schedule: whether the loss reads the pipelined stack's layers
         outside the stack (then it gets every stage's: `_layout.all_layers`),
-        from a shape-only trace with the stack marked (`stage_layers`). The
+        from a shape-only trace with the stack marked (`layer_reads`). The
         written-out schedules refuse such a loss (`one_f_one_b`)."""
         inputs, stages = self.inputs, self.inputs.plan.stages
         if (
@@ -248,7 +245,7 @@ class DeviceGradients:
         """Inside the step's `shard_map`: `layers(params, key, key_rows,
         per_row, chunk, micro)`, this stage's layers (its `chunk` of them, with
         repeats) of the pipelined `Stacked` for microbatch `micro`, as a loop
-        (`_layout.engine.StageLayers`: the schedules whose backward is written
+        (`_layout.pipeline.engine.StageLayers`: the schedules whose backward is written
         out run its layers' passes apart; `params`: the trained leaves). A
         stack key not per row is the microbatch's (`engine.microbatch_key`; in
         the global view numbered over the batch's data shards)."""

@@ -14,10 +14,10 @@ from jax.sharding import Mesh, PartitionSpec as P
 
 from .._layout.layout import Layout
 from .._layout.partitioned import KeyPath, partitioned as partitioned_layers
+from .._layout.pipeline import Seen
 from .._layout.plan import ModelPlan
 from .._layout.remat import UNSET
 from .._layout.stack_options import with_stack_options
-from .._layout.stages import Seen
 from .._utils import is_array
 
 

@@ -13,14 +13,15 @@ schedule is written out rather than left to JAX's autodiff of a forward loop:
   stack's input: the embedding) and `post` (the stack's output, with the
   inputs, to the loss and its metrics: the head), both ordinary functions JAX
   differentiates.
-- **The slots.** The table is the pipeline's (`_layout.schedules.table`:
+- **The slots.** The table is the pipeline's (`_layout.pipeline.schedules.table`:
   1F1B, interleaved 1F1B over the stage's chunks, or ZB-H1 with each backward
-  split into B and W); the layout's engine runs it
-  (`_layout.stage_slots.StageSlots` on `_layout.engine.run_slots`): every slot,
-  every stage runs its entry, a forward (on the last stage with `post`'s VJP,
-  which gives the loss, the metrics and the output's cotangent) or a backward
-  (the stage recomputed from its stored input under `jax.vjp`), then sends its
-  activation to the next stage and its cotangent to the previous one.
+  split into B and W); the layout's engine runs it (`StageSlots`, from
+  `_layout.pipeline`): every slot, every stage runs its entry, a forward (on
+  the last stage with `post`'s VJP, which gives the loss, the metrics and the
+  output's cotangent), an input-gradient pass B, a weight-gradient pass W or
+  both (`StagePasses`: each from what the forward kept, no recompute), then
+  sends its activation to the next stage and its cotangent to the previous
+  one.
 - **After the loop**, `pre`'s VJP runs on stage 0's input cotangents.
 
 The stages' layer gradients stay on their stage; the other gradients (`pre`'s
@@ -36,19 +37,25 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import PartitionSpec as P
 
-from .._layout.pipeline import StagePlan
+from .._layout.pipeline import (
+    CutLoss,
+    Seen,
+    StagePasses,
+    StagePlan,
+    StageSlots,
+    cotangent,
+    cut,
+    reads,
+    slot_arrays,
+    stage_leaves,
+    table,
+)
 from .._layout.rules import is_spec_leaf
-from .._layout.schedules import slot_arrays, table
 from .._layout.stack_aux import zeros
-from .._layout.stage_passes import StagePasses, cotangent
-from .._layout.stage_slots import StageSlots
-from .._layout.stages import Seen
 from .._metrics.tree import merge_metrics
 from .._utils import is_array
 from .accumulate import Accumulated, CheckedLoss
-from .cut_loss import CutLoss, cut
 from .hoist import Where, check_pre, shares
-from .stage_layers import reads, stage_leaves
 
 # -- the schedule's program ---------------------------------------------------
 
@@ -63,7 +70,7 @@ class OneFOneB:
       `MarkedStack` recording into `seen`.
     - `layers`: `layers(params, key, key_rows, per_row, chunk, micro)`, this
       stage's layers (chunk `chunk`) for microbatch `micro` as a loop
-      (`_layout.engine.StageLayers`; `key`: the rows' keys (`key_rows`) or the
+      (`_layout.pipeline.engine.StageLayers`; `key`: the rows' keys (`key_rows`) or the
       stack's key, or `None`; `per_row`: each block called per row, else on
       all the rows), whose passes `StagePasses` runs apart.
     - `plan`: the pipeline; `specs`: the model's specs (`ModelPlan.specs`),

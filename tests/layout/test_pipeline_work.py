@@ -15,7 +15,7 @@ from harness import PipeNet, pipe_batches, pipe_loss
 from reference import max_diff, train_one_device
 
 import eqxdist as ed
-from eqxdist._layout.stage_passes import pass_flops
+from eqxdist._layout.pipeline.stage_passes import pass_flops
 
 SGD = optax.sgd(0.1)
 

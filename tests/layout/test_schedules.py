@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 import eqxdist as ed
-from eqxdist._layout.schedules import (
+from eqxdist._layout.pipeline.schedules import (
     BACKWARD,
     FORWARD,
     IDLE,

@@ -56,7 +56,12 @@ class Part:
     - `leaf_spec(ndim, spec)`: the spec of a batch leaf of rank `ndim`, given
       the spec the parts before this one gave it.
     - `plan_keywords(mesh, model, caller)`: what this part tells `plan_model`
-      about where the model's leaves live.
+      about where the model's leaves live (data, FSDP, ZeRO-1 and tensor
+      rules: the plan every leaf gets).
+    - `apply_to_plan(plan, mesh, model, caller)`: the plan with this part's own
+      change applied (the pipeline's stage axis on the pipelined layers, the
+      experts' axis on the expert weights), in the order of the parts: the
+      plan never branches on a parallelism.
     - `optimizer_specs(model, param_specs, caller)`: the specs the optimizer
       state follows, given each trained parameter's.
     - `compiler_passes(model, compute_dtype)`: XLA:CPU passes to disable.
@@ -82,6 +87,9 @@ class Part:
 
     def plan_keywords(self, mesh: Mesh, model: Any, caller: str) -> dict[str, Any]:
         return {}
+
+    def apply_to_plan(self, plan: Any, mesh: Mesh, model: Any, caller: str) -> Any:
+        return plan
 
     def optimizer_specs(self, model: Any, param_specs: Any, caller: str) -> Any:
         return param_specs

@@ -1,6 +1,6 @@
 """Pipeline parallelism: the layers of a model's `ed.Stacked` split over a stage
 axis, the device's rows cut into microbatches that flow through the stages
-(`_layout.stages` runs the schedules)."""
+(`_layout/pipeline/` runs the schedules)."""
 
 import dataclasses
 from collections.abc import Sequence
@@ -8,9 +8,7 @@ from typing import Any
 
 from jax.sharding import Mesh, PartitionSpec as P
 
-from ..pipeline import Pipeline, stage_plan
-from ..schedules import WRITTEN_OUT
-from ..stages import pipelined
+from ..pipeline import WRITTEN_OUT, Pipeline, pipelined, stage_plan, staged
 from .base import LossView, Part
 from .tensor import check_rules_spare
 
@@ -49,8 +47,9 @@ class PipelinePart(Part):
     def manual_axes(self) -> tuple[str, ...]:
         return (self.pipeline.axis,)
 
-    def plan_keywords(self, mesh: Mesh, model: Any, caller: str) -> dict[str, Any]:
-        return {"stages": stage_plan(self.pipeline, mesh, model, caller)}
+    def apply_to_plan(self, plan: Any, mesh: Mesh, model: Any, caller: str) -> Any:
+        stages = stage_plan(self.pipeline, mesh, model, caller)
+        return staged(plan, stages, model, caller)
 
     def for_loss(self, model: Any, view: LossView) -> Any:
         if view.stages is None or not view.pipelined:

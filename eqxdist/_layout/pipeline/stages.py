@@ -36,14 +36,14 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import PartitionSpec as P
 
-from .._experts.moe import expert_axes, whole_loss
-from .._utils import is_array
+from ..._experts.moe import expert_axes, whole_loss
+from ..._utils import is_array
+from ..remat import UNSET
+from ..stack_aux import accumulator_shapes, block_aux, zeros
+from ..stacked import Stacked, layer_function
 from . import all_layers
+from .config import StagePlan, where_fn
 from .engine import ForwardEngine
-from .pipeline import StagePlan, where_fn
-from .remat import UNSET
-from .stack_aux import accumulator_shapes, block_aux, zeros
-from .stacked import Stacked, layer_function
 
 
 class PipelinedStack(eqx.Module):

@@ -27,7 +27,7 @@ from typing import Any
 import jax
 from jax.extend import core as jex_core
 
-from .._jax import dce_jaxpr, eval_jaxpr, jaxpr_of
+from ..._jax import dce_jaxpr, eval_jaxpr, jaxpr_of
 
 
 @dataclasses.dataclass(frozen=True)

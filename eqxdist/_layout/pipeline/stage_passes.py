@@ -31,10 +31,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from ..remat import check_remat, rematerialised
+from ..stacked import layer_function
 from .engine import StageLayers, layer_loop
-from .remat import check_remat, rematerialised
 from .split_backward import SplitBackward
-from .stacked import layer_function
 
 
 def _inexact(x: Any) -> bool:

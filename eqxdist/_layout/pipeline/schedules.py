@@ -57,7 +57,7 @@ from typing import Any
 
 import numpy as np
 
-from .._utils import typecheck
+from ..._utils import typecheck
 from .slot_arrays import (
     BACKWARD,
     FORWARD,

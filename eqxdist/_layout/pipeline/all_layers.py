@@ -5,7 +5,7 @@ In the device view a stage holds only its own layers, and what follows the
 stack runs on every stage alike; a loss that reads the stack's leaves itself
 would see this stage's share of them, and report a different loss on each stage
 (the gradient of each stage's own layers is still right). So when the step's
-shape-only trace finds such a read (`_step/stage_layers.py`), the loss gets the
+shape-only trace finds such a read (`layer_reads.py`), the loss gets the
 `Stacked` with every stage's layers (`gathered`, one all-gather over the stage
 axis per step, in layer order) and the schedule takes its own from them
 (`own`). Every stage computes the same loss from the same layers, so the
@@ -20,8 +20,8 @@ import equinox as eqx
 import jax
 import numpy as np
 
-from .._utils import is_array
-from .pipeline import StagePlan
+from ..._utils import is_array
+from .config import StagePlan
 
 
 def gathered(stacked: Any, plan: StagePlan) -> Any:

@@ -22,9 +22,9 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, PartitionSpec as P
 
-from .._utils import not_in_mesh
+from ..._utils import not_in_mesh, path_str
+from ..stacked import Stacked
 from . import schedules
-from .stacked import Stacked
 
 SCHEDULES = ("gpipe", "circular", "1f1b", "interleaved", "zb-h1")
 # The schedules whose stages hold `repeats` chunks of layers each.
@@ -295,3 +295,37 @@ def stage_spec(spec: P | None, axis: str, path: str, caller: str) -> P:
             "the spec with None."
         )
     return P(axis, *entries[1:])
+
+
+def staged(plan: Any, stages: StagePlan, model: Any, caller: str) -> Any:
+    """The pipeline's change to a model plan (`plan.ModelPlan`, the part's
+    `apply_to_plan`): the pipelined `Stacked`'s leaves split over the stage
+    axis on their layer axis. The step's `shard_map`, manual over the stage
+    axis too, gives each stage its layers, whole over the data axes (XLA
+    gathers an FSDP shard at the boundary, once per step); their gradients
+    leave it as sums over the data axes (`sum_gradients`' all-reduce)."""
+    with_path, structure = jax.tree_util.tree_flatten_with_path(model)
+    treedef: Any = structure
+    paths = [path_str(p) for p, _ in with_path]
+
+    def update(tree: Any, value: Any) -> Any:
+        if tree is None:
+            return None
+        # Flattened as the model is (`treedef`): a `None` field of the model (a
+        # Linear without bias) is a node there, not a spec leaf.
+        leaves = treedef.flatten_up_to(tree)
+        new = [
+            value(s, path) if staged and s is not None else s
+            for s, staged, path in zip(leaves, stages.leaves, paths, strict=True)
+        ]
+        return jax.tree.unflatten(treedef, new)
+
+    axis = stages.axis
+    return dataclasses.replace(
+        plan,
+        specs=update(plan.specs, lambda s, path: stage_spec(s, axis, path, caller)),
+        manual=update(plan.manual, lambda s, path: P(axis)),
+        gather=update(plan.gather, lambda s, path: P()),
+        scatter=update(plan.scatter, lambda s, path: P(axis)),
+        stages=stages,
+    )

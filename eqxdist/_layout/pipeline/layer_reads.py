@@ -15,7 +15,7 @@ import jax
 from jax.extend import core as jex
 from jax.sharding import PartitionSpec as P
 
-from .._layout.rules import is_spec_leaf
+from ..rules import is_spec_leaf
 
 
 def stage_leaves(params: Any, specs: Any, axis: str) -> list[bool]:

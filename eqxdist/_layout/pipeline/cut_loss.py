@@ -1,6 +1,6 @@
 """The loss cut at the pipelined stack, for the 1F1B schedule
 (`one_f_one_b`): the loss is traced once on one microbatch with the stack
-replaced by a marker (`_layout.stages.MarkedStack`, a `jax.jit` named
+replaced by a marker (`stages.MarkedStack`, a `jax.jit` named
 `MARKER`); its program is cut there into `pre` (the loss's inputs to the
 stack's input: the embedding) and `post` (the stack's output, with the inputs,
 to the loss and its metrics: the head). Both are ordinary functions JAX
@@ -14,7 +14,7 @@ from typing import Any
 import jax
 from jax.extend import core as jex
 
-from .._layout.stages import MARKER
+from .stages import MARKER
 
 
 @dataclasses.dataclass(frozen=True)

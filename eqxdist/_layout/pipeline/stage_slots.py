@@ -26,7 +26,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from .._jaxpr import counted_as, matmul_flops
+from ..._jaxpr import counted_as, matmul_flops
 from .engine import run_slots
 from .schedules import BACKWARD, FORWARD, INPUT_GRAD, WEIGHT_GRAD, SlotArrays
 from .stage_passes import StagePasses, held

@@ -25,18 +25,18 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from .._jaxpr import counted_scaled
-from .pipeline import StagePlan
-from .remat import UNSET, loop_blocks
-from .schedules import FORWARD, SlotArrays, forward_arrays
-from .stack_aux import (
+from ..._jaxpr import counted_scaled
+from ..remat import UNSET, loop_blocks
+from ..stack_aux import (
     batch_of_accumulators,
     from_stages,
     place_aux,
     split_aux,
     zeros,
 )
-from .stacked import Stacked, layer_function
+from ..stacked import Stacked, layer_function
+from .config import StagePlan
+from .schedules import FORWARD, SlotArrays, forward_arrays
 
 
 def run_slots(
