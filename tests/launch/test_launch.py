@@ -23,6 +23,7 @@ import eqxdist as ed
 from eqxdist import launch
 from eqxdist._distributed import detected_cluster
 from eqxdist._launch import ports
+from eqxdist._launch.job import _DEVICE_COUNT_FLAG
 
 SCRIPTS = Path(__file__).parent.parent / "mp_scripts"
 # A generous bound: the runs take seconds; a hang (the bug these tests are for)
@@ -832,7 +833,17 @@ def slurm_run(tmp_path, args, victim=None):
             SLURM_PROCID=str(rank),
             SLURM_LOCALID=str(rank),
             JAX_PLATFORMS="cpu",
-            XLA_FLAGS="--xla_force_host_platform_device_count=2",
+            # The flags the launcher gives its processes (this process's, with
+            # its device count replaced), so that this run's segment compiles as
+            # the launcher's segments of the same run do and resumes bit-exactly.
+            XLA_FLAGS=" ".join(
+                [
+                    *_DEVICE_COUNT_FLAG.sub(
+                        "", os.environ.get("XLA_FLAGS", "")
+                    ).split(),
+                    "--xla_force_host_platform_device_count=2",
+                ]
+            ),
         )
         logs.append(tmp_path / f"slurm{job}_{rank}.log")
         with open(logs[-1], "w") as log:
