@@ -88,6 +88,69 @@ class _BNNet(eqx.Module):
         return self.l2(h), state
 
 
+class _MoENet(eqx.Module):
+    """An embedding, one `ed.MoE` (top-2 of 8 experts) and a head: the expert
+    cases (its experts over an expert axis)."""
+
+    embed: eqx.nn.Linear
+    moe: ed.MoE
+    head: eqx.nn.Linear
+
+    def __init__(self, key: Any, dispatch: str = "all_gather") -> None:
+        k1, k2, k3 = jax.random.split(key, 3)
+        self.embed = eqx.nn.Linear(16, 32, key=k1)
+        self.moe = ed.MoE(32, 64, 8, top_k=2, key=k2, dispatch=dispatch)
+        self.head = eqx.nn.Linear(32, 4, key=k3)
+
+    def __call__(self, x: Any) -> Any:
+        h = jax.vmap(self.embed)(x)
+        y, aux = self.moe(h)
+        return jax.vmap(self.head)(h + y), aux["load_balance_loss"]
+
+
+class _MoEBlock(eqx.Module):
+    moe: ed.MoE
+
+    def __init__(self, key: Any) -> None:
+        self.moe = ed.MoE(64, 64, 8, top_k=2, key=key)
+
+    def __call__(self, x: Any) -> Any:
+        y, aux = self.moe(x)
+        return x + y, aux["load_balance_loss"]
+
+
+class _StackedMoENet(eqx.Module):
+    """A `Stacked` of MoE blocks over a row's 4 tokens (a row of 16 features),
+    their load-balancing loss the stack's aux."""
+
+    embed: eqx.nn.Linear
+    blocks: ed.Stacked
+    head: eqx.nn.Linear
+
+    def __init__(self, key: Any) -> None:
+        k1, k2, k3 = jax.random.split(key, 3)
+        self.embed = eqx.nn.Linear(4, 64, key=k1)
+        self.blocks = ed.Stacked([_MoEBlock(k) for k in jax.random.split(k2, 4)])
+        self.head = eqx.nn.Linear(64, 4, key=k3)
+
+    def __call__(self, x: Any) -> Any:
+        h, aux = self.blocks(jax.vmap(self.embed)(x.reshape(4, 4)))
+        return jax.vmap(self.head)(h).mean(0), aux.mean()
+
+
+def _moe_loss(model: Any, batch: Any, key: Any) -> Any:
+    # The batch's rows as one token set (the MoE routes them together).
+    logits, balance = model(batch["x"])
+    losses = optax.softmax_cross_entropy_with_integer_labels(logits, batch["y"])
+    return losses.mean() + 0.01 * balance, {"loss": ed.metrics.Mean().update(losses)}
+
+
+def _stacked_moe_loss(model: Any, batch: Any, key: Any) -> Any:
+    logits, balance = jax.vmap(model)(batch["x"])
+    losses = optax.softmax_cross_entropy_with_integer_labels(logits, batch["y"])
+    return losses.mean() + 0.01 * balance.mean(), {}
+
+
 def _token_loss(model: Any, batch: Any, key: Any) -> Any:
     logits = jax.vmap(jax.vmap(model))(batch["x"])
     losses = optax.softmax_cross_entropy_with_integer_labels(logits, batch["y"])
@@ -209,6 +272,44 @@ CASES: dict[str, tuple[dict[str, int], Callable[[Any], Any], Any, dict[str, Any]
         _token_loss,
         {"context_axis": "context"},
     ),
+    "experts_dp": ({"data": 8}, _MoENet, _moe_loss, {"expert_axis": "data"}),
+    "experts_all_to_all_fsdp": (
+        {"data": 8},
+        lambda key: _MoENet(key, dispatch="all_to_all"),
+        _moe_loss,
+        {"expert_axis": "data", "strategy": "fsdp", "min_weight_size": 16},
+    ),
+    "experts_global": (
+        {"data": 8},
+        _MoENet,
+        _moe_loss,
+        {"expert_axis": "data", "view": "global"},
+    ),
+    "experts_own_axis": (
+        {"data": 4, "expert": 2},
+        _MoENet,
+        _moe_loss,
+        {"expert_axis": "expert"},
+    ),
+    "experts_stacked_1f1b": (
+        {"stage": 2, "data": 4},
+        _StackedMoENet,
+        _stacked_moe_loss,
+        {
+            "expert_axis": "data",
+            "pipeline": ed.Pipeline("stage", microbatches=2, schedule="1f1b"),
+        },
+    ),
+    "experts_stacked_gpipe_global": (
+        {"stage": 2, "data": 4},
+        _StackedMoENet,
+        _stacked_moe_loss,
+        {
+            "expert_axis": "data",
+            "pipeline": ed.Pipeline("stage", microbatches=2),
+            "view": "global",
+        },
+    ),
 }
 
 # Cases whose batch is not `_batch()`'s rows: sequences of 8 tokens.
@@ -243,6 +344,7 @@ LAYOUT_KEYWORDS = (
     "fsdp_linears",
     "pipeline",
     "context_axis",
+    "expert_axis",
 )
 
 

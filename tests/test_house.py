@@ -94,35 +94,63 @@ def test_the_step_asks_the_layout_not_its_parts():
         assert not wrong, f"{_name(path)} imports {wrong}"
 
 
-def test_the_pipeline_is_one_folder_behind_its_interface():
+# Parallelisms whose mechanism is one folder of the layout behind its
+# `__init__`: code outside imports its names from there, never a module inside.
+FOLDERS = ("pipeline", "experts")
+
+
+@pytest.mark.parametrize("folder", FOLDERS)
+def test_a_parallelism_is_one_folder_behind_its_interface(folder):
     """The pipeline's mechanism (schedules, engine, slots, passes, the loss
-    cut) is `_layout/pipeline/`; every module outside it imports the folder's
-    names from `eqxdist._layout.pipeline` (its `__init__`), never a module
-    inside, so the folder can change behind that interface."""
-    inside = PACKAGE / "_layout" / "pipeline"
+    cut) is `_layout/pipeline/`, expert parallelism's (the wrapper the loss
+    sees, the dispatches) `_layout/experts/`; every module outside a folder
+    imports its names from the folder's `__init__`, never a module inside, so
+    the folder can change behind that interface."""
+    inside = PACKAGE / "_layout" / folder
     for path in MODULES:
         if inside in path.parents:
             continue
         wrong = sorted(
-            m for m in _imports(path) if m.startswith("eqxdist._layout.pipeline.")
+            m for m in _imports(path) if m.startswith(f"eqxdist._layout.{folder}.")
         )
         assert not wrong, (
             f"{_name(path)} imports {wrong}; import the name from "
-            "eqxdist._layout.pipeline (add it to its __all__)"
+            f"eqxdist._layout.{folder} (add it to its __all__)"
         )
 
 
-def test_the_pipeline_interface_names_no_module():
-    """Every name the pipeline folder exports is the function or class, not a
-    module of the folder that shadows it (`from .x import y` binds the module
-    `x` on the package, over a name `x` imported before)."""
+@pytest.mark.parametrize("folder", FOLDERS)
+def test_a_folder_interface_names_no_module(folder):
+    """Every name a folder exports is the function or class, not a module of
+    the folder that shadows it (`from .x import y` binds the module `x` on the
+    package, over a name `x` imported before)."""
+    import importlib
     import types
 
-    import eqxdist._layout.pipeline as pipeline
-
-    for name in pipeline.__all__:
-        value = getattr(pipeline, name)
+    package = importlib.import_module(f"eqxdist._layout.{folder}")
+    for name in package.__all__:
+        value = getattr(package, name)
         assert not isinstance(value, types.ModuleType), (name, value)
+
+
+def test_the_moe_layer_knows_no_mesh():
+    """The `MoE` layer routes and computes its experts; expert parallelism is
+    the layout's (`_layout/experts`): nothing in `_experts/` imports the
+    layout, the step or the views of a mesh axis, and the layer has no field
+    naming an axis (torchtitan's MoE module, ignorant of expert parallelism)."""
+    import dataclasses
+
+    import eqxdist as ed
+
+    for path in sorted((PACKAGE / "_experts").rglob("*.py")):
+        wrong = sorted(
+            m
+            for m in _imports(path)
+            if m.startswith(("eqxdist._layout", "eqxdist._step", "eqxdist._long"))
+        )
+        assert not wrong, f"{_name(path)} imports {wrong}"
+    fields = {f.name for f in dataclasses.fields(ed.MoE)}
+    assert not fields & {"expert_axis", "tokens_split", "whole_loss"}, fields
 
 
 def _module_name(path: Path) -> str:

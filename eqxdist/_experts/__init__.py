@@ -1,14 +1,12 @@
-"""Mixture of experts: the dropless `MoE` layer and the expert-parallel
-computation of its experts sharded over a mesh axis."""
+"""Mixture of experts: the dropless `MoE` layer, its routing and its grouped
+products. Expert parallelism, the experts sharded over a mesh axis, is the
+layout's (`_layout/experts`)."""
 
-from .dispatch import (
-    experts_device_view as experts_device_view,
-    experts_global_view as experts_global_view,
-)
 from .grouped import Experts as Experts
 from .moe import (
+    DISPATCHES as DISPATCHES,
     EXPERT_LEAVES as EXPERT_LEAVES,
     MoE as MoE,
-    with_expert_axis as with_expert_axis,
+    expert_leaves as expert_leaves,
 )
-from .routing import Config as Config
+from .routing import Config as Config, Routing as Routing

@@ -1,26 +1,27 @@
-"""`MoE`: a mixture-of-experts MLP, dropless, on one device or with its experts
-sharded over a mesh axis (expert parallelism, `dispatch.py`)."""
+"""`MoE`: a mixture-of-experts MLP, dropless: its routing and its experts. It
+knows no mesh axis: under expert parallelism the layout's experts part calls it
+through `_layout/experts` (`ExpertParallel`), which sends the tokens to the
+devices holding their experts."""
 
-import copy
 import functools
 from collections.abc import Callable
-from typing import Any, TypeVar
+from typing import Any
 
 import equinox as eqx
 import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float, PRNGKeyArray
 
-from .._long.views import view_of
 from .._utils import checked_first
-from .dispatch import DISPATCHES, experts_device_view, experts_global_view
 from .grouped import Experts, grouped_ffn
-from .routing import ROUTERS, Config, Routing, aux_values, route
+from .routing import ROUTERS, Config, Routing, aux_values, route as route_tokens
 
 # The leaves sharded by expert under expert parallelism (`w_gate` may be None).
 EXPERT_LEAVES = ("w_in", "w_gate", "w_out")
 
-_M = TypeVar("_M")
+# `MoE(dispatch=...)`: how the tokens reach their experts under expert
+# parallelism (the layout's experts part implements each, `_layout/experts`).
+DISPATCHES = ("all_gather", "all_to_all")
 
 
 def _check_sizes(d_model: Any, d_hidden: Any, num_experts: Any, top_k: Any) -> None:
@@ -74,7 +75,7 @@ def _check_init(
         )
     if not isinstance(dispatch, str) or dispatch not in DISPATCHES:
         raise ValueError(
-            f"MoE: `dispatch`={dispatch!r} is not one of {tuple(DISPATCHES)}; pass "
+            f"MoE: `dispatch`={dispatch!r} is not one of {DISPATCHES}; pass "
             "dispatch='all_gather' (the default) or 'all_to_all'."
         )
 
@@ -207,15 +208,7 @@ class MoE(eqx.Module):
     activation: Callable[[Array], Array] = eqx.field(static=True)
     gated: bool = eqx.field(static=True)
     router_kind: str = eqx.field(static=True)
-    expert_axis: str | None = eqx.field(static=True, default=None)
-    # Whether `expert_axis` holds different tokens on each device (a data axis)
-    # or the same ones (an axis of its own); set with `with_expert_axis`.
-    tokens_split: bool = eqx.field(static=True, default=True)
     dispatch: str = eqx.field(static=True, default="all_gather")
-    # Whether the bound expert axis belongs to a `shard_map` that JAX
-    # differentiates whole (the global view's pipeline): the experts' gradient
-    # is then the loss's, not averaged over the devices' losses (`whole_loss`).
-    whole_loss: bool = eqx.field(static=True, default=False)
     normalize_gates: bool = eqx.field(static=True, default=True)
     router_dtype: Any = eqx.field(static=True, default=jnp.dtype(jnp.float32))
     capacity_factor: float | None = eqx.field(static=True, default=None)
@@ -245,43 +238,45 @@ class MoE(eqx.Module):
         self.w_out = _uniform(k_out, (num_experts, d_hidden, d_model), d_hidden)
         self.num_experts, self.top_k = num_experts, top_k
         self.activation, self.gated, self.router_kind = activation, gated, router
-        self.expert_axis, self.tokens_split = None, True
-        self.dispatch, self.whole_loss = dispatch, False
+        self.dispatch = dispatch
         self.normalize_gates = top_k > 1 if normalize_gates is None else normalize_gates
         self.router_dtype = None if router_dtype is None else jnp.dtype(router_dtype)
         self.capacity_factor = (
             None if capacity_factor is None else float(capacity_factor)
         )
 
+    @property
+    def config(self) -> Config:
+        """The routing's and the experts' settings, as `routing` and `grouped`
+        take them."""
+        return Config(
+            self.num_experts, self.top_k, self.router_kind, self.activation,
+            self.normalize_gates, self.router_dtype, self.capacity_factor,
+        )  # fmt: skip
+
+    @property
+    def experts(self) -> Experts:
+        """The experts' weights (`w_gate` None when not gated)."""
+        return Experts(self.w_in, self.w_gate, self.w_out)
+
+    @checked_first(_check_call)
+    def route(self, x: Float[Array, "T d"]) -> tuple[Routing, dict[str, Array]]:
+        """This call's tokens `x` routed (each token's experts and gates, the
+        assignments past a capacity dropped), and the aux values: the first
+        half of a call, whoever computes the experts (`__call__` here, or the
+        layout's `ExpertParallel` under expert parallelism). Routed once per
+        call, for its tokens (the capacity's T), whatever a dispatch then
+        gathers or sends."""
+        routed = route_tokens(self.router.weight, x, self.config)
+        return routed.routing, aux_values(routed, self.num_experts)
+
     @checked_first(_check_call)
     def __call__(
         self, x: Float[Array, "T d"]
     ) -> tuple[Float[Array, "T d"], dict[str, Array]]:
         """`(y, aux)` for this call's tokens `x`: see the class."""
-        config = Config(
-            self.num_experts, self.top_k, self.router_kind, self.activation,
-            self.normalize_gates, self.router_dtype, self.capacity_factor,
-        )  # fmt: skip
-        # Routed once, for this call's tokens (the capacity's T), whatever the
-        # dispatch then gathers or sends.
-        routed = route(self.router.weight, x, config)
-        aux = aux_values(routed, self.num_experts)
-        experts = Experts(self.w_in, self.w_gate, self.w_out)
-        axis = self.expert_axis
-        if axis is None:
-            y = _unsharded(x, routed.routing, experts, self.activation)
-        elif view_of(axis, "MoE", "expert_axis") == "device":
-            y = experts_device_view(
-                experts, routed.routing, x,
-                config=config, axis=axis, tokens_split=self.tokens_split,
-                dispatch=self.dispatch, mean_grad=not self.whole_loss,
-            )  # fmt: skip
-        else:
-            y = experts_global_view(
-                experts, routed.routing, x,
-                config=config, axis=axis, dispatch=self.dispatch,
-            )  # fmt: skip
-        return y, aux
+        routing, aux = self.route(x)
+        return _unsharded(x, routing, self.experts, self.activation), aux
 
 
 def _unsharded(
@@ -297,50 +292,7 @@ def _unsharded(
     return y
 
 
-def _with_axis(moe: MoE, axis: str, tokens_split: bool) -> MoE:
-    # Static fields of a frozen module: a copy with the two set, leaves shared.
-    return _with(moe, expert_axis=axis, tokens_split=tokens_split)
-
-
-def with_expert_axis(model: _M, axis: str | None, *, tokens_split: bool = True) -> _M:
-    """`model` with every `MoE` in it computing with its experts sharded over
-    `axis` (a copy; `None` leaves the model as it is). `tokens_split`: whether
-    `axis` holds different tokens on each device (a data axis) or the same."""
-    if axis is None:
-        return model
-    if not isinstance(axis, str):
-        raise TypeError(
-            f"with_expert_axis: `axis` must be a mesh axis name (str) or None; got "
-            f"{type(axis).__name__} {axis!r}."
-        )
-    out: _M = jax.tree_util.tree_map(
-        lambda m: _with_axis(m, axis, tokens_split) if isinstance(m, MoE) else m,
-        model,
-        is_leaf=lambda m: isinstance(m, MoE),
-    )
-    return out
-
-
-def whole_loss(model: _M) -> _M:
-    """`model` with every `MoE` in it differentiated as part of one program
-    whose expert axis is bound (`MoE.whole_loss`): the global view's pipeline,
-    a `shard_map` over the stage and data axes. A copy, leaves shared."""
-    out: _M = jax.tree_util.tree_map(
-        lambda m: _with(m, whole_loss=True) if isinstance(m, MoE) else m,
-        model,
-        is_leaf=_is_moe,
-    )
-    return out
-
-
-def _with(moe: MoE, **fields: Any) -> MoE:
-    new = copy.copy(moe)
-    for name, value in fields.items():
-        object.__setattr__(new, name, value)
-    return new
-
-
-def _is_moe(x: Any) -> bool:
+def is_moe(x: Any) -> bool:
     return isinstance(x, MoE)
 
 
@@ -348,24 +300,17 @@ def _expert_weights(moe: Any) -> list[Any]:
     return [getattr(moe, n) for n in EXPERT_LEAVES if getattr(moe, n) is not None]
 
 
-def expert_axes(model: Any) -> tuple[str | bool | None, ...]:
-    """Per leaf of `jax.tree.leaves(model)`: for an `MoE`'s expert weight
-    (inside an `ed.Stacked` too, the layer axis first) its `expert_axis`, or
-    True when it has none; False for any other leaf."""
-    marks: list[str | bool | None] = []
-    for node in jax.tree.leaves(model, is_leaf=_is_moe):
+def expert_leaves(model: Any) -> tuple[bool, ...]:
+    """Per leaf of `jax.tree.leaves(model)`: whether it is an `MoE`'s expert
+    weight (inside an `ed.Stacked` too, the layer axis first; inside what
+    holds an `MoE`, such as the layout's `ExpertParallel`, too)."""
+    marks: list[bool] = []
+    for node in jax.tree.leaves(model, is_leaf=is_moe):
         if not isinstance(node, MoE):
             marks.append(False)
             continue
         falses = jax.tree.map(lambda _: False, node)
         count = len(_expert_weights(node))
-        mark = node.expert_axis or True
-        marked = eqx.tree_at(_expert_weights, falses, replace=[mark] * count)
+        marked = eqx.tree_at(_expert_weights, falses, replace=[True] * count)
         marks.extend(jax.tree.leaves(marked))
     return tuple(marks)
-
-
-def expert_leaves(model: Any) -> tuple[bool, ...]:
-    """Per leaf of `jax.tree.leaves(model)`: whether it is an `MoE`'s expert
-    weight (inside an `ed.Stacked` too, the layer axis first)."""
-    return tuple(a is not False for a in expert_axes(model))

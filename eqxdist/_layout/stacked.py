@@ -13,7 +13,7 @@ import numpy as np
 from jax.sharding import PartitionSpec as P
 from jaxtyping import PyTree
 
-from .._experts.moe import expert_leaves
+from .._experts import expert_leaves
 from .._utils import axis_is_bound, is_array, is_array_like
 from .collectives import gather_leaf
 from .remat import LEGACY, check_remat, check_unroll, loop_blocks

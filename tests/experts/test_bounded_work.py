@@ -14,8 +14,8 @@ import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 import eqxdist as ed
-from eqxdist._experts import with_expert_axis
 from eqxdist._experts.tiles import recording, tiled_ffn, tiled_ffn_grads
+from eqxdist._layout.experts import with_expert_axis
 
 D, H, T = 4, 6, 16
 TOL = {"rtol": 1e-5, "atol": 1e-5}

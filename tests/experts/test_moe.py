@@ -23,7 +23,8 @@ from harness import (
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 import eqxdist as ed
-from eqxdist._experts import EXPERT_LEAVES, with_expert_axis
+from eqxdist._experts import EXPERT_LEAVES
+from eqxdist._layout.experts import ExpertParallel, with_expert_axis
 
 D, H, T = LAYER_D, LAYER_H, LAYER_T
 TOL = LAYER_TOL
@@ -139,7 +140,7 @@ def _device_grads(moe, x, c, mesh, data_axes, check_vma=False):
     inside `shard_map(check_vma=False)` as the step does; the gradients of the
     leaves not sharded over the data axis averaged over it, as the step does."""
     params, static = eqx.partition(moe, eqx.is_array)
-    specs = _specs(moe, moe.expert_axis)
+    specs = _specs(moe, moe.axis)
 
     def device(params, x, c):
         def loss(params, x):
@@ -392,13 +393,22 @@ def test_all_to_all_dispatch_is_two_all_to_alls(mesh8):
             assert 2 <= counts["all-to-all"] <= 4, counts
 
 
-def test_with_expert_axis_sets_every_moe_and_shares_the_leaves():
+def test_with_expert_axis_makes_every_moe_expert_parallel_sharing_the_leaves():
+    """The layout's subclass holds the axis; the layer itself carries none. It
+    is still an `ed.MoE` (a loss asking `isinstance` sees what it saw
+    unsharded), its leaves the same objects in the same order. Setting the
+    axis again replaces it, never nests."""
     moes = {"a": ed.MoE(D, H, 4, key=jax.random.key(0)), "b": [1.0]}
     moes["c"] = [ed.MoE(D, H, 4, key=jax.random.key(1))]
     out = with_expert_axis(moes, "expert", tokens_split=False)
     for old, new in ((moes["a"], out["a"]), (moes["c"][0], out["c"][0])):
-        assert (new.expert_axis, new.tokens_split) == ("expert", False)
-        assert old.expert_axis is None and new.w_in is old.w_in
+        assert type(new) is ExpertParallel and isinstance(new, ed.MoE)
+        assert (new.axis, new.tokens_split, new.whole_loss) == ("expert", False, False)
+        assert new.w_in is old.w_in and new.router is old.router
+    assert jax.tree.leaves(out) == jax.tree.leaves(moes)
+    again = with_expert_axis(out, "data")
+    assert type(again["a"]) is ExpertParallel and again["a"].axis == "data"
+    assert again["a"].w_out is moes["a"].w_out
     assert with_expert_axis(moes, None) is moes
 
 

@@ -33,9 +33,9 @@ from harness import (
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 import eqxdist as ed
-from eqxdist._experts import with_expert_axis
 from eqxdist._experts.routing import Config, route
 from eqxdist._jaxpr import counted_as, matmul_flops
+from eqxdist._layout.experts import with_expert_axis
 
 D, H, T = LAYER_D, LAYER_H, LAYER_T
 TOL = LAYER_TOL

@@ -1,8 +1,11 @@
 """Expert parallelism: every `ed.MoE`'s expert weights split over an axis on
 their expert dimension (`num_experts / size` experts per device), the router
-replicated; the layer sends each token to the devices holding its experts
-(`_experts`). The axis may be a data axis (the usual case: each device's own
-tokens travel) or an axis of its own (the tokens replicated over it)."""
+replicated. The part places the weights (`apply_to_plan`) and gives the loss
+each `MoE` as an `ExpertParallel` (`for_loss`; `_layout/experts`: the same
+layer, with the axis), which sends each token to the devices holding its
+experts: the `MoE` itself knows no axis. The axis may be a data axis (the
+usual case: each device's own tokens travel) or an axis of its own (the tokens
+replicated over it)."""
 
 import dataclasses
 from collections.abc import Sequence
@@ -12,8 +15,9 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, PartitionSpec as P
 
-from ..._experts.moe import expert_leaves, with_expert_axis
+from ..._experts import expert_leaves
 from ..._utils import path_str
+from ..experts import with_expert_axis
 from ..rules import spec_axes
 from .base import LossView, Part, check_axis_keyword
 from .tensor import check_rules_spare

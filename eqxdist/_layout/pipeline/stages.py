@@ -36,8 +36,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import PartitionSpec as P
 
-from ..._experts.moe import expert_axes, whole_loss
 from ..._utils import is_array
+from ..experts import expert_axes, whole_loss
 from ..remat import UNSET
 from ..stack_aux import accumulator_shapes, block_aux, zeros
 from ..stacked import Stacked, layer_function

@@ -19,8 +19,8 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float, Int
 
-from .grouped import Experts, grouped_ffn
-from .routing import Config, Routing
+from ..._experts.grouped import Experts, grouped_ffn
+from ..._experts.routing import Config, Routing
 
 
 def _slots(dest: Int[Array, " A"], size: int) -> Int[Array, " A"]:

@@ -2,16 +2,16 @@
 (device i of n holds experts `[i*E/n, (i+1)*E/n)`), each token's assignments
 computed where their experts are, the outputs brought back to their tokens.
 
-Each call's tokens are routed once, before any dispatch (`MoE.__call__`: the
-capacity counts that call's tokens). The default dispatch is an all-gather of the
-tokens and their routing over the axis (each device then runs its experts on
-their assignments only: the others sort after its groups, in no tile of the
-grouped products, so its work is its experts' share, not every token's) and a
-reduce-scatter of the outputs: dropless, with no sizes to exchange first, and
-never a weight moved
-(`ragged_all_to_all`, the other dropless dispatch, is not implemented by
-XLA:CPU in JAX 0.10). `MoE(dispatch="all_to_all")` takes `exchange.py`'s two
-all-to-alls instead (`DISPATCHES`).
+Each call's tokens are routed once, before any dispatch (`MoE.route`, which
+`ExpertParallel` calls: the capacity counts that call's tokens). The default
+dispatch is an all-gather of the tokens and their routing over the axis (each
+device then runs its experts on their assignments only: the others sort after
+its groups, in no tile of the grouped products, so its work is its experts'
+share, not every token's) and a reduce-scatter of the outputs: dropless, with
+no sizes to exchange first, and never a weight moved (`ragged_all_to_all`, the
+other dropless dispatch, is not implemented by XLA:CPU in JAX 0.10).
+`MoE(dispatch="all_to_all")` takes `exchange.py`'s two all-to-alls instead
+(`DISPATCHES`).
 
 - the *device view* (`experts_device_view`): the axis is bound, the weights are
   this device's block. `tokens_split` says whether the axis holds different
@@ -28,10 +28,11 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 from jaxtyping import Array, Float
 
-from .._long.views import run_global, shard_over, size_in_context
+from ..._experts.grouped import Experts, grouped_ffn
+from ..._experts.moe import DISPATCHES as DISPATCH_NAMES
+from ..._experts.routing import Config, Routing
+from ..._long.views import run_global, shard_over, size_in_context
 from .exchange import exchanged
-from .grouped import Experts, grouped_ffn
-from .routing import Config, Routing
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(1,))
@@ -131,7 +132,7 @@ def _gathered(
     experts: Experts, routing: Routing, x: Array, config: Config, axis: str
 ) -> Array:
     """Different tokens on each device, each routed on its own device
-    (`MoE.__call__`): all of them gathered with their experts and gates (one
+    (`MoE.route`): all of them gathered with their experts and gates (one
     all-gather: the gates and ids ride as columns), run through this device's
     experts, and each device's outputs summed back to it."""
     k = routing.experts.shape[1]
@@ -156,6 +157,7 @@ def _gathered(
 
 # `MoE.dispatch` -> the computation with the tokens split over the axis.
 DISPATCHES = {"all_gather": _gathered, "all_to_all": exchanged}
+assert tuple(DISPATCHES) == DISPATCH_NAMES  # the layer's option, each one here
 
 
 def _replicated(
