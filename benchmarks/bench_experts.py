@@ -1,7 +1,8 @@
 """Expert parallelism against replicated experts, and a replicated MoE against
 the dense MLP of its active FLOPs: step time (CPU time on 8 simulated devices),
-expert bytes per device, the collectives of each compiled step, and the expert
-FLOPs each device executes against the ideal.
+expert bytes per device, the compiled step's temporaries per device, the
+collectives of each compiled step, and the expert FLOPs each device executes
+against the ideal.
 
 A small mixture-of-experts model (an embedding, `--layers` residual `ed.MoE`
 blocks, top-2, a head) on 8 simulated CPU devices, one process, at each
@@ -25,7 +26,7 @@ The ideal is a device's share of the assignments, `T k / 8`, times a dense
 gated MLP's forward and backward FLOPs per row (`9 x 2 d h`).
 
     python benchmarks/bench_experts.py [--quick] [--repeats 5] [--steps 5]
-        [--experts 8,32] [--tokens 8192]
+        [--experts 8,32] [--tokens 8192] [--capacity-factor 1.25]
 
 The script sets up 8 simulated CPU devices itself (before importing JAX) unless
 `XLA_FLAGS` already sets a device count. `run()` returns the figures.
@@ -78,14 +79,29 @@ class Net(eqx.Module):
     blocks: list[Any]
     head: eqx.nn.Linear
 
-    def __init__(self, layers: int, experts: int, key: Any, kind: str) -> None:
+    def __init__(
+        self,
+        layers: int,
+        experts: int,
+        key: Any,
+        kind: str,
+        capacity_factor: float | None = None,
+    ) -> None:
         keys = jax.random.split(key, layers + 2)
         self.embed = eqx.nn.Linear(16, D_MODEL, key=keys[0])
         if kind == "dense":
             self.blocks = [DenseMLP(TOP_K * D_HIDDEN, k) for k in keys[2:]]
         else:
             self.blocks = [
-                ed.MoE(D_MODEL, D_HIDDEN, experts, top_k=TOP_K, key=k, dispatch=kind)
+                ed.MoE(
+                    D_MODEL,
+                    D_HIDDEN,
+                    experts,
+                    top_k=TOP_K,
+                    key=k,
+                    dispatch=kind,
+                    capacity_factor=capacity_factor,
+                )
                 for k in keys[2:]
             ]
         self.head = eqx.nn.Linear(D_MODEL, 4, key=keys[1])
@@ -131,7 +147,7 @@ def _setup(
     layout: ed.Layout, args: argparse.Namespace, experts: int, kind: str
 ) -> dict[str, Any]:
     optimizer = optax.adamw(1e-3)
-    model = Net(args.layers, experts, jax.random.key(0), kind)
+    model = Net(args.layers, experts, jax.random.key(0), kind, args.capacity_factor)
     batch = _batch(args.tokens, 0)
 
     def build() -> tuple[Any, Any]:
@@ -144,6 +160,7 @@ def _setup(
     step, state = build()
     compiled = step.lower(state, batch).compile()
     counts = {k: n for k, n in ed.count_collectives(compiled).items() if n}
+    temp = compiled.memory_analysis().temp_size_in_bytes
     flops = None
     if kind != "dense":
         # A second trace with the tile loops reporting their trip counts.
@@ -155,7 +172,8 @@ def _setup(
     state, _ = step(state, batch)
     jax.block_until_ready(state)
     return {"step": step, "state": state, "batch": batch, "counts": counts,
-            "bytes": _expert_bytes(state), "flops": flops}  # fmt: skip
+            "bytes": _expert_bytes(state), "flops": flops,
+            "temp": temp}  # fmt: skip
 
 
 def _executed_flops(records: list[dict[str, Any]]) -> float:
@@ -213,6 +231,7 @@ def run(args: argparse.Namespace, experts: int) -> dict[str, Any]:
             "bytes": runs[name]["bytes"],
             "collectives": runs[name]["counts"],
             "flops": runs[name]["flops"],
+            "temp": runs[name]["temp"],
         }
         for name in runs
     } | {
@@ -231,6 +250,10 @@ def main(argv: list[str]) -> None:
     parser.add_argument("--experts", default="8,32")
     parser.add_argument("--layers", type=int, default=2)
     parser.add_argument("--tokens", type=int, default=8192)
+    parser.add_argument(
+        "--capacity-factor", type=float, default=None,
+        help="every MoE's capacity_factor (default: dropless)",
+    )  # fmt: skip
     args = parser.parse_args(argv)
     if args.quick:
         args.repeats, args.steps, args.experts = 1, 1, "8"
@@ -238,14 +261,14 @@ def main(argv: list[str]) -> None:
     print(
         f"{args.layers} MoE layers, top-{TOP_K}, d_model {D_MODEL}, d_hidden "
         f"{D_HIDDEN}, {args.tokens} tokens per step, 8 CPU devices; dense: a gated "
-        f"MLP {TOP_K} x {D_HIDDEN} wide"
+        f"MLP {TOP_K} x {D_HIDDEN} wide; capacity factor {args.capacity_factor}"
     )
     for experts in (int(e) for e in args.experts.split(",")):
         out = run(args, experts)
         print(f"\n{experts} experts")
         print(
             f"{'layout':<20} {'ms/step':>8} {'expert bytes/dev':>17} "
-            f"{'expert FLOPs/dev / ideal':>25}  collectives"
+            f"{'expert FLOPs/dev / ideal':>25} {'temp bytes/dev':>15}  collectives"
         )
         for name in ("replicated", "expert_parallel", "expert_parallel_a2a", "dense"):
             row = out[name]
@@ -255,8 +278,8 @@ def main(argv: list[str]) -> None:
                 else f"{row['flops'] / out['ideal_flops']:.2f}"
             )
             print(
-                f"{name:<20} {row['ms']:>8.2f} {row['bytes']:>17,} {work:>25}  "
-                f"{row['collectives']}"
+                f"{name:<20} {row['ms']:>8.2f} {row['bytes']:>17,} {work:>25} "
+                f"{row['temp']:>15,}  {row['collectives']}"
             )
         for (a, b), (median, low, high) in out["ratios"].items():
             goal = GOAL_DENSE if b == "dense" else GOAL_EP

@@ -34,7 +34,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 import eqxdist as ed
 from eqxdist._experts.routing import Config, route
-from eqxdist._jaxpr import counted_as, matmul_flops
+from eqxdist._jaxpr import counted_as, matmul_flops, sub_jaxprs
 from eqxdist._layout.experts import with_expert_axis
 
 D, H, T = LAYER_D, LAYER_H, LAYER_T
@@ -266,6 +266,51 @@ def test_capacity_in_the_device_view_counts_the_devices_own_tokens(mesh8, dispat
         want, aux = moe(part)
         np.testing.assert_allclose(y[2 * i : 2 * i + 2], want, **TOL)
         np.testing.assert_allclose(dropped[i], aux["dropped_fraction"], **TOL)
+
+
+def _exchanged_rows(jaxpr):
+    """The shapes of what each `all_to_all` of `jaxpr` sends, nested programs
+    included."""
+    shapes = []
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name == "all_to_all":
+            shapes.append(tuple(eqn.invars[0].aval.shape))
+        for value in eqn.params.values():
+            for sub in sub_jaxprs(value):
+                shapes.extend(_exchanged_rows(sub))
+    return shapes
+
+
+@pytest.mark.parametrize(
+    ("factor", "width"),
+    # 8 devices, 8 tokens each, top-2 of 8 experts (one per device): dropless,
+    # every destination's buffer holds all 16 of a device's assignments; a
+    # capacity of C = ceil(factor * 8 * 2 / 8) per expert, C rows.
+    [(None, 16), (1.0, 2), (2.0, 4), (100.0, 16)],
+)
+def test_all_to_all_buffers_are_bounded_by_the_capacity(mesh8, factor, width):
+    """Under a capacity the all-to-all dispatch sends each destination a buffer
+    of what the capacity lets a device send it (`local * C` rows, at most the
+    device's `T * k`), not the dropless worst case, both ways (rows out with
+    their ids as a column, outputs back); the values are the one-device
+    layer's on each device's tokens (as the test above, with this shape)."""
+    moe = ed.MoE(
+        D, H, 8, top_k=2, key=jax.random.key(9), dispatch="all_to_all",
+        capacity_factor=factor,
+    )  # fmt: skip
+    sharded = with_expert_axis(moe, "data")
+    params, static = eqx.partition(sharded, eqx.is_array)
+    x = jnp.concatenate([_skewed(moe)] * 4)  # 64 tokens, 8 per device
+    mapped = jax.shard_map(
+        lambda p, x: eqx.combine(p, static)(x)[0], mesh=mesh8,
+        in_specs=(_specs(sharded, "data"), P("data")), out_specs=P("data"),
+        check_vma=False,
+    )  # fmt: skip
+    sent = _exchanged_rows(jax.make_jaxpr(mapped)(params, x).jaxpr)
+    assert sent == [(8 * width, D + 1), (8 * width, D)], sent
+    y = jax.jit(mapped)(params, x)
+    for i, part in enumerate(jnp.split(x, 8)):
+        np.testing.assert_allclose(y[8 * i : 8 * i + 8], moe(part)[0], **TOL)
 
 
 def _moe_step_flops(rows, k=2, gated=True):

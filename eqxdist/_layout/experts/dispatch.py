@@ -129,12 +129,20 @@ def check_block(experts: Experts, num_experts: int, size: int, axis: str) -> Non
 
 
 def _gathered(
-    experts: Experts, routing: Routing, x: Array, config: Config, axis: str
+    experts: Experts,
+    routing: Routing,
+    x: Array,
+    config: Config,
+    axis: str,
+    call_tokens: int,
 ) -> Array:
     """Different tokens on each device, each routed on its own device
     (`MoE.route`): all of them gathered with their experts and gates (one
     all-gather: the gates and ids ride as columns), run through this device's
-    experts, and each device's outputs summed back to it."""
+    experts, and each device's outputs summed back to it. The buffer is the
+    devices' tokens, whatever a capacity keeps of their assignments
+    (`call_tokens` bounds nothing here)."""
+    del call_tokens
     k = routing.experts.shape[1]
     dtype = jnp.result_type(x, routing.gates)
     ids = routing.experts
@@ -220,15 +228,17 @@ def experts_device_view(
     check_block(experts, config.num_experts, size, axis)
     if not tokens_split:
         return _replicated(experts, routing, x, config, axis)
+    # The call's tokens are this device's own (a capacity counts them).
+    tokens = x.shape[0]
     if not mean_grad:
-        return DISPATCHES[dispatch](experts, routing, x, config, axis)
+        return DISPATCHES[dispatch](experts, routing, x, config, axis, tokens)
     w_in, w_gate, w_out = experts
     weights = Experts(
         _mean_grad(w_in, size),
         None if w_gate is None else _mean_grad(w_gate, size),
         _mean_grad(w_out, size),
     )
-    return DISPATCHES[dispatch](weights, routing, x, config, axis)
+    return DISPATCHES[dispatch](weights, routing, x, config, axis, tokens)
 
 
 def experts_global_view(
@@ -260,7 +270,9 @@ def experts_global_view(
         w_in, w_gate, w_out = weights
         assert w_in is not None and w_out is not None  # only w_gate may be None
         weights = Experts(w_in, w_gate, w_out)
-        return DISPATCHES[dispatch](weights, Routing(ids, gates), x, config, axis)
+        routing = Routing(ids, gates)
+        # The call's tokens are all of `x` (a capacity counts them).
+        return DISPATCHES[dispatch](weights, routing, x, config, axis, tokens)
 
     def body(x: Array, ids: Array, gates: Array, *args: Array | None) -> Array:
         if pad:

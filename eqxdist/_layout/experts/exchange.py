@@ -7,20 +7,25 @@ device's `T * k` assignments going to one device) and padded; a padded row
 carries the expert id one past the holder's block, which the grouped products
 leave out (`grouped_ffn`: in no tile, never computed), so the ids received are
 the counts: the holder's work is the rows it got, rounded up to tiles, not the
-buffer, and no counts need exchanging first.
-(`ragged_all_to_all`, which sends only the rows used, is not implemented by
-XLA:CPU in JAX 0.10.)
+buffer, and no counts need exchanging first. Under a capacity
+(`MoE(capacity_factor=...)`) a destination's buffer is what the capacity lets
+a device send it, `min(T * k, experts per device * C)`, no longer the
+dropless worst case. (`ragged_all_to_all`, which sends only the rows used, is
+not implemented by XLA:CPU in JAX 0.10.)
 
 Against the all-gather dispatch (`dispatch.py`) it moves `n * T * k` rows each
 way instead of `n * T` tokens and outputs, and routes only this device's tokens.
 """
+
+from fractions import Fraction
 
 import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float, Int
 
 from ..._experts.grouped import Experts, grouped_ffn
-from ..._experts.routing import Config, Routing
+from ..._experts.routing import Config, Routing, capacity
+from ..._jaxpr import counted_scaled
 
 
 def _slots(dest: Int[Array, " A"], size: int) -> Int[Array, " A"]:
@@ -37,13 +42,27 @@ def _holders_out(
     ids: Int[Array, " R"],
     experts: Experts,
     config: Config,
+    counted: Fraction,
 ) -> Float[Array, "R d"]:
     """Each received row through its expert of this device's block, ungated
-    (the sender applies the gates); padded rows (id past the block) give 0."""
+    (the sender applies the gates); padded rows (id past the block) give 0.
+
+    The grouped products count the received rows as assignments, of which a
+    device holds its experts' share (`routed_flops`): with buffers of the
+    senders' `T * k` rows that is the `T * k` each device routed. `counted`
+    scales the count to it when the buffers are smaller (a capacity's)."""
     local = experts.w_in.shape[0]
     gates = (ids < local).astype(rows.dtype)[:, None]
-    routing = Routing(ids[:, None], gates)
-    return grouped_ffn(rows, routing, experts, config.activation, config.num_experts)
+
+    def ffn(rows: Array, ids: Array, gates: Array, experts: Experts) -> Array:
+        routing = Routing(ids[:, None], gates)
+        activation, num_experts = config.activation, config.num_experts
+        return grouped_ffn(rows, routing, experts, activation, num_experts)
+
+    if counted != 1:
+        ffn = counted_scaled(ffn, counted)
+    out: Array = ffn(rows, ids, gates, experts)
+    return out
 
 
 def _send(
@@ -69,6 +88,7 @@ def exchanged(
     x: Float[Array, "T d"],
     config: Config,
     axis: str,
+    call_tokens: int,
 ) -> Float[Array, "T d"]:
     """Different tokens on each device, routed here (`routing`): each assignment
     sent to its expert's device and its output sent back (two `all_to_all`s),
@@ -76,14 +96,21 @@ def exchanged(
     this device's block; the gradients flow back through the same two
     exchanges. An assignment the capacity dropped (id `num_experts`) goes
     nowhere: its destination `size` is out of range, dropped by the scatter
-    and read back as zeros."""
+    and read back as zeros.
+
+    Each destination's buffer holds the most this device can send it:
+    dropless, all of its `T * k` assignments; under a capacity of `C` per
+    expert over the call's `call_tokens`, at most `C` per expert of the
+    destination's block (no expert keeps more than `C` of the call's
+    assignments, this device's among them), so `min(T * k, local * C)`."""
     size = jax.lax.axis_size(axis)
     local = experts.w_in.shape[0]
     tokens, k = routing.experts.shape
     flat = routing.experts.reshape(-1)
     dest = jnp.where(flat < config.num_experts, flat // local, size)
     slot = _slots(dest, size)
-    width = tokens * k  # the worst case: every assignment to one device
+    limit = capacity(call_tokens, config)
+    width = tokens * k if limit is None else min(tokens * k, local * limit)
     send = jnp.zeros((size, width, x.shape[1]), x.dtype)
     send = send.at[dest, slot].set(jnp.repeat(x, k, axis=0), mode="drop")
     ids = jnp.full((size, width), local, jnp.int32)
@@ -91,7 +118,7 @@ def exchanged(
     rows, got = _send(
         send.reshape(size * width, -1), ids.reshape(-1), largest=local, axis=axis
     )
-    out = _holders_out(rows, got, experts, config)
+    out = _holders_out(rows, got, experts, config, Fraction(tokens * k, width))
     back = jax.lax.all_to_all(out, axis, 0, 0, tiled=True)
     mine = back.reshape(size, width, -1).at[dest, slot].get(mode="fill", fill_value=0)
     mine = mine.reshape(tokens, k, -1)
