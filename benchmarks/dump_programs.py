@@ -57,16 +57,23 @@ class _Block(eqx.Module):
         return x + jax.nn.gelu(self.linear(x))
 
 
+def _stack(
+    key: Any, features: int, block: Callable[[Any], Any]
+) -> tuple[eqx.nn.Linear, ed.Stacked, eqx.nn.Linear]:
+    """An embedding of `features` to 64, 4 `block`s stacked, a head to 4."""
+    k1, k2, k3 = jax.random.split(key, 3)
+    embed = eqx.nn.Linear(features, 64, key=k1)
+    blocks = ed.Stacked([block(k) for k in jax.random.split(k2, 4)])
+    return embed, blocks, eqx.nn.Linear(64, 4, key=k3)
+
+
 class _StackedNet(eqx.Module):
     embed: eqx.nn.Linear
     blocks: ed.Stacked
     head: eqx.nn.Linear
 
     def __init__(self, key: Any) -> None:
-        k1, k2, k3 = jax.random.split(key, 3)
-        self.embed = eqx.nn.Linear(16, 64, key=k1)
-        self.blocks = ed.Stacked([_Block(k) for k in jax.random.split(k2, 4)])
-        self.head = eqx.nn.Linear(64, 4, key=k3)
+        self.embed, self.blocks, self.head = _stack(key, 16, _Block)
 
     def __call__(self, x: Any) -> Any:
         return self.head(self.blocks(self.embed(x)))
@@ -128,10 +135,7 @@ class _StackedMoENet(eqx.Module):
     head: eqx.nn.Linear
 
     def __init__(self, key: Any) -> None:
-        k1, k2, k3 = jax.random.split(key, 3)
-        self.embed = eqx.nn.Linear(4, 64, key=k1)
-        self.blocks = ed.Stacked([_MoEBlock(k) for k in jax.random.split(k2, 4)])
-        self.head = eqx.nn.Linear(64, 4, key=k3)
+        self.embed, self.blocks, self.head = _stack(key, 4, _MoEBlock)
 
     def __call__(self, x: Any) -> Any:
         h, aux = self.blocks(jax.vmap(self.embed)(x.reshape(4, 4)))
