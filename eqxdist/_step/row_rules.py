@@ -159,6 +159,18 @@ def row_rule(eqn: Any, other: Any, ins: list[tuple[str, int | None]]) -> Out:
     """The `(class, axis)` of each output of `eqn` (`other`: the same equation
     on the whole batch's shapes) whose inputs `ins` (`(class, axis)`, class
     `ROWS` for some) hold no `SHARE`; `([], why)` where it mixes rows."""
+    outs, why = _row_rule(eqn, other, ins)
+    # An equation's parameters may hold NumPy integers (the `axes` of the
+    # `reduce_sum` of `x.mean(0)`), and arithmetic on them stays NumPy: every
+    # axis leaves here a Python int.
+    return [(c, None if a is None else int(a)) for c, a in outs], why
+
+
+def _row_rule(
+    eqn: Any, other: Any, ins: list[tuple[str, int | None]]
+) -> tuple[list[tuple[str, Any]], str | None]:
+    """`row_rule`, each axis as computed from the equation's parameters (a
+    Python or a NumPy integer)."""
     name, p = eqn.primitive.name, eqn.params
     axes = {a for c, a in ins if c == ROWS}
     if len(axes) != 1:

@@ -83,6 +83,11 @@ PER_ROW = {
     "argsort_features": lambda c, s, b, k: jnp.argsort(s, axis=1)[:, 0] * c,
     "one_hot": lambda c, s, b, k: (jax.nn.one_hot(b["y"], 4) * s).sum(1),
     "row_dot": lambda c, s, b, k: (c @ b["mask"])[None] / c.shape[0],
+    # A reduction inside `jax.vmap` over the rows: JAX writes its axes as NumPy
+    # integers (once a type error of the analysis itself).
+    "vmapped_mean": lambda c, s, b, k: (
+        jax.vmap(lambda r: r.reshape(2, 2).mean(0))(s).sum(1) + c
+    ),
 }
 
 
