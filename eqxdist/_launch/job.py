@@ -105,12 +105,18 @@ def _is_gloo_noise(line: bytes) -> bool:
     )
 
 
+def xla_flags_with_devices(flags: str, devices: int) -> str:
+    """`flags` (an `XLA_FLAGS` value) with its CPU device count replaced by
+    `devices`, every other flag kept: what a process the launcher starts gets."""
+    kept = _DEVICE_COUNT_FLAG.sub("", flags).split()
+    return " ".join([*kept, f"--xla_force_host_platform_device_count={devices}"])
+
+
 def child_env(
     port: int, num_processes: int, process_id: int, devices: int, restart: int = 0
 ) -> dict[str, str]:
     env = dict(os.environ)
-    flags = _DEVICE_COUNT_FLAG.sub("", env.get("XLA_FLAGS", "")).split()
-    flags.append(f"--xla_force_host_platform_device_count={devices}")
+    flags = xla_flags_with_devices(env.get("XLA_FLAGS", ""), devices)
     env.update(
         {
             COORDINATOR_ENV: f"127.0.0.1:{port}",
@@ -118,7 +124,7 @@ def child_env(
             PROCESS_ID_ENV: str(process_id),
             RESTART_COUNT_ENV: str(restart),
             "JAX_PLATFORMS": "cpu",
-            "XLA_FLAGS": " ".join(flags),
+            "XLA_FLAGS": flags,
             "PYTHONUNBUFFERED": "1",
         }
     )

@@ -450,3 +450,23 @@ def test_bad_tokens_and_axes_say_what_to_change(mesh8):
     )  # fmt: skip
     with pytest.raises(ValueError, match="leaf `w_in` has shape \\(8, 4, 6\\)"):
         mapped(params, layer_tokens())
+
+
+def test_route_is_the_first_half_of_a_call():
+    """`MoE.route`: each token's top-k experts by the router's probabilities and
+    their normalised gates, computed here in plain JAX, and the same aux values
+    as the whole call; a batch of tokens is refused as the call refuses it."""
+    moe = ed.MoE(D, H, 8, top_k=2, key=jax.random.key(4))
+    x = layer_tokens()
+    routing, aux = moe.route(x)
+    p = router_probs(moe, x)
+    top_p, top_ids = jax.lax.top_k(p, 2)
+    np.testing.assert_array_equal(routing.experts, top_ids)
+    np.testing.assert_allclose(
+        routing.gates, top_p / top_p.sum(1, keepdims=True), **TOL
+    )
+    _, call_aux = moe(x)
+    for name in ("load_balance_loss", "router_z_loss", "tokens_per_expert"):
+        np.testing.assert_allclose(aux[name], call_aux[name], **TOL)
+    with pytest.raises(ValueError, match=r"MoE: `x` has shape \(2, 16, 4\).*vmap"):
+        moe.route(layer_tokens(shape=(2, T, D)))

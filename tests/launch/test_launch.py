@@ -23,7 +23,7 @@ import eqxdist as ed
 from eqxdist import launch
 from eqxdist._distributed import detected_cluster
 from eqxdist._launch import ports
-from eqxdist._launch.job import _DEVICE_COUNT_FLAG
+from eqxdist._launch.job import xla_flags_with_devices
 
 SCRIPTS = Path(__file__).parent.parent / "mp_scripts"
 # A generous bound: the runs take seconds; a hang (the bug these tests are for)
@@ -836,14 +836,7 @@ def slurm_run(tmp_path, args, victim=None):
             # The flags the launcher gives its processes (this process's, with
             # its device count replaced), so that this run's segment compiles as
             # the launcher's segments of the same run do and resumes bit-exactly.
-            XLA_FLAGS=" ".join(
-                [
-                    *_DEVICE_COUNT_FLAG.sub(
-                        "", os.environ.get("XLA_FLAGS", "")
-                    ).split(),
-                    "--xla_force_host_platform_device_count=2",
-                ]
-            ),
+            XLA_FLAGS=xla_flags_with_devices(os.environ.get("XLA_FLAGS", ""), 2),
         )
         logs.append(tmp_path / f"slurm{job}_{rank}.log")
         with open(logs[-1], "w") as log:

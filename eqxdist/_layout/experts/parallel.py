@@ -14,7 +14,7 @@ import equinox as eqx
 import jax
 from jaxtyping import Array, Float
 
-from ..._experts.moe import MoE, expert_leaves
+from ..._experts.moe import MoE, expert_leaves, is_moe
 from ..._long.views import view_of
 from .dispatch import experts_device_view, experts_global_view
 
@@ -70,10 +70,6 @@ class ExpertParallel(MoE):
         return y, aux
 
 
-def _is_layer(x: Any) -> bool:
-    return isinstance(x, MoE)
-
-
 def with_expert_axis(model: _M, axis: str | None, *, tokens_split: bool = True) -> _M:
     """`model` with every `MoE` in it (inside an `ed.Stacked` too) an
     `ExpertParallel` over `axis` (`None` leaves the model as it is). Leaves
@@ -92,7 +88,7 @@ def with_expert_axis(model: _M, axis: str | None, *, tokens_split: bool = True) 
             return ExpertParallel(node, axis, tokens_split)
         return node
 
-    out: _M = jax.tree.map(wrap, model, is_leaf=_is_layer)
+    out: _M = jax.tree.map(wrap, model, is_leaf=is_moe)
     return out
 
 
@@ -107,7 +103,7 @@ def whole_loss(model: _M) -> _M:
             else m
         ),
         model,
-        is_leaf=_is_layer,
+        is_leaf=is_moe,
     )
     return out
 
@@ -118,7 +114,7 @@ def expert_axes(model: Any) -> tuple[str | bool, ...]:
     `ExpertParallel` splits it over, or True when it has none; False for any
     other leaf."""
     marks: list[str | bool] = []
-    for node in jax.tree.leaves(model, is_leaf=_is_layer):
+    for node in jax.tree.leaves(model, is_leaf=is_moe):
         mark = node.axis if isinstance(node, ExpertParallel) else True
         marks.extend(mark if e else False for e in expert_leaves(node))
     return tuple(marks)
