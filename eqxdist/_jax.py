@@ -50,6 +50,15 @@ def distributed_client() -> Any:
     return _internal("jax._src.distributed", "global_state").client
 
 
+def preemption_sync_manager() -> Any:
+    """JAX's preemption sync manager (`None` without `jax.distributed` or with
+    `jax_enable_preemption_service` off). Its `reached_sync_point(step)` is what
+    `multihost_utils.reached_preemption_sync_point` calls; asking it directly
+    records a step without the launcher taking the call for a preemption loop
+    (`_launch/child.py` watches the public function)."""
+    return _internal("jax._src.distributed", "global_state").preemption_sync_manager
+
+
 def cluster_types() -> list[Any]:
     """The cluster environments `jax.distributed.initialize()` detects, in the order
     it tries them (JAX keeps this registry private)."""

@@ -11,10 +11,16 @@ from typing import Any
 import jax
 from jaxtyping import PyTree
 
+from .. import _jax
 from .._utils import Closing, check_not_consumed, typecheck
 from . import files
 from .api import CheckpointNotFoundError, latest_step, restore_checkpoint
 from .writer import Writer, check_step, orbax
+
+# Set once a manager of this process asked JAX's preemption sync point about a
+# step of its loop: from then on that step is the one JAX goes by, and a manager
+# opened later (another directory, mid-run) must not move it back.
+_ASKED_SYNC_POINT = threading.Event()
 
 
 def _uses_jax_preemption_service() -> bool:
@@ -112,11 +118,28 @@ class CheckpointManager(Closing):
         # seen after it must not stop the loop at this (unsaved) step.
         self._unsaved_step: int | None = None
         self._closed = False
-        if (
-            not _uses_jax_preemption_service()
-            and threading.current_thread() is threading.main_thread()
-        ):
+        if _uses_jax_preemption_service():
+            self._record_resumed_step()
+        elif threading.current_thread() is threading.main_thread():
             self._previous_handler = signal.signal(signal.SIGTERM, self._on_sigterm)
+
+    def _record_resumed_step(self) -> None:
+        """Tell JAX's preemption sync point the step this run resumes from.
+
+        JAX's protocol stops every process at one past the largest step any
+        process last asked about, and a process that has asked nothing counts as
+        step 0. A resumed run asks about its first step (`latest + 1`) only after
+        restoring and compiling, which take the longest: a SIGTERM meanwhile set
+        the stop at step 1, which the run had passed, and the run trained to its
+        end without saving (seen in the test's SLURM-style segment under
+        load). Asked `latest` now, on every process alike, the protocol stops
+        them at `latest + 1`, the loop's first step. Only before this process's
+        loop asked about a step of its own (see `_ASKED_SYNC_POINT`)."""
+        if _ASKED_SYNC_POINT.is_set():
+            return
+        sync, start = _jax.preemption_sync_manager(), self.latest_step() or 0
+        if sync is not None and sync.reached_sync_point(start):
+            self._preempted_at = start  # the protocol had already run at `start`
 
     def _on_sigterm(self, signum: int, frame: FrameType | None) -> None:
         self._sigterm.set()
@@ -146,6 +169,7 @@ class CheckpointManager(Closing):
         if self._preempted_at is not None and step >= self._preempted_at:
             return True
         if _uses_jax_preemption_service():
+            _ASKED_SYNC_POINT.set()
             reached = bool(orbax().utils.reached_preemption(step))
         else:
             reached = self._sigterm.is_set()

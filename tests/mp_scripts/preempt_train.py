@@ -4,6 +4,7 @@ tests/launch/test_launch.py (under `eqxdist.launch`, and as
 SLURM-style processes started by hand):
 
     preempt_train.py CKPT OUT STEPS [save-first|check-first] [no-pause]
+        [signal-on-resume]
 
 Resumes from the latest checkpoint in CKPT if there is one, trains the `common`
 problem (data parallel, a different batch per step) up to STEPS, and saves when
@@ -16,8 +17,16 @@ The loop saves, then asks `reached_preemption` (`save-first`, the default), or a
 first and saves only when preempted (`check-first`, Orbax's shape: with the long
 interval nothing else saves). Each step pauses 0.3 s, so that a signal sent once
 a step is printed lands before the run ends; `no-pause` leaves that out, for the
-runs no signal is sent to (an uninterrupted reference, a rerun to the end)."""
+runs no signal is sent to (an uninterrupted reference, a rerun to the end).
 
+`signal-on-resume`: a resumed run's process 0 sends itself SIGTERM right after
+restoring, and every process waits 3 s before its first step, so that the
+preemption notice (JAX's notifier looks for the signal once a second) reaches
+every process before any asks about a step of the loop: a preemption during the
+restore and the compilation, the longest part of a resumed run's start."""
+
+import os
+import signal
 import sys
 import time
 
@@ -58,10 +67,14 @@ with ed.CheckpointManager(directory, save_interval_steps=1000, async_save=True) 
         if saved != {"next_step": start}:
             raise SystemExit(f"wrong metadata at step {start}: {saved}")
         print(f"resumed at {start}", flush=True)
+        if "signal-on-resume" in options:
+            if jax.process_index() == 0:
+                os.kill(os.getpid(), signal.SIGTERM)
+            time.sleep(3.0)
     for step in range(start, steps):
         state, _ = train_step(state, batch(step))
         jax.block_until_ready(state)
-        print(f"pid {__import__('os').getpid()} step {step + 1}", flush=True)
+        print(f"pid {os.getpid()} step {step + 1}", flush=True)
         time.sleep(pause)
         metadata = {"next_step": step + 1}
         if order == "save-first":
