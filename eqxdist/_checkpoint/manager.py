@@ -133,13 +133,18 @@ class CheckpointManager(Closing):
         the stop at step 1, which the run had passed, and the run trained to its
         end without saving (seen in the test's SLURM-style segment under
         load). Asked `latest` now, on every process alike, the protocol stops
-        them at `latest + 1`, the loop's first step. Only before this process's
+        them at `latest + 1`, the loop's first step. A notice that came before
+        this manager opened has set the stop at step 1 on every process (none
+        had asked about a step): asked about step 1 first, the manager sees it,
+        and the loop stops at its first step too. Only before this process's
         loop asked about a step of its own (see `_ASKED_SYNC_POINT`)."""
         if _ASKED_SYNC_POINT.is_set():
             return
         sync, start = _jax.preemption_sync_manager(), self.latest_step() or 0
-        if sync is not None and sync.reached_sync_point(start):
-            self._preempted_at = start  # the protocol had already run at `start`
+        if sync is None or start == 0:  # a fresh run asks about step 1 itself
+            return
+        if sync.reached_sync_point(1) or sync.reached_sync_point(start):
+            self._preempted_at = start
 
     def _on_sigterm(self, signum: int, frame: FrameType | None) -> None:
         self._sigterm.set()

@@ -860,11 +860,12 @@ def slurm_run(tmp_path, args):
 def test_sigterm_to_one_of_2_processes_saves_and_the_rerun_resumes_bit_exactly(
     tmp_path,
 ):
-    """One run preempted twice and finished, bit-exactly the uninterrupted run:
-    under the launcher (SIGTERM to process 1), resumed as SLURM-style processes
-    without the launcher (SIGTERM to process 0 as it restores), resumed under
-    the launcher to the end. Both processes stop at the same step each time,
-    and save it.
+    """One run preempted three times and finished, bit-exactly the
+    uninterrupted run: under the launcher (SIGTERM to process 1), resumed as
+    SLURM-style processes without the launcher (SIGTERM to process 0 as it
+    restores), resumed under the launcher (SIGTERM to process 0 before its
+    checkpoint manager opens), resumed under the launcher to the end. Both
+    processes stop at the same step each time, and save it.
 
     16 steps of 0.3 s each leave a signalled run a dozen steps (about 4 s)
     for the preemption notice to cross JAX's coordination service to both
@@ -903,11 +904,20 @@ def test_sigterm_to_one_of_2_processes_saves_and_the_rerun_resumes_bit_exactly(
     assert second == first + 1 and ed.latest_step(ckpt) == second
     assert not resumed.exists()
 
+    # Resumed under the launcher, preempted before the manager opens (JAX set
+    # the stop at step 1 then, on both processes): stopped at the first step.
+    third = launcher_command(script, ckpt, resumed, steps, "signal-before-manager")
+    run = run_launcher(*third[3:])
+    assert run.returncode == 0, explain(run)
+    assert run.stdout.count(f"resumed at {second}") == 2, explain(run)
+    assert run.stdout.count(f"preempted at {second + 1}\n") == 2, explain(run)
+    assert ed.latest_step(ckpt) == second + 1 and not resumed.exists()
+
     rerun = run_launcher(
         *launcher_command(script, ckpt, resumed, steps, "no-pause")[3:]
     )
     assert rerun.returncode == 0, explain(rerun)
-    assert f"[0] resumed at {second}" in rerun.stdout
+    assert f"[0] resumed at {second + 1}" in rerun.stdout
     assert_same_npz(np.load(resumed), np.load(tmp_path / "full.npz"))
 
 

@@ -4,7 +4,7 @@ tests/launch/test_launch.py (under `eqxdist.launch`, and as
 SLURM-style processes started by hand):
 
     preempt_train.py CKPT OUT STEPS [save-first|check-first] [no-pause]
-        [signal-on-resume]
+        [signal-on-resume|signal-before-manager]
 
 Resumes from the latest checkpoint in CKPT if there is one, trains the `common`
 problem (data parallel, a different batch per step) up to STEPS, and saves when
@@ -23,7 +23,10 @@ runs no signal is sent to (an uninterrupted reference, a rerun to the end).
 restoring, and every process waits 3 s before its first step, so that the
 preemption notice (JAX's notifier looks for the signal once a second) reaches
 every process before any asks about a step of the loop: a preemption during the
-restore and the compilation, the longest part of a resumed run's start."""
+restore and the compilation, the longest part of a resumed run's start.
+`signal-before-manager`: the same, before a run that has a checkpoint to
+resume from opens its `CheckpointManager` (a preemption while the model is
+built)."""
 
 import os
 import signal
@@ -58,6 +61,15 @@ def batch(step: int) -> dict[str, np.ndarray]:
     )
 
 
+def preempt_self(option: str) -> None:
+    if option in options:
+        if jax.process_index() == 0:
+            os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(3.0)
+
+
+if ed.latest_step(directory) is not None:
+    preempt_self("signal-before-manager")
 with ed.CheckpointManager(directory, save_interval_steps=1000, async_save=True) as m:
     start = m.latest_step() or 0
     state = common.make_state()
@@ -67,10 +79,7 @@ with ed.CheckpointManager(directory, save_interval_steps=1000, async_save=True) 
         if saved != {"next_step": start}:
             raise SystemExit(f"wrong metadata at step {start}: {saved}")
         print(f"resumed at {start}", flush=True)
-        if "signal-on-resume" in options:
-            if jax.process_index() == 0:
-                os.kill(os.getpid(), signal.SIGTERM)
-            time.sleep(3.0)
+        preempt_self("signal-on-resume")
     for step in range(start, steps):
         state, _ = train_step(state, batch(step))
         jax.block_until_ready(state)
