@@ -10,22 +10,14 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 import jax
 import numpy as np
 import pytest
+from compile_speed import TRAINING, script_flags, with_compile_flags
 
 import eqxdist as ed
 
-# Before JAX initialises its CPU backend (the first array or `jax.devices()`).
-# LLVM at optimisation level 0: the tests' programs are small and compiled once
-# or twice each, so compiling is most of their time; level 0 compiles about 20%
-# faster (measured on three files of tests/step and tests/layout: 164 s of CPU
-# against 204 s). It changes no HLO pass: the optimised HLO, its FLOPs and its
-# temporaries, which tests check, are identical at both levels (all 15 steps of
-# `benchmarks/dump_programs.py`), so values differ by float rounding at most,
-# within the tests' tolerances. Scripts the tests start as subprocesses run as
-# users run them (`script_env` drops these flags).
-if "--xla_backend_optimization_level" not in os.environ.get("XLA_FLAGS", ""):
-    os.environ["XLA_FLAGS"] = (
-        os.environ.get("XLA_FLAGS", "") + " --xla_backend_optimization_level=0"
-    ).strip()
+# Before JAX initialises its CPU backend (the first array or `jax.devices()`):
+# flags that make XLA compile faster without changing what a program computes
+# (`compile_speed.py` says which, why, and what they change in compiled figures).
+os.environ["XLA_FLAGS"] = with_compile_flags(os.environ.get("XLA_FLAGS", ""))
 ed.simulate_cpu_devices(8)
 jax.config.update("jax_enable_x64", False)
 
@@ -87,9 +79,18 @@ def cached_env(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
 @pytest.fixture(scope="session")
 def script_env(cached_env: dict[str, str]) -> dict[str, str]:
     """The environment of an example script run as a subprocess, as a user runs
-    it: without this process's `XLA_FLAGS` (each script sets up its own simulated
-    devices), with the session's compilation cache (`cached_env`)."""
-    return {k: v for k, v in cached_env.items() if k != "XLA_FLAGS"}
+    it: without this process's device count in `XLA_FLAGS` (each script sets up
+    its own simulated devices) but with the tests' compile flags
+    (`compile_speed.COMPILING`), with the session's compilation cache
+    (`cached_env`)."""
+    return {**cached_env, "XLA_FLAGS": script_flags()}
+
+
+@pytest.fixture(scope="session")
+def training_script_env(cached_env: dict[str, str]) -> dict[str, str]:
+    """`script_env` for a script that computes more than it compiles (the main
+    job's epochs): XLA's default flags (`compile_speed.TRAINING`)."""
+    return {**cached_env, "XLA_FLAGS": script_flags(TRAINING)}
 
 
 def pytest_xdist_auto_num_workers(config: pytest.Config) -> int:

@@ -29,6 +29,8 @@ from decimal import Decimal
 from pathlib import Path
 from typing import NamedTuple
 
+from compile_speed import script_flags
+
 ROOT = Path(__file__).resolve().parent.parent
 
 # A python block, and the ```text block that may follow it at the same indentation.
@@ -160,10 +162,10 @@ def mismatch(stated: list[str], printed: list[str]) -> str | None:
 
 
 def readers_env() -> dict[str, str]:
-    """The environment a reader's fresh Python has: this process's without its
-    `XLA_FLAGS` (the 8 devices of conftest), importing the checkout's eqxdist (as
-    the tests do)."""
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    """The environment a reader's fresh Python has: this process's without the
+    8 devices of conftest in `XLA_FLAGS` (the tests' compile flags stay:
+    `compile_speed.py`), importing the checkout's eqxdist (as the tests do)."""
+    env = {**os.environ, "XLA_FLAGS": script_flags()}
     env["PYTHONPATH"] = os.pathsep.join(
         [str(ROOT), *filter(None, [env.get("PYTHONPATH")])]
     )

@@ -12,6 +12,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from compile_speed import script_flags
 from fresh_pythons import run_fresh
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -67,7 +68,7 @@ def _logged_after(path: Path, step: int) -> list[dict[str, float]]:
 
 @pytest.mark.slow
 def test_main_job_trains_four_ways_and_resumes_exactly(
-    tmp_path: Path, script_env: dict[str, str]
+    tmp_path: Path, training_script_env: dict[str, str]
 ) -> None:
     """README command 1 as the README runs it, for 2 epochs instead of 10 (each
     epoch runs the same programs; the README's figures after 10 come from running
@@ -82,7 +83,7 @@ def test_main_job_trains_four_ways_and_resumes_exactly(
 
     whole = tmp_path / "whole"
     main_job = ["examples/train_classifier.py", "--epochs", "2"]
-    out = _run(script_env, *main_job, "--out", str(whole), timeout=1800)
+    out = _run(training_script_env, *main_job, "--out", str(whole), timeout=1800)
     assert out.returncode == 0, out.stdout + out.stderr
     for strategy in ("single", "dp", "fsdp", "reorder"):
         assert f"\n{strategy} " in out.stdout
@@ -102,16 +103,16 @@ def test_main_job_trains_four_ways_and_resumes_exactly(
     assert "held-out confusion matrix" in out.stdout
 
     args = [*main_job, "--strategies", "dp", "--out", str(tmp_path / "split")]
-    first = _run(script_env, *args, "--stop-after", "1")
+    first = _run(training_script_env, *args, "--stop-after", "1")
     assert first.returncode == 0, first.stderr
     with ed.CheckpointManager(tmp_path / "split" / "dp") as manager:
         assert manager.latest_step() == 11
         assert manager.metadata(11) == {"loader_step": 11, "seed": 0, "batch_size": 128}
     assert re.search(r"\ndp +8 +1 ", first.stdout), first.stdout  # epochs trained
-    other = _run(script_env, *args, "--resume", "--seed", "1")
+    other = _run(training_script_env, *args, "--resume", "--seed", "1")
     assert other.returncode != 0
     assert "this run asks for {'seed': 1, 'batch_size': 128}" in other.stderr
-    second = _run(script_env, *args, "--resume")
+    second = _run(training_script_env, *args, "--resume")
     assert second.returncode == 0, second.stderr
     assert "dp resumed at step 11" in second.stdout
     resumed = _logged_after(tmp_path / "split" / "dp" / "metrics.jsonl", 11)
@@ -157,7 +158,7 @@ def test_dcgan_parts_equal_one_device(
 
 @pytest.mark.slow
 def test_main_job_ctrl_c_saves_and_resume_logs_each_step_once(
-    tmp_path: Path, script_env: dict[str, str]
+    tmp_path: Path, training_script_env: dict[str, str]
 ) -> None:
     """Ctrl-C in the middle of epoch 2 saves the step the run is at and ends it
     with one line and status 130 (it was a long `KeyboardInterrupt` traceback,
@@ -170,7 +171,7 @@ def test_main_job_ctrl_c_saves_and_resume_logs_each_step_once(
     run = subprocess.Popen(
         [*WITH_SIGINT, *args],
         cwd=ROOT,
-        env=script_env,
+        env=training_script_env,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
@@ -190,7 +191,7 @@ def test_main_job_ctrl_c_saves_and_resume_logs_each_step_once(
     saved = int(stopped[1])
     assert 13 < saved < 22 and "Traceback" not in err, err
     assert ed.latest_step(tmp_path / "dp") == saved
-    resumed = _run(script_env, *args, "--resume")
+    resumed = _run(training_script_env, *args, "--resume")
     assert resumed.returncode == 0, resumed.stderr
     assert f"dp resumed at step {saved}" in resumed.stdout
     rows = [
@@ -199,7 +200,7 @@ def test_main_job_ctrl_c_saves_and_resume_logs_each_step_once(
     ]
     assert [r["step"] for r in rows if "loss" in r] == list(range(1, 23))
     assert [r["step"] for r in rows if "eval_loss" in r] == [11, 22]
-    again = _run(script_env, *args, "--resume")
+    again = _run(training_script_env, *args, "--resume")
     assert again.returncode == 0, again.stderr
     assert "dp already at step 22 of 22: nothing to run" in again.stdout
     assert "nan" not in again.stdout and re.search(r"\ndp .* - ", again.stdout)
@@ -215,7 +216,7 @@ def test_multi_process_example_restarts_past_a_crash(tmp_path: Path) -> None:
     import eqxdist as ed
 
     # No shared compilation cache: the processes run at once (see `cached_env`).
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    env = {**os.environ, "XLA_FLAGS": script_flags()}
     out = _run(
         env, "-m", "eqxdist.launch", "-n", "2", "-d", "2", "--max-restarts", "1",
         "examples/multi_process.py", "--checkpoint-dir", str(tmp_path),

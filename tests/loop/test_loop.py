@@ -19,6 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from compile_speed import script_flags
 from reference import train_one_device
 
 import eqxdist as ed
@@ -402,7 +403,7 @@ print("not reached", flush=True)
 
 @pytest.mark.slow
 def test_watchdog_ends_a_process_whose_step_never_completes() -> None:
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    env = {**os.environ, "XLA_FLAGS": script_flags()}
     result = subprocess.run(
         [sys.executable, "-c", textwrap.dedent(HANG)],
         capture_output=True, text=True, timeout=120, env=env,
