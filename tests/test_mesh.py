@@ -183,7 +183,9 @@ def test_simulate_cpu_devices_in_a_fresh_process():
 @pytest.mark.slow
 def test_simulate_cpu_devices_keeps_an_existing_flag():
     before = os.environ["XLA_FLAGS"]
-    ed.simulate_cpu_devices(2)  # the flag conftest set wins; nothing changes
+    # The flag conftest set wins, and the call says so; nothing changes.
+    with pytest.warns(UserWarning, match="which wins: JAX will have 8 CPU devices"):
+        ed.simulate_cpu_devices(2)
     assert os.environ["XLA_FLAGS"] == before and jax.device_count() == 8
     with pytest.raises(ValueError, match="`count` must be >= 1"):
         ed.simulate_cpu_devices(0)
