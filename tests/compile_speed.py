@@ -1,8 +1,8 @@
-"""The XLA flags the tests compile with: every test process (`conftest.py`), the
-launcher's processes (which inherit them) and the scripts a test starts
-(`conftest.script_env`, `stated_output.readers_env`). The tests' programs are
-small and most are compiled once or twice, so compiling is most of the suite's
-time. Neither flag changes what a program computes.
+"""The XLA flags the tests compile with: every test process (`conftest.py`) and the
+scripts a test starts (`conftest.script_env`, `stated_output.readers_env`); the
+launcher's processes inherit LLVM level 0 only (`conftest.py` says why). The
+tests' programs are small and most are compiled once or twice, so compiling is
+most of the suite's time. Neither flag changes what a program computes.
 
 - `--xla_cpu_use_fusion_emitters=false`: XLA:CPU's older emitters for fusions.
   They compile in about 60% of the time (the 21 steps of
