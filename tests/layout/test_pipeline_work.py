@@ -15,7 +15,9 @@ from harness import PipeNet, pipe_batches, pipe_loss
 from reference import max_diff, train_one_device
 
 import eqxdist as ed
-from eqxdist._layout.pipeline.stage_passes import pass_flops
+from eqxdist._layout.pipeline.engine import layer_loop
+from eqxdist._layout.pipeline.stage_passes import StagePasses, pass_flops
+from eqxdist._layout.stacked import layer_function
 
 SGD = optax.sgd(0.1)
 
@@ -71,6 +73,51 @@ def test_each_entry_does_only_its_work(block, per_row):
         assert full["B"] > 1.3 * full["F"], full
 
 
+@pytest.mark.parametrize(
+    ("block", "per_row", "fits"),
+    [(_XwBlock, False, 2), (_ModuleBlock, True, 3)],
+)
+def test_what_b_hands_w_takes_the_room_of_residuals_only_b_read(block, per_row, fits):
+    """The values B hands W go where residuals W does not read were in the
+    stash entry (same dtype and layers, rooms apart), so a W that waits holds
+    only what does not fit beyond its stash entry: nothing for the `x @ W`
+    MLP (both its values: the hidden cotangent where the pre-activation was,
+    the output's beside it), 3 of 5 values for the per-row Equinox block
+    (LayerNorm's statistics leave little dead room). Checked against the
+    split's own W program: the rooms are in leaves it does not read."""
+    stacked = ed.Stacked([block(k) for k in jax.random.split(jax.random.key(0), 2)])
+    leaves, layer = layer_function(stacked, with_key=False)
+
+    def layers(p, key, chunk, micro):
+        return layer_loop(
+            layer, p, None, key_rows=False, first=0, num_layers=2,
+            remat=None, per_row=per_row,
+        )  # fmt: skip
+
+    passes = StagePasses(layers, jax.tree.structure(jnp.ones(1)), None)
+    h = [jnp.ones((16, 32))]
+    y, kept = passes.forward(leaves, h, None, 0, 0)
+    _, saved = passes.input_grad(leaves, kept, y, None, 0, 0)
+    where = passes.in_stash(kept, saved)
+    assert sum(room is not None for room in where) == fits, where
+    reads = [
+        r
+        for r, j in zip(
+            passes.learned.split.w_reads, passes.learned.from_x, strict=True
+        )
+        if j is None
+    ]
+    taken: dict[int, set[int]] = {}
+    for room, v in zip(where, saved, strict=True):
+        if room is None:
+            continue
+        k, cells = room.leaf, set(range(room.start, room.stop))
+        assert not reads[k] and kept[k].dtype == v.dtype, (room, v.shape)
+        assert len(cells) * v.shape[0] == v.size and max(cells) < kept[k][0].size
+        assert not cells & taken.get(k, set()), room  # no two values overlap
+        taken.setdefault(k, set()).update(cells)
+
+
 LAYERS = 64
 
 
@@ -98,15 +145,16 @@ def _compiled(schedule, micro):
 def test_what_1f1b_and_zb_h1_keep_and_every_schedule_counts():
     """Remat `None`, M = 4P, 64 blocks: 1F1B's compiled temporaries at most
     0.6x GPipe's (P microbatches' residuals on a stage, not M; measured
-    0.28x), ZB-H1's near 1F1B's (measured 1.26x: its W's wait with their
-    cotangents; the contract's 1.1x is not reached yet, so the bound guards
-    what is). Every schedule's model FLOPs are data parallelism's within 5%
+    0.29x), ZB-H1's at most 1.1x 1F1B's (measured 1.00x: what B hands a W
+    that waits is kept in the room of the residuals only B read, in the
+    stash entry the W frees; it was a buffer of its own, 1.26x). Every
+    schedule's model FLOPs are data parallelism's within 5%
     (measured 1.03x: the embedding and the head run on every stage): no idle
     slot, recompute or untaken branch counted."""
     got = {s: _compiled(s, 16) for s in ("gpipe", "1f1b", "zb-h1", "interleaved")}
     temps = {s: t for s, (t, _) in got.items()}
     assert temps["1f1b"] <= 0.6 * temps["gpipe"], temps
-    assert temps["zb-h1"] <= 1.3 * temps["1f1b"], temps
+    assert temps["zb-h1"] <= 1.1 * temps["1f1b"], temps
     _, dp = _compiled(None, 0)
     for schedule, (_, flops) in got.items():
         assert abs(flops / dp - 1) <= 0.05, (schedule, flops / dp)

@@ -24,6 +24,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from ..._jaxpr import counted_scaled
 from ..remat import UNSET, loop_blocks
@@ -49,13 +50,17 @@ def run_slots(
 ) -> Any:
     """The carry after every slot of `arrays`: at slot t, `step(carry, entry)`
     with `entry` this stage's (the stage axis `axis`) values at t of the
-    tables named by `fields` (a dict by name; only those are read)."""
+    tables named by `fields` (a dict by name; only those are read). A table of
+    one value a row (`(slots,)`) gives every stage the same value: a
+    predicate the stages agree on, which may guard a collective."""
     tables = [jnp.asarray(getattr(arrays, f)) for f in fields]
 
     def slot(carry: Any, t: Any) -> tuple[Any, None]:
         rows = [_take(x, t) for x in tables]
         s = jax.lax.axis_index(axis)
-        entry = {f: _take(x, s) for f, x in zip(fields, rows, strict=True)}
+        entry = {
+            f: _take(x, s) if x.ndim else x for f, x in zip(fields, rows, strict=True)
+        }
         return step(carry, entry), None
 
     carry, _ = jax.lax.scan(slot, init, jnp.arange(arrays.slots))
@@ -104,11 +109,11 @@ def stage_layers(
     repeats = plan.pipeline.repeats
     count = stacked.num_layers // (plan.stages * repeats)
     s = jax.lax.axis_index(plan.axis)
-    first = s * count
+    first, offset = s * count, 0
     if repeats > 1:
-        # One chunk (1F1B): the layers as they are; a slice at a traced index
-        # only where there are several.
-        leaves = [jax.lax.dynamic_slice_in_dim(a, chunk * count, count) for a in leaves]
+        # One chunk (1F1B): the layers as they are; at a traced offset only
+        # where there are several.
+        offset = chunk * count
         first = (chunk * plan.stages + s) * count
     return layer_loop(
         layer,
@@ -120,6 +125,8 @@ def stage_layers(
         remat=stacked.remat if remat is UNSET else remat,
         unroll=stacked.unroll,
         per_row=per_row,
+        offset=offset,
+        count=count,
     )
 
 
@@ -265,23 +272,49 @@ class ForwardEngine:
 @dataclasses.dataclass(frozen=True)
 class StageLayers:
     """A run of a stack's layers as a loop: `body(h, x) -> (h, aux)` one layer
-    on the rows `h` (`aux` `None` for blocks that return only `x`), `xs` the
-    loop's inputs stacked over the layers (each layer's leaves, then its key),
-    `first` the global index of the first (for the aux's place), and how the
-    loop runs (`remat`, `unroll`; `per_row`: each row its own call of the
-    block). `run` runs it; the written-out schedules run its layers' forward
-    and backward passes apart (`stage_passes`)."""
+    on the rows `h` (`aux` `None` for blocks that return only `x`), the
+    layers' inputs (`xs`, or one layer's, `layer(i)`), `first` the global
+    index of the first (for the aux's place), and how the loop runs (`remat`,
+    `unroll`; `per_row`: each row its own call of the block). `run` runs it;
+    the written-out schedules run its layers' forward and backward passes
+    apart (`stage_passes`).
+
+    The layers are `count` of the stage's layer leaves (`leaves`) from
+    `offset` (a traced index: one chunk of interleaved 1F1B), then their keys
+    (`keys`, stacked over these layers; `None` without a key). `layer(i)`
+    reads layer i where the stage's leaves are: taking a chunk first
+    (`xs`) copies its weights, which on few rows a microbatch cost as much
+    as the chunk's products (interleaved 1F1B's F and B entries read their
+    layers so)."""
 
     body: Callable[[Any, list[Any]], tuple[Any, Any]]
-    xs: list[Any]
+    leaves: list[Any]
+    keys: Any
+    offset: Any
+    count: int
     first: Any
     remat: Any
     unroll: bool
     per_row: bool
 
     @property
-    def count(self) -> int:
-        return int(self.xs[0].shape[0])
+    def xs(self) -> list[Any]:
+        """The loop's inputs stacked over these layers: each layer's leaves,
+        then its key."""
+        leaves = self.leaves
+        if not (isinstance(self.offset, int) and self.offset == 0):
+            leaves = [
+                jax.lax.dynamic_slice_in_dim(a, self.offset, self.count) for a in leaves
+            ]
+        elif int(leaves[0].shape[0]) != self.count:
+            leaves = [a[: self.count] for a in leaves]
+        return list(leaves) if self.keys is None else [*leaves, self.keys]
+
+    def layer(self, i: Any) -> list[Any]:
+        """Layer i's inputs (i < `count`, traced or not), as `xs` holds them
+        at i, read in place."""
+        leaves = [_index(a, self.offset + i) for a in self.leaves]
+        return leaves if self.keys is None else [*leaves, _index(self.keys, i)]
 
     def run(self, h: Any) -> tuple[Any, Any]:
         """The layers in turn on `h`: `(h, ys)`, `ys` the aux stacked over the
@@ -305,6 +338,12 @@ class StageLayers:
         return h, place_aux(acc, ys, self.first, per_row=self.per_row)
 
 
+def _index(x: Any, i: Any) -> Any:
+    if isinstance(i, (int, np.integer)):
+        return x[int(i)]
+    return jax.lax.dynamic_index_in_dim(x, i, 0, keepdims=False)
+
+
 def layer_loop(
     layer: Callable[..., Any],
     leaves: list[Any],
@@ -316,17 +355,20 @@ def layer_loop(
     remat: Any,
     unroll: bool = False,
     per_row: bool = True,
+    offset: Any = 0,
+    count: int | None = None,
 ) -> StageLayers:
-    """`leaves`' layers (global layers `first`, `first + 1`, ... of a stack of
-    `num_layers`) as a loop over the rows (each row its own call of the block,
-    as under the loss's `vmap`; not `per_row`: one call on all of them, for
-    blocks that take a batch). With a `key` (one per row if `key_rows`), each
-    layer gets its key as the `Stacked` would give it: `jax.random.split(key,
-    num_layers)[layer]`. With `unroll`, a Python loop over the layers, not a
-    scan (`loop_blocks`)."""
-    count = int(jax.tree.leaves(leaves)[0].shape[0])
-    chunk = list(leaves)
+    """`count` (all) of `leaves`' layers from `offset` (global layers
+    `first`, `first + 1`, ... of a stack of `num_layers`) as a loop over the
+    rows (each row its own call of the block, as under the loss's `vmap`; not
+    `per_row`: one call on all of them, for blocks that take a batch). With a
+    `key` (one per row if `key_rows`), each layer gets its key as the
+    `Stacked` would give it: `jax.random.split(key, num_layers)[layer]`. With
+    `unroll`, a Python loop over the layers, not a scan (`loop_blocks`)."""
+    if count is None:
+        count = int(jax.tree.leaves(leaves)[0].shape[0])
     in_axes: list[int | None] = [None] * len(leaves)
+    keys = None
     if key is not None:
 
         def per_layer(k: Any) -> Any:
@@ -335,10 +377,10 @@ def layer_loop(
             )
 
         if key_rows:
-            chunk.append(jnp.swapaxes(jax.vmap(per_layer)(key), 0, 1))
+            keys = jnp.swapaxes(jax.vmap(per_layer)(key), 0, 1)
             in_axes.append(0)
         else:
-            chunk.append(per_layer(key))
+            keys = per_layer(key)
             in_axes.append(None)
 
     def body(h: Any, layer_leaves: list[Any]) -> tuple[Any, Any]:
@@ -349,7 +391,9 @@ def layer_loop(
         y, aux, _ = split_aux(out, h, "pipeline")
         return y, aux
 
-    return StageLayers(body, chunk, first, remat, unroll, per_row)
+    return StageLayers(
+        body, list(leaves), keys, offset, count, first, remat, unroll, per_row
+    )
 
 
 def _take(tree: Any, i: Any) -> Any:

@@ -38,7 +38,10 @@ class SlotArrays:
     stage takes next; on a ring, the last stage's to stage 0), `prev_micro`
     (its microbatch), `from_next` (1 where the next stage ran a backward whose
     input's cotangent this stage takes; on a ring, stage 0's to the last),
-    `next_micro`.
+    `next_micro`; `sends_f` and `sends_b` (`(slots,)`, one value a row, the
+    same on every stage: whether any stage receives an activation, or a
+    cotangent, at the end of the slot; a row where none does runs no
+    exchange that way).
 
     The buffer entries (see the module docstring; 0 where unused): `stash`
     (the entry's in `stash`), `read` (an F's in `inbox_f`, a backward's in
@@ -61,6 +64,8 @@ class SlotArrays:
     next_at: np.ndarray
     pending: np.ndarray
     sizes: tuple[int, int, int, int]
+    sends_f: np.ndarray
+    sends_b: np.ndarray
 
     @property
     def slots(self) -> int:
@@ -103,6 +108,8 @@ def slot_arrays(rows: Table, *, ring: bool | None = None) -> SlotArrays:
         next_at,
         pending,
         buffers.sizes,
+        np.asarray(from_prev.any(axis=1), np.int32),
+        np.asarray(from_next.any(axis=1), np.int32),
     )
 
 

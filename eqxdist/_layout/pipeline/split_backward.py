@@ -38,12 +38,15 @@ class SplitBackward:
       outputs of the pullback (the block's input) and the values W reads;
     - `weight_grad(res, saved) -> dw`: the other outputs (the weights'),
     with `res` the pullback's residual leaves and `ct` the output cotangent's
-    leaves."""
+    leaves;
+    - `w_reads`: for each residual leaf, whether W reads it (one W does not
+      read is dead once B has run: its room may hold what B hands W)."""
 
     b: Any
     w: Any
     consts: list[Any]
     n_saved: int
+    w_reads: tuple[bool, ...]
 
     @classmethod
     def trace(cls, pullback: Any, res: list[Any], ct: list[Any], n_dh: int) -> Any:
@@ -68,7 +71,13 @@ class SplitBackward:
         assert all(v in by_b or v in ct_vars for v in saved)
         b_prog = jaxpr_of(jaxpr, [*res_vars, *ct_vars], [*outs[:n_dh], *saved], b.eqns)
         w_prog = jaxpr_of(jaxpr, [*res_vars, *saved], list(outs[n_dh:]), w_eqns)
-        return cls(b_prog, w_prog, list(consts), len(saved))
+        read = {
+            u
+            for u in [*(u for e in w_eqns for u in e.invars), *outs[n_dh:]]
+            if isinstance(u, jex_core.Var)
+        }
+        w_reads = tuple(v in read for v in res_vars)
+        return cls(b_prog, w_prog, list(consts), len(saved), w_reads)
 
     def input_grad(self, res: list[Any], ct: list[Any]) -> tuple[list[Any], list[Any]]:
         out = eval_jaxpr(self.b, self.consts, *res, *ct)

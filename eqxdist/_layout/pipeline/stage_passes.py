@@ -124,7 +124,8 @@ class StagePasses:
         # own, apart from any forward: nothing for XLA to merge it with.
         block = rematerialised(loop.body, loop.remat, prevent_cse=False)
 
-        def step(h: Any, xs: list[Any]) -> tuple[Any, Any]:
+        def step(h: Any, i: Any) -> tuple[Any, Any]:
+            xs = loop.layer(i)
             out, pullback = jax.vjp(block, h, xs)
             res, tree = jax.tree.flatten(pullback)
             mine = jax.tree.leaves(xs)
@@ -136,7 +137,7 @@ class StagePasses:
             return y, (aux, [r for r, j in zip(res, from_x, strict=True) if j is None])
 
         h_out, (ys, kept) = _loop(
-            step, x, loop.xs, length=loop.count, unroll=loop.unroll
+            step, x, _layers(loop), length=loop.count, unroll=loop.unroll
         )
         out = loop.finish(h_out, ys, acc)
         self.learned.out_tree = jax.tree.structure(out)
@@ -184,7 +185,8 @@ class StagePasses:
         d_h, d_ys, d_acc = jax.tree.map(held, glue(d_out), (zeros, ys, acc))
 
         def step(dh: Any, a: Any) -> tuple[Any, Any]:
-            kept_i, xs_i, dys_i = a
+            kept_i, i, dys_i = a
+            xs_i = loop.layer(i)
             res = self._residuals(kept_i, xs_i)
             ct = [c for c in jax.tree.leaves((dh, dys_i)) if _inexact(c)]
             split = self._split(res, dh, dys_i, xs_i)
@@ -194,7 +196,7 @@ class StagePasses:
         d_h, saved = _loop(
             step,
             d_h,
-            (kept, loop.xs, d_ys),
+            (kept, _layers(loop), d_ys),
             length=loop.count,
             unroll=loop.unroll,
             reverse=True,
@@ -244,6 +246,41 @@ class StagePasses:
         learned.split = SplitBackward.trace(pullback, res, ct, n_dh)
         return learned.split
 
+    def in_stash(self, kept: list[Any], saved: list[Any]) -> list["Room | None"]:
+        """For each leaf B hands W (`saved`, shapes stacked over the layers),
+        the room it takes in a kept residual leaf of the stash (`kept`,
+        likewise), or `None`: a residual only B reads (W's program does not,
+        `SplitBackward.w_reads`) is dead once B has run, and values of its
+        dtype that B hands W can be written where it was, side by side within
+        each layer's part while they fit. The stash entry lives until W
+        either way, so what B hands W then costs no memory of its own
+        (ZB-H1's W waits several slots after its B: without this its values
+        took a buffer of P entries beside the stash). First fit, in order."""
+        split, from_x = self.learned.split, self.learned.from_x
+        assert split is not None and from_x is not None  # B was traced
+        # The kept leaves are the residuals that are not the layer's inputs.
+        reads = [r for r, j in zip(split.w_reads, from_x, strict=True) if j is None]
+        used = {k: 0 for k, r in enumerate(reads) if not r}
+        rooms: list[Room | None] = []
+        for v in saved:
+            n = _per_layer(v)
+            k = next(
+                (
+                    k
+                    for k, at in used.items()
+                    if kept[k].shape[0] == v.shape[0]
+                    and kept[k].dtype == v.dtype
+                    and at + n <= _per_layer(kept[k])
+                ),
+                None,
+            )
+            if k is None:
+                rooms.append(None)
+                continue
+            rooms.append(Room(k, used[k], used[k] + n))
+            used[k] += n
+        return rooms
+
     # -- W ------------------------------------------------------------------
 
     def weight_grad(
@@ -282,6 +319,41 @@ class StagePasses:
         ]
         (dp,) = glue(d_xs)
         return list(dp)
+
+
+def _per_layer(a: Any) -> int:
+    """The elements of one layer's part of `a` (stacked over the layers)."""
+    return int(np.prod(a.shape[1:], dtype=np.int64))
+
+
+@dataclasses.dataclass(frozen=True)
+class Room:
+    """Where a value B hands W is kept in a stash entry
+    (`StagePasses.in_stash`): in kept leaf `leaf`, elements `start:stop` of
+    each layer's part (flattened)."""
+
+    leaf: int
+    start: int
+    stop: int
+
+    def put(self, entry: Any, value: Any) -> Any:
+        """`entry` (one stash entry of the leaf) with `value` in the room."""
+        flat = entry.reshape(entry.shape[0], -1)
+        flat = flat.at[:, self.start : self.stop].set(value.reshape(value.shape[0], -1))
+        return flat.reshape(entry.shape)
+
+    def get(self, entry: Any, like: Any) -> Any:
+        """The value in the room of `entry`, of `like`'s shape."""
+        flat = entry.reshape(entry.shape[0], -1)
+        return flat[:, self.start : self.stop].reshape(like.shape)
+
+
+def _layers(loop: StageLayers) -> Any:
+    """The index each step of a loop over `loop`'s layers reads its layer at
+    (`StageLayers.layer`): Python ints where the loop is unrolled."""
+    if loop.unroll:
+        return np.arange(loop.count)
+    return jnp.arange(loop.count)
 
 
 def pass_flops(

@@ -11,9 +11,14 @@ the metrics, `post`'s parameter gradients and the cotangent of the stage's
 output. B computes the input's cotangent from the stash and passes it back
 at once (on stage 0, chunk 0, it is kept for the step: the VJP of what comes
 before the stack), leaving W what it reads (the cotangents between each
-layer's products) in `pending`; W, in a later slot, computes the weights'
-gradients from the stash and `pending`, and frees both. BW is B and W in one
-entry. An idle entry computes nothing.
+layer's products) in the stash entry, in the room of residuals only B read
+(`StagePasses.in_stash`), and what does not fit there in `pending`; W, in a
+later slot, computes the weights' gradients from the stash and `pending`,
+and frees both. So a W that waits (ZB-H1's) holds no memory beyond its
+stash entry where the block's dead residuals make room (they do in the
+tests' blocks and the benchmark's `x @ W` MLP). BW is B and W in one entry.
+An idle entry computes nothing; a row where no stage receives a message one
+way runs no exchange that way (`_exchange`).
 """
 
 import dataclasses
@@ -29,7 +34,7 @@ import numpy as np
 from ..._jaxpr import counted_as, matmul_flops
 from .engine import run_slots
 from .schedules import BACKWARD, FORWARD, INPUT_GRAD, WEIGHT_GRAD, SlotArrays
-from .stage_passes import StagePasses, held
+from .stage_passes import Room, StagePasses, held
 
 
 def _seed(out: Any, loss: bool) -> Any:
@@ -64,6 +69,8 @@ _TABLES = (
     "from_next",
     "next_at",
     "pending",
+    "sends_f",
+    "sends_b",
 )
 
 
@@ -117,12 +124,16 @@ class StageSlots:
         w_jaxpr = jax.make_jaxpr(
             lambda p, kept, saved, k: passes.weight_grad(p, kept, saved, k, 0, 0)
         )(params, kept, saved, key)
+        # What B hands W goes where residuals only B read were, in the stash
+        # entry W frees; the rest in `pending`.
+        where = passes.in_stash(kept, saved)
+        pended = [v for v, k in zip(saved, where, strict=True) if k is None]
         # `pending` with a spare last entry where the table has BW entries,
         # for their B (`_slot`).
         spare = (0, 0, 0, int((table.action == BACKWARD).any()))
         stash, inbox_f, inbox_b, pending = (
             [jnp.zeros((n + k, *a.shape), a.dtype) for a in like]
-            for n, k, like in zip(table.sizes, spare, (kept, h, h, saved), strict=True)
+            for n, k, like in zip(table.sizes, spare, (kept, h, h, pended), strict=True)
         )
         rest = [r[0] for r in self.rest]
 
@@ -157,7 +168,7 @@ class StageSlots:
             + micro * matmul_flops(post_jaxpr),
             self.stages,
         )
-        slot = functools.partial(self._slot, table.chunks)
+        slot = functools.partial(self._slot, table.chunks, (where, saved))
 
         def loop(init: Any) -> Any:
             return run_slots(table, _TABLES, axis=self.axis, step=slot, init=init)
@@ -175,7 +186,7 @@ class StageSlots:
             return None
         return jax.tree.unflatten(self.key_tree, [_index(k, m) for k in self.keys])
 
-    def _slot(self, chunks: int, c: Any, e: dict[str, Any]) -> Any:
+    def _slot(self, chunks: int, handed: Any, c: Any, e: dict[str, Any]) -> Any:
         """One slot: this stage's entry (`run_slots`), then the messages
         (round the ring with several chunks).
 
@@ -188,6 +199,9 @@ class StageSlots:
         nothing, the size of the stash and of the gradients (on the CPU
         devices, most of the step's time)."""
         stash, inbox_f, inbox_b, pending, grads, dx, outs = c
+        # For each value B hands W: its room in the stash (`None`: in
+        # `pending`), and its shape.
+        where, saved_like = handed
         s, m, r, a = (
             jax.lax.axis_index(self.axis),
             e["micro"],
@@ -225,34 +239,60 @@ class StageSlots:
         grads, inbox_b, outs = jax.lax.cond(
             (a == FORWARD) & at_end, post, lambda args: args, (grads, inbox_b, outs)
         )
-        # Where B leaves what its W reads: its entry of `pending`; BW's B,
-        # whose W runs in the same slot, the spare last entry.
-        at_pending = jnp.where(a == BACKWARD, pending[0].shape[0] - 1, e["pending"])
+        # Where B leaves what its W reads: the stash entry, where residuals
+        # only B read were (`where`), else its entry of `pending`; BW's
+        # B, whose W runs in the same slot, the spare last entry.
+        at_pending = e["pending"]
+        if pending:
+            at_pending = jnp.where(a == BACKWARD, pending[0].shape[0] - 1, at_pending)
 
-        def backward(pending: list[Any]) -> tuple[list[Any], list[Any]]:
+        def backward(bufs: Any) -> tuple[Any, list[Any]]:
+            stash, pending = bufs
             kept = [_index(b, e["stash"]) for b in stash]
             dy = [_index(b, e["read"]) for b in inbox_b]
             dh, saved = passes.input_grad(params, kept, dy, key, r, m)
-            return _put(pending, at_pending, saved, True), dh
+            stash = _in_rooms(stash, e["stash"], saved, where)
+            rest = [v for v, k in zip(saved, where, strict=True) if k is None]
+            return (stash, _put(pending, at_pending, rest, True)), dh
 
         is_b = (a == INPUT_GRAD) | (a == BACKWARD)
-        pending, dh = jax.lax.cond(
-            is_b, backward, lambda pending: (pending, zeros), pending
+        (stash, pending), dh = jax.lax.cond(
+            is_b, backward, lambda bufs: (bufs, zeros), (stash, pending)
         )
 
         def weights(grads: list[Any]) -> list[Any]:
             kept = [_index(b, e["stash"]) for b in stash]
-            saved = [_index(b, at_pending) for b in pending]
+            pended = iter([_index(b, at_pending) for b in pending])
+            saved = [
+                next(pended) if room is None else room.get(kept[room.leaf], like)
+                for room, like in zip(where, saved_like, strict=True)
+            ]
             dp = passes.weight_grad(params, kept, saved, key, r, m)
             return [g + d for g, d in zip(grads, dp, strict=True)]
 
         is_w = (a == WEIGHT_GRAD) | (a == BACKWARD)
         grads = jax.lax.cond(is_w, weights, lambda grads: grads, grads)
         dx = _put(dx, m, dh, (s == 0) & (r == 0) & is_b)
-        got_f, got_b = _exchange(y, dh, self.axis, self.stages, chunks > 1)
+        got_f, got_b = _exchange(
+            (y, e["sends_f"]), (dh, e["sends_b"]), self.axis, self.stages, chunks > 1
+        )
         inbox_f = _put(inbox_f, e["prev_at"], got_f, e["from_prev"] == 1)
         inbox_b = _put(inbox_b, e["next_at"], got_b, e["from_next"] == 1)
         return (stash, inbox_f, inbox_b, pending, grads, dx, outs)
+
+
+def _in_rooms(
+    stash: list[Any], i: Any, saved: list[Any], rooms: list[Room | None]
+) -> list[Any]:
+    """`stash` with each value of `saved` that has a room (`rooms`,
+    `StagePasses.in_stash`) written there in entry `i`."""
+    entries = {
+        room.leaf: _index(stash[room.leaf], i) for room in rooms if room is not None
+    }
+    for v, room in zip(saved, rooms, strict=True):
+        if room is not None:
+            entries[room.leaf] = room.put(entries[room.leaf], v)
+    return [_set(b, i, entries[k]) if k in entries else b for k, b in enumerate(stash)]
 
 
 def _put(buffers: list[Any], i: Any, values: list[Any], when: Any) -> list[Any]:
@@ -260,16 +300,35 @@ def _put(buffers: list[Any], i: Any, values: list[Any], when: Any) -> list[Any]:
 
 
 def _exchange(
-    send_f: list[Any], send_b: list[Any], axis: str, stages: int, ring: bool
+    send_f: tuple[list[Any], Any],
+    send_b: tuple[list[Any], Any],
+    axis: str,
+    stages: int,
+    ring: bool,
 ) -> tuple[list[Any], list[Any]]:
     """The activations sent on to the next stage and the cotangents back to
     the previous one (round the ring: the last stage's to stage 0 and back;
-    one stage on a ring sends to itself)."""
+    one stage on a ring sends to itself), each with the row's flag
+    (`SlotArrays.sends_f`, `sends_b`): a row where no stage receives one way
+    runs no exchange that way (the flag is the row's, the same on every
+    stage, so every stage takes the same branch round the collective). A
+    `ppermute` is one rendezvous of every device (on the 8 CPU devices about
+    0.3 ms, more than an entry's products on a few rows): at P = 4, M = 8
+    1F1B's table runs 43 exchanges, not 60 (both ways in 15 of its 30 rows),
+    interleaved 1F1B's (R = 2) 76, not 108 (both ways in 24 of 54)."""
     if stages == 1:
-        return send_f, send_b
+        return send_f[0], send_b[0]
     ends = stages if ring else stages - 1
     ahead = [(i, (i + 1) % stages) for i in range(ends)]
     back = [((i + 1) % stages, i) for i in range(ends)]
-    got_f = [jax.lax.ppermute(v, axis, ahead) for v in send_f]
-    got_b = [jax.lax.ppermute(v, axis, back) for v in send_b]
-    return got_f, got_b
+
+    def sent(values: list[Any], flag: Any, perm: list[tuple[int, int]]) -> list[Any]:
+        got: list[Any] = jax.lax.cond(
+            flag == 1,
+            lambda v: [jax.lax.ppermute(x, axis, perm) for x in v],
+            lambda v: [jnp.zeros_like(x) for x in v],
+            values,
+        )
+        return got
+
+    return sent(*send_f, ahead), sent(*send_b, back)
