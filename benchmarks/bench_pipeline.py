@@ -60,6 +60,10 @@ Four sections, each model:
    `eqxdist._layout.pipeline.stage_passes.pass_flops`). On CPU devices sharing cores
    the step time is all the devices' work together, so it shows recompute and
    per-slot overhead, not bubbles.
+5. `messages`: what one slot's messages cost on these devices, a loop of 54
+   slots each sending a 16 x 128 block to the next stage and one back: two
+   `ppermute`s, one, and one `all_to_all` carrying both ways (what the
+   pipeline's `messages.exchange` sends on XLA:CPU).
 
 Times are medians of `--repeats` interleaved repeats (the order rotating) of
 `--steps` steps each; the memory figures are deterministic. Compiled programs
@@ -67,7 +71,7 @@ are shared between the step and `memory_analysis()` through a temporary JAX
 compilation cache.
 
     python benchmarks/bench_pipeline.py [--quick] [--repeats 3] [--steps 2]
-        [--only layout|bubble|remat|work]
+        [--only layout|bubble|remat|work|messages]
 
 The script sets up 8 simulated CPU devices itself (before JAX starts).
 """
@@ -421,6 +425,59 @@ def work_rows(model: Model, quick: bool, repeats: int, steps: int) -> list[str]:
     return rows
 
 
+def message_rows(repeats: int) -> list[str]:
+    """What one slot's messages cost on the 8 devices of `{"stage": 4,
+    "data": 2}`: a loop of 54 slots (interleaved 1F1B's at P = 4, M = 8),
+    each sending a 16 x 128 float32 block (a microbatch's activations at 256
+    rows) to the next stage and one back, by two `ppermute`s, by one, and by
+    one `all_to_all` carrying both (`messages.exchange` on XLA:CPU)."""
+    mesh = jax.make_mesh(
+        (4, 2), ("stage", "data"), axis_types=(jax.sharding.AxisType.Explicit,) * 2
+    )
+    slots = 54
+    ahead = [(i, (i + 1) % 4) for i in range(4)]
+    back = [((i + 1) % 4, i) for i in range(4)]
+
+    def both_ways(h: Any) -> Any:
+        return jax.lax.ppermute(h, "stage", ahead) + jax.lax.ppermute(h, "stage", back)
+
+    def one_way(h: Any) -> Any:
+        return jax.lax.ppermute(h, "stage", ahead)
+
+    def all_to_all(h: Any) -> Any:
+        s = jax.lax.axis_index("stage")
+        block = jnp.zeros((4, 2, *h.shape), h.dtype)
+        block = block.at[(s + 1) % 4, 0].set(h).at[(s - 1) % 4, 1].set(h)
+        got = jax.lax.all_to_all(block, "stage", 0, 0, tiled=False)
+        return got[(s - 1) % 4, 0] + got[(s + 1) % 4, 1]
+
+    def looped(send: Callable[[Any], Any]) -> Callable[[], Any]:
+        def loop(x: Any) -> Any:
+            def slot(h: Any, _: Any) -> tuple[Any, None]:
+                return send(h) * 0.5, None
+
+            return jax.lax.scan(slot, x, None, length=slots)[0]
+
+        spec = P("stage", "data")
+        fn = jax.jit(jax.shard_map(loop, mesh=mesh, in_specs=spec, out_specs=spec))
+        x = jax.device_put(jnp.ones((4 * 16, 2 * 128)), jax.NamedSharding(mesh, spec))
+        jax.block_until_ready(fn(x))
+        return lambda: fn(x)
+
+    runs = {
+        "2 ppermutes": looped(both_ways),
+        "1 ppermute": looped(one_way),
+        "1 all_to_all, both ways": looped(all_to_all),
+    }
+    times = time_runs(runs, max(repeats, 5), 3)
+    rows = [
+        f"messages {name:24s} {t / slots * 1e3:6.3f} ms a slot"
+        for name, t in times.items()
+    ]
+    print("\n".join(rows), flush=True)
+    return rows
+
+
 def entry_input(model: Model) -> Any:
     """A microbatch of the stack's input rows for `pass_flops` (M = 8 over
     data 2): what a stage's entry runs on (the `x @ W` model's)."""
@@ -434,7 +491,9 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=2)
     parser.add_argument("--layers", type=int, default=16, help="blocks (of 8)")
     parser.add_argument(
-        "--only", choices=("layout", "bubble", "remat", "work"), default=None
+        "--only",
+        choices=("layout", "bubble", "remat", "work", "messages"),
+        default=None,
     )
     parser.add_argument(
         "--xw-rows", type=int, default=256, help="rows a step of the x @ W model"
@@ -461,6 +520,8 @@ def main() -> None:
             # The transformer's loss is refused by the written-out schedules'
             # loss analysis ("not proven the microbatches' own"), left as is.
             rows += work_rows(model, args.quick, args.repeats, args.steps)
+    if args.only in (None, "messages"):
+        rows += message_rows(args.repeats)
     print(f"\n{layers} blocks; {time.perf_counter() - start:.0f} s in all")
     print("\n".join(rows))
 

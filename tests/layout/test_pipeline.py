@@ -27,6 +27,7 @@ from jax.sharding import PartitionSpec as P
 from reference import max_diff, train_one_device
 
 import eqxdist as ed
+from eqxdist._layout.pipeline.messages import by_all_to_all
 
 SGD = optax.sgd(0.1)
 Net, loss_fn, _data = PipeNet, pipe_loss, pipe_batches
@@ -242,8 +243,10 @@ def _groups(line):
 @pytest.mark.parametrize(("schedule", "micro"), [("gpipe", 4), ("circular", 4)])
 def test_the_compiled_schedule(schedule, micro):
     """The loop runs R M + P - 1 iterations; activations move by
-    collective-permute; no all-gather spans two stages (the stages' layers are
-    never gathered over the stage axis)."""
+    collective-permute, on the CPU by all-to-all over the stage axis
+    (`messages.by_all_to_all`: each group one device of each stage); no
+    all-gather spans two stages (the stages' layers are never gathered over
+    the stage axis)."""
     mesh = ed.create_device_mesh({"stage": 2, "data": 4})
     pipeline = _pipeline(2, micro, schedule)
     step = ed.make_train_step(
@@ -253,8 +256,15 @@ def test_the_compiled_schedule(schedule, micro):
     text = _compiled(step, state, _data(1)[0]).as_text()
     trips = {int(n) for n in re.findall(r'"known_trip_count":\{"n":"(\d+)"', text)}
     assert pipeline.repeats * micro + 2 - 1 in trips
-    assert "collective-permute" in text
     stage_of = {d.id: i for i, row in enumerate(mesh.devices) for d in row}
+    if not by_all_to_all():
+        assert "collective-permute" in text
+    else:
+        moves = [line for line in text.splitlines() if " all-to-all(" in line]
+        assert moves
+        for line in moves:
+            for group in _groups(line):
+                assert sorted(stage_of[d] for d in group) == [0, 1], line
     for line in text.splitlines():
         if " all-gather(" in line or "all-gather-start(" in line:
             for group in _groups(line):

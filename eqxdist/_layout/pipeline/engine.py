@@ -37,6 +37,7 @@ from ..stack_aux import (
 )
 from ..stacked import Stacked, layer_function
 from .config import StagePlan
+from .messages import exchange
 from .schedules import FORWARD, SlotArrays, forward_arrays
 
 
@@ -169,12 +170,6 @@ class ForwardEngine:
         keys = None
         if key is not None and self.key_rows:
             keys = key.reshape(m_total, key.shape[0] // m_total)
-        if stages == 1:
-            perm: list[tuple[int, int]] = []
-        elif repeats > 1:
-            perm = [(i, (i + 1) % stages) for i in range(stages)]
-        else:
-            perm = [(i, i + 1) for i in range(stages - 1)]
 
         def slot(carry: Any, entry: dict[str, Any]) -> Any:
             buf, loop, out, acc = carry
@@ -194,9 +189,12 @@ class ForwardEngine:
                 acc = self._place(acc, aux, entry, s)
             done = (entry["action"] == FORWARD) & (s == stages - 1) & (r == repeats - 1)
             out = _put(out, m, y, done)
-            nxt = y
-            if perm:
-                nxt = jax.tree.map(lambda a: jax.lax.ppermute(a, self.axis, perm), y)
+            # On to the next stage (round the ring with several chunks).
+            out_leaves, tree = jax.tree.flatten(y)
+            sent, _ = exchange(
+                out_leaves, None, axis=self.axis, stages=stages, ring=repeats > 1
+            )
+            nxt = jax.tree.unflatten(tree, sent or [])
             if repeats > 1:
                 # What comes round the ring waits in stage 0's loop-back buffer.
                 back = (s == 0) & (entry["from_prev"] == 1)

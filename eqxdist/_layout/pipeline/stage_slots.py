@@ -33,6 +33,7 @@ import numpy as np
 
 from ..._jaxpr import counted_as, matmul_flops
 from .engine import run_slots
+from .messages import exchange
 from .schedules import BACKWARD, FORWARD, INPUT_GRAD, WEIGHT_GRAD, SlotArrays
 from .stage_passes import Room, StagePasses, held
 
@@ -307,28 +308,33 @@ def _exchange(
     ring: bool,
 ) -> tuple[list[Any], list[Any]]:
     """The activations sent on to the next stage and the cotangents back to
-    the previous one (round the ring: the last stage's to stage 0 and back;
-    one stage on a ring sends to itself), each with the row's flag
+    the previous one (`messages.exchange`), each with the row's flag
     (`SlotArrays.sends_f`, `sends_b`): a row where no stage receives one way
-    runs no exchange that way (the flag is the row's, the same on every
-    stage, so every stage takes the same branch round the collective). A
-    `ppermute` is one rendezvous of every device (on the 8 CPU devices about
-    0.3 ms, more than an entry's products on a few rows): at P = 4, M = 8
-    1F1B's table runs 43 exchanges, not 60 (both ways in 15 of its 30 rows),
-    interleaved 1F1B's (R = 2) 76, not 108 (both ways in 24 of 54)."""
-    if stages == 1:
-        return send_f[0], send_b[0]
-    ends = stages if ring else stages - 1
-    ahead = [(i, (i + 1) % stages) for i in range(ends)]
-    back = [((i + 1) % stages, i) for i in range(ends)]
+    sends nothing that way, and a row where none receives either way runs no
+    exchange (the flags are the row's, the same on every stage, so every
+    stage takes the same branch round the collectives). At P = 4, M = 8
+    1F1B's table sends both ways in 15 of its 30 rows, one way in 13, and
+    interleaved 1F1B's (R = 2) both ways in 24 of 54, one way in 28."""
+    (ys, f), (dhs, b) = send_f, send_b
 
-    def sent(values: list[Any], flag: Any, perm: list[tuple[int, int]]) -> list[Any]:
-        got: list[Any] = jax.lax.cond(
-            flag == 1,
-            lambda v: [jax.lax.ppermute(x, axis, perm) for x in v],
-            lambda v: [jnp.zeros_like(x) for x in v],
-            values,
-        )
-        return got
+    def zeros(v: list[Any]) -> list[Any]:
+        return [jnp.zeros_like(x) for x in v]
 
-    return sent(*send_f, ahead), sent(*send_b, back)
+    def both(v: Any) -> Any:
+        return exchange(*v, axis=axis, stages=stages, ring=ring)
+
+    def ahead(v: Any) -> Any:
+        return exchange(v[0], None, axis=axis, stages=stages, ring=ring)[0], zeros(v[1])
+
+    def back(v: Any) -> Any:
+        return zeros(v[0]), exchange(None, v[1], axis=axis, stages=stages, ring=ring)[1]
+
+    def none(v: Any) -> Any:
+        return zeros(v[0]), zeros(v[1])
+
+    # 0: none, 1: ahead only, 2: back only, 3: both.
+    which = (f == 1).astype(jnp.int32) + 2 * (b == 1).astype(jnp.int32)
+    got: tuple[list[Any], list[Any]] = jax.lax.switch(
+        which, [none, ahead, back, both], (ys, dhs)
+    )
+    return got
