@@ -373,59 +373,29 @@ class Seen:
 def to_chunk_order(x: Any, plan: StagePlan, *, inverse: bool = False) -> Any:
     """A circular pipeline's `Stacked` leaf `x` (global, its layer axis sharded
     over the stage axis in contiguous blocks) with each stage's block holding its
-    chunks p, p + P, ... in repeat order (`inverse`: back). Only the chunks that
-    change stage move: in P - 1 rounds of `ppermute` (round k sends to the stage
-    k further on), each as large as the most chunks one stage sends in it; a
-    gather (`jnp.take`) along a sharded axis would all-gather the whole stack."""
-    stages, repeats = plan.stages, plan.pipeline.repeats
-    slots = stages * repeats
-    # Slot g (stage g // R, position g % R) holds chunk `held[g]` in chunk order.
-    held = [(g % repeats) * stages + g // repeats for g in range(slots)]
-    source = held if not inverse else [held.index(g) for g in range(slots)]
-    # source[g]: the slot (in the other order) whose chunk slot g receives.
-    rounds: list[tuple[int, np.ndarray, np.ndarray]] = []
-    for k in range(stages):
-        sends: list[list[tuple[int, int]]] = [[] for _ in range(stages)]
-        for g in range(slots):
-            dest, src = g // repeats, source[g] // repeats
-            if (dest - src) % stages == k:
-                sends[src].append((source[g] % repeats, g % repeats))
-        width = max(len(x) for x in sends)
-        if width == 0:
-            continue
-        send = np.zeros((stages, width), np.int32)
-        place = np.full((stages, width), repeats, np.int32)  # `repeats`: discard
-        for src, items in enumerate(sends):
-            for n, (from_pos, to_pos) in enumerate(items):
-                send[src, n] = from_pos
-                place[(src + k) % stages, n] = to_pos
-        rounds.append((k, send, place))
-    axis = plan.axis
-    # Each stage's rows of the tables come in sharded over the stage axis:
-    # `axis_index` in a `shard_map` manual over only some of the mesh's axes is a
-    # partition id, which XLA's SPMD partitioner rejects in some programs (a
-    # model of a dozen stacked leaves).
-    tables = [(jnp.asarray(send), jnp.asarray(place)) for _, send, place in rounds]
+    chunks p, p + P, ... in repeat order (`inverse`: back).
 
-    def move(local: Any, tables: Any) -> Any:
-        chunks = local.reshape(repeats, local.shape[0] // repeats, *local.shape[1:])
-        out = jnp.zeros((repeats + 1, *chunks.shape[1:]), chunks.dtype)
-        for (k, _, _), (send, place) in zip(rounds, tables, strict=True):
-            message = chunks[send[0]]
-            if k:
-                shift = [(d, (d + k) % stages) for d in range(stages)]
-                message = jax.lax.ppermute(message, axis, shift)
-            out = out.at[place[0]].set(message)
-        return out[:repeats].reshape(local.shape)
+    The layer axis as `(R, P, c)` chunks, swapped to `(P, R, c)`, kept sharded
+    over the stage axis: a transpose XLA's partitioner runs as all-to-alls
+    (only the chunks that change stage move). It was P - 1 rounds of
+    `ppermute` per leaf, a stage's chunks gathered and scattered by tables:
+    on the 8 CPU devices, the `x @ W` benchmark's stack there and back took
+    13.6 ms, this 6.2 ms (a gather along the sharded axis would all-gather
+    the whole stack). On an Explicit stage axis, inside `auto_axes`, the
+    result typed as `x`."""
+    stages, repeats, axis = plan.stages, plan.pipeline.repeats, plan.axis
+    lead = (stages, repeats) if inverse else (repeats, stages)
 
-    return jax.shard_map(
-        move,
-        mesh=jax.sharding.get_abstract_mesh(),
-        in_specs=(P(axis), P(axis)),
-        out_specs=P(axis),
-        axis_names=frozenset({axis}),
-        check_vma=False,
-    )(x, tables)
+    def move(a: Any) -> Any:
+        c = a.shape[0] // (stages * repeats)
+        moved = a.reshape(*lead, c, *a.shape[1:]).swapaxes(0, 1).reshape(a.shape)
+        rest = [P.UNCONSTRAINED] * (a.ndim - 1)
+        return jax.lax.with_sharding_constraint(moved, P(axis, *rest))
+
+    if axis in jax.sharding.get_abstract_mesh().explicit_axes:
+        spec = jax.typeof(x).sharding.spec
+        return jax.sharding.auto_axes(move, out_sharding=spec)(x)
+    return move(x)
 
 
 def pipelined(
