@@ -40,10 +40,11 @@ class Pipeline(eqx.Module):
     L/P consecutive layers (with `repeats` R > 1, the circular schedule: stage p
     holds chunks of L/(P R) layers, p, p + P, ...). Each device's rows (of each
     minibatch) are cut into `microbatches` microbatches that flow through the
-    stages, activations passed on with `ppermute`. What comes before and after
-    the `Stacked` (embeddings, head, loss) runs as in the other strategies,
-    replicated over the stage axis. The data axes of the step split the batch as
-    usual (data parallelism, FSDP or ZeRO-1 over them).
+    stages, activations passed on with `ppermute` (`all_to_all` on XLA:CPU).
+    What comes before and after the `Stacked` (embeddings, head, loss) runs as
+    in the other strategies, replicated over the stage axis. The data axes of
+    the step split the batch as usual (data parallelism, FSDP or ZeRO-1 over
+    them).
 
     **Arguments:**
 

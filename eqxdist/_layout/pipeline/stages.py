@@ -13,8 +13,8 @@ no `vmap`: `under_vmap` tells), the input's leading axis is the rows. Either
 way the rows are cut into microbatches and the schedule runs with the stage
 axis bound: in the device view the step's own `shard_map` binds it (each
 stage holds its layers); in the global view the stack runs a `shard_map` of its
-own over the stage and data axes. Activations move to the next stage with
-`ppermute`; the last stage's output is given to every stage with one
+own over the stage and data axes. Activations move to the next stage
+(`messages.exchange`); the last stage's output is given to every stage with one
 all-reduce, so what comes after the `Stacked` (head, loss) runs as in the other
 strategies, and JAX differentiates the whole: the backward pass of the
 schedule's loop is the GPipe backward pass (all forwards, then all backwards).
