@@ -167,8 +167,10 @@ def test_written_out_schedules_under_each_remat(schedule):
     mesh = ed.create_device_mesh({"stage": 2, "data": 4})
     repeats = 2 if schedule == "interleaved" else 1
     pipeline = ed.Pipeline("stage", 2, schedule=schedule, repeats=repeats)
-    # `"none"`: the default, which every other pipeline test runs.
-    for remat in ("full", "dots"):
+    # `"none"`: the default, which every other pipeline test runs. `"offload"`
+    # saves each block's input in host memory (on the CPU too), which the
+    # stash holds in device memory (it was a raw error from `jnp.where`).
+    for remat in ("full", "dots", "offload"):
         step = ed.make_train_step(pipe_loss, SGD, mesh, pipeline=pipeline, remat=remat)
         state = ed.TrainState.create(PipeNet(), SGD, jax.random.key(1))
         for batch in data:

@@ -59,6 +59,17 @@ def held(ct: Any, primal: Any) -> Any:
     return ct
 
 
+def _in_device_memory(x: Any) -> Any:
+    """A residual as the stash holds it: in device memory. `remat="offload"`
+    saves a block's input in host memory where the backend has it; the stash,
+    a buffer the loop updates in place, is device memory (the schedule keeps
+    at most P microbatches' residuals there), and a pullback reads the value
+    from either."""
+    if jax.typeof(x).memory_space == jax.memory.Space.Host:
+        return jax.device_put(x, jax.memory.Space.Device)
+    return x
+
+
 def _loop(
     step: Callable[..., Any],
     carry: Any,
@@ -134,7 +145,12 @@ class StagePasses:
             ]
             self._learn(tree, from_x)
             y, aux = out
-            return y, (aux, [r for r, j in zip(res, from_x, strict=True) if j is None])
+            kept = [
+                _in_device_memory(r)
+                for r, j in zip(res, from_x, strict=True)
+                if j is None
+            ]
+            return y, (aux, kept)
 
         h_out, (ys, kept) = _loop(
             step, x, _layers(loop), length=loop.count, unroll=loop.unroll
