@@ -299,14 +299,13 @@ class StageLayers:
     def xs(self) -> list[Any]:
         """The loop's inputs stacked over these layers: each layer's leaves,
         then its key."""
-        leaves = self.leaves
-        if not (isinstance(self.offset, int) and self.offset == 0):
-            leaves = [
-                jax.lax.dynamic_slice_in_dim(a, self.offset, self.count) for a in leaves
-            ]
-        elif int(leaves[0].shape[0]) != self.count:
-            leaves = [a[: self.count] for a in leaves]
-        return list(leaves) if self.keys is None else [*leaves, self.keys]
+        start, count = self.offset, self.count
+        leaves = list(self.leaves)
+        if not isinstance(start, (int, np.integer)):
+            leaves = [jax.lax.dynamic_slice_in_dim(a, start, count) for a in leaves]
+        elif (start, count) != (0, leaves[0].shape[0]):  # else all, as they are
+            leaves = [a[start : start + count] for a in leaves]
+        return leaves if self.keys is None else [*leaves, self.keys]
 
     def layer(self, i: Any) -> list[Any]:
         """Layer i's inputs (i < `count`, traced or not), as `xs` holds them

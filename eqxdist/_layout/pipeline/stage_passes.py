@@ -352,11 +352,14 @@ class Room:
     start: int
     stop: int
 
-    def put(self, entry: Any, value: Any) -> Any:
-        """`entry` (one stash entry of the leaf) with `value` in the room."""
-        flat = entry.reshape(entry.shape[0], -1)
-        flat = flat.at[:, self.start : self.stop].set(value.reshape(value.shape[0], -1))
-        return flat.reshape(entry.shape)
+    def put(self, buffer: Any, i: Any, value: Any) -> Any:
+        """`buffer` (the leaf's stash, entries first) with `value` in the room
+        of entry `i`: one update of the room alone, in place."""
+        n, layers = buffer.shape[:2]
+        flat = buffer.reshape(n, layers, -1)
+        room = value.reshape(1, layers, -1)
+        flat = jax.lax.dynamic_update_slice(flat, room, (i, 0, self.start))
+        return flat.reshape(buffer.shape)
 
     def get(self, entry: Any, like: Any) -> Any:
         """The value in the room of `entry`, of `like`'s shape."""

@@ -287,13 +287,11 @@ def _in_rooms(
 ) -> list[Any]:
     """`stash` with each value of `saved` that has a room (`rooms`,
     `StagePasses.in_stash`) written there in entry `i`."""
-    entries = {
-        room.leaf: _index(stash[room.leaf], i) for room in rooms if room is not None
-    }
+    stash = list(stash)
     for v, room in zip(saved, rooms, strict=True):
         if room is not None:
-            entries[room.leaf] = room.put(entries[room.leaf], v)
-    return [_set(b, i, entries[k]) if k in entries else b for k, b in enumerate(stash)]
+            stash[room.leaf] = room.put(stash[room.leaf], i, v)
+    return stash
 
 
 def _put(buffers: list[Any], i: Any, values: list[Any], when: Any) -> list[Any]:
