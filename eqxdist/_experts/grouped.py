@@ -58,17 +58,20 @@ def grouped_matmul(
     return tiled_matmul(x_sorted, w, group_sizes)
 
 
-def _sorted(routing: Routing, groups: int) -> tuple[Array, Array, Array]:
-    """The assignments in order of expert, stable: `order` (the assignment at
-    each sorted place), `place` (its inverse) and the group sizes. Ids past the
-    last group sort after the groups, left out of `sizes`: in no tile.
+def sorted_by_expert(
+    ids: Int[Array, "..."], groups: int
+) -> tuple[Int[Array, " A"], Int[Array, " A"], Int[Array, " groups"]]:
+    """The assignments `ids` (flattened) in order of expert, stable: `order`
+    (the assignment at each sorted place), `place` (its inverse) and the group
+    sizes. Ids past the last group sort after the groups, left out of `sizes`:
+    in no tile.
 
     A counting sort (each assignment's place is its group's start plus the
     assignments of its group before it, a cumulative sum over `groups + 1`
     columns): XLA:CPU's sort of the all-gathered assignments took most of an
     expert-parallel step (16k ids: ~1.5 ms a sort against ~0.2 for this). Above
     64 groups, `jnp.argsort`."""
-    flat = routing.experts.reshape(-1)
+    flat = ids.reshape(-1)
     if groups > 64:
         order = jnp.argsort(flat, stable=True)
         place = jnp.zeros_like(order).at[order].set(jnp.arange(order.size))
@@ -98,7 +101,7 @@ def _ffn(
 ) -> Float[Array, "T d"]:
     tokens, k = routing.experts.shape
     tile = tile_rows(tokens * k, num_experts)
-    order, _, sizes = _sorted(routing, experts.w_in.shape[0])
+    order, _, sizes = sorted_by_expert(routing.experts, experts.w_in.shape[0])
     gates = routing.gates.reshape(-1)[order]
     out = tiled_ffn(x, order // k, gates, sizes, _weights(experts), activation,
                     tile=tile)  # fmt: skip
@@ -131,7 +134,7 @@ def _ffn_grads(
     by the tiles `_ffn` ran."""
     tokens, k = routing.experts.shape
     tile = tile_rows(tokens * k, num_experts)
-    order, place, sizes = _sorted(routing, experts.w_in.shape[0])
+    order, place, sizes = sorted_by_expert(routing.experts, experts.w_in.shape[0])
     gates = routing.gates.reshape(-1)[order]
     dx, dgates, (dw_in, dw_gate, dw_out) = tiled_ffn_grads(
         x, order // k, gates, sizes, _weights(experts), activation, g, tile=tile

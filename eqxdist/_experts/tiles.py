@@ -109,7 +109,7 @@ def _tiles(sizes: Int[Array, " E"], rows: int, tile: int) -> _Tiles:
     return _Tiles(row_start[g] + within, valid, g, tile_end[-1])
 
 
-def _varying(x: Array, *like: Any) -> Array:
+def varying_like(x: Array, *like: Any) -> Array:
     """`x` typed as varying over every manual axis any of `like` varies over
     (under `shard_map(check_vma=True)` a loop's carry must keep its type)."""
     axes: set[str] = set()
@@ -221,7 +221,7 @@ def tiled_ffn(
     gradient is `tiled_ffn_grads`."""
     t, sp, gp = _ffn_tiles(src, gates, sizes, tile)
     dtype = jnp.result_type(x, gates, *(w for w in weights if w is not None))
-    out = _varying(jnp.zeros((x.shape[0], weights[2].shape[-1]), dtype),
+    out = varying_like(jnp.zeros((x.shape[0], weights[2].shape[-1]), dtype),
                    x, src, gates, sizes, weights)  # fmt: skip
 
     def body(j: Array, out: Array) -> Array:
@@ -255,7 +255,7 @@ def tiled_ffn_grads(
     two hidden ones recomputed); `dgates` zero for the rows past the groups."""
     t, sp, gp = _ffn_tiles(src, gates, sizes, tile)
     like = (x, src, gates, sizes, weights, g)
-    zeros = lambda a: _varying(jnp.zeros_like(a), *like)  # noqa: E731
+    zeros = lambda a: varying_like(jnp.zeros_like(a), *like)  # noqa: E731
     init = (
         zeros(x),
         zeros(gp),
@@ -303,7 +303,7 @@ def _matmul(x: Array, w: Array, sizes: Array, tile: int) -> Array:
     rows = x.shape[0]
     t = _tiles(sizes, rows, tile)
     xp = _padded(x, tile)
-    out = _varying(jnp.zeros((rows + tile, w.shape[-1]), x.dtype), x, w, sizes)
+    out = varying_like(jnp.zeros((rows + tile, w.shape[-1]), x.dtype), x, w, sizes)
 
     def body(j: Array, out: Array) -> Array:
         y = _rows(xp, t, j, tile) @ w[t.expert[j]]
@@ -333,8 +333,8 @@ def _tiled_matmul_bwd(
     rows = x.shape[0]
     t = _tiles(sizes, rows, tile)
     xp, gp = _padded(x, tile), _padded(g, tile)
-    init = (_varying(jnp.zeros_like(xp), x, w, sizes, g),
-            _varying(jnp.zeros_like(w), x, w, sizes, g))  # fmt: skip
+    init = (varying_like(jnp.zeros_like(xp), x, w, sizes, g),
+            varying_like(jnp.zeros_like(w), x, w, sizes, g))  # fmt: skip
 
     def body(j: Array, carry: Any) -> Any:
         dx, dw = carry

@@ -182,7 +182,8 @@ def _assert_bounded(records, assignments, local):
 def test_each_device_runs_only_its_assignments(mesh8, dispatch):
     """E = 16 (two per device), 512 tokens, top-2: each device's loops run its
     experts' assignments only, within a tile per expert of the ideal, and the
-    devices' together run the 1024 assignments once per pass."""
+    devices' together run the 1024 assignments once per pass (the all-to-all
+    dispatch in rounds: a loop per device per round)."""
     moe = ed.MoE(D, H, 16, top_k=2, key=jax.random.key(4), dispatch=dispatch)
     x, c = _rng_array((512, D), 2), _rng_array((512, D), 3)
     with recording() as records:
@@ -190,8 +191,55 @@ def test_each_device_runs_only_its_assignments(mesh8, dispatch):
     _assert_bounded(records, 512 * 2, local=2)
     for kind in ("forward", "backward"):
         ran = [r for r in records if r["kind"] == kind]
-        assert len(ran) == 8 and sum(int(r["sizes"].sum()) for r in ran) == 1024
-        # The buffer is the worst case (every assignment to one device)...
-        assert all(r["rows"] >= 1024 for r in ran)
+        assert len(ran) % 8 == 0 and sum(int(r["sizes"].sum()) for r in ran) == 1024
+        if dispatch == "all_gather":
+            # The buffer is the worst case (every assignment to one device)...
+            assert all(r["rows"] >= 1024 for r in ran)
+        else:
+            # ... or a round's: the balanced share and a quarter per source.
+            assert all(r["rows"] == 8 * 20 for r in ran)
         # ... the work the assignments: about an eighth of them each.
-        assert max(r["tiles"] * r["tile"] for r in ran) < 1024 / 2
+        assert max(r["tiles"] * r["tile"] for r in ran) < 1024 / 4
+
+
+def _balanced(experts, tokens, dispatch):
+    """An `experts`-expert top-2 layer (`d_model = experts`) and `tokens`
+    tokens, token t routed to experts t and t + 1 (mod `experts`) by an
+    identity router: every device's tokens spread evenly over the experts."""
+    moe = ed.MoE(experts, 16, experts, top_k=2, key=jax.random.key(5),
+                 dispatch=dispatch)  # fmt: skip
+    moe = eqx.tree_at(lambda m: m.router.weight, moe, jnp.eye(experts))
+    t = np.arange(tokens)
+    x = np.zeros((tokens, experts), np.float32)
+    x[t, t % experts], x[t, (t + 1) % experts] = 3.0, 2.0
+    return moe, jnp.asarray(x)
+
+
+@pytest.mark.parametrize("experts", [8, 32])
+@pytest.mark.parametrize("dispatch", ["all_gather", "all_to_all"])
+def test_balanced_work_per_device_is_its_share_of_the_assignments(
+    mesh8, experts, dispatch
+):
+    """Expert parallelism at E = 8 and 32 under balanced routing (512 tokens,
+    top-2, 8 devices): each device's expert products, forward and backward,
+    are its share of the assignments, `T k / 8 = 128` rows, within 1.3x (the
+    rows its tile loops ran: a loop's trip count is known only when it runs,
+    and each iteration is one tile's products); the all-to-all dispatch in one
+    round. Every device's values equal one device's."""
+    moe, x = _balanced(experts, 512, dispatch)
+    c = _rng_array(x.shape, 8)
+    with recording() as records:
+        value, g, gx = _device_view(moe, x, c, mesh8)
+    share = 512 * 2 // 8
+    for kind in ("forward", "backward"):
+        ran = [r for r in records if r["kind"] == kind]
+        assert len(ran) == 8, ran  # one loop per device (per round)
+        for r in ran:
+            assert int(r["sizes"].sum()) == share, r
+            assert r["tiles"] * r["tile"] <= 1.3 * share, r
+    want, (want_g, want_gx) = jax.value_and_grad(
+        lambda m, x: jnp.sum(_dense(m, x) * c), argnums=(0, 1)
+    )(moe, x)
+    np.testing.assert_allclose(value, want, **TOL)
+    np.testing.assert_allclose(gx, want_gx, **TOL)
+    _assert_close(g, jax.tree.map(lambda a: a / 8, eqx.filter(want_g, eqx.is_array)))

@@ -1,85 +1,285 @@
 """The all-to-all dispatch of expert parallelism (`MoE(dispatch="all_to_all")`):
 each device sends each token-expert assignment to the device holding the
 expert, that device runs its experts on what it got, and the outputs come back
-the same way. Dropless with fixed sizes: `jax.lax.all_to_all` needs the same
-buffer for every destination, so each is sized for the worst case (all of a
-device's `T * k` assignments going to one device) and padded; a padded row
-carries the expert id one past the holder's block, which the grouped products
-leave out (`grouped_ffn`: in no tile, never computed), so the ids received are
-the counts: the holder's work is the rows it got, rounded up to tiles, not the
-buffer, and no counts need exchanging first. Under a capacity
-(`MoE(capacity_factor=...)`) a destination's buffer is what the capacity lets
-a device send it, `min(T * k, experts per device * C)`, no longer the
-dropless worst case. (`ragged_all_to_all`, which sends only the rows used, is
-not implemented by XLA:CPU in JAX 0.10.)
+the same way.
 
-Against the all-gather dispatch (`dispatch.py`) it moves `n * T * k` rows each
-way instead of `n * T` tokens and outputs, and routes only this device's tokens.
+Dropless, and sized by what is routed, in rounds. `jax.lax.all_to_all` needs
+the same buffer for every destination, and the dropless worst case (all of a
+device's `T * k` assignments to one device) is `n` times the balanced share:
+buffers of that size made the copies cost more than the experts
+(`ragged_all_to_all`, which sends only the rows used, is not implemented by
+XLA:CPU in JAX 0.10). So the counts go first (one small `all_gather` of
+every device's assignments per expert, `n x E` integers: what each device
+gets, and the most any device sends one destination), and the rows then go
+in rounds of `chunk` rows per destination, a `while_loop` of `ceil(most /
+chunk)` rounds, the same on every device. `chunk` is the balanced share and
+a quarter (`_chunk`): balanced routing takes one round, a lopsided one more
+rounds, and no assignment is ever dropped. Each round the holder runs its
+experts on the rows it got (the tiles of `tiles.py`: the work is the rows
+received, rounded up to tiles) and sends the outputs back. A holder knows
+each row's expert from the counts (each sender's rows come sorted by
+expert), so no ids travel with the rows.
+
+Under a capacity (`MoE(capacity_factor=...)`) no destination gets more than
+`min(T * k, experts per device * C)` rows from a device (no expert keeps more
+than `C` of the call's assignments, this device's among them), and no round
+is larger than that.
+
+The gradient (`jax.custom_vjp`: a loop with a traced count is not
+reverse-differentiable) runs the forward's rounds (its plan saved, no counts
+gathered again): each assignment's token and cotangent go to the holder,
+which returns the token's cotangent and keeps its experts' gradient.
+
+Against the all-gather dispatch (`dispatch.py`) it moves each device's
+`T * k` rows (a quarter more under balanced routing) each way instead of
+`n * T` tokens and outputs, and routes only this device's tokens.
 """
 
+import functools
+from collections.abc import Callable
 from fractions import Fraction
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jaxtyping import Array, Float, Int
 
-from ..._experts.grouped import Experts, grouped_ffn
+from ..._experts.grouped import Experts, sorted_by_expert
 from ..._experts.routing import Config, Routing, capacity
-from ..._jaxpr import counted_scaled
+from ..._experts.tiles import (
+    tile_rows,
+    tiled_ffn,
+    tiled_ffn_grads,
+    typed_like,
+    varying_like,
+)
+from ..._jaxpr import counted_as
 
 
-def _slots(dest: Int[Array, " A"], size: int) -> Int[Array, " A"]:
-    """Each assignment's row in its destination's buffer: how many assignments
-    before it go to the same device (their order kept)."""
-    hits = jax.nn.one_hot(dest, size, dtype=jnp.int32)
-    before = jnp.cumsum(hits, axis=0) - hits
-    slot: Array = jnp.take_along_axis(before, dest[:, None], axis=1)[:, 0]
-    return slot
+class _How(NamedTuple):
+    """What shapes a call's rounds (static: a `custom_vjp`'s fixed argument)."""
+
+    axis: str
+    chunk: int  # rows per destination per round
+    tile: int  # rows per tile of the holder's grouped products
+    num_experts: int
+    activation: Callable[[Array], Array]
 
 
-def _holders_out(
-    rows: Float[Array, "R d"],
-    ids: Int[Array, " R"],
-    experts: Experts,
-    config: Config,
-    counted: Fraction,
-) -> Float[Array, "R d"]:
-    """Each received row through its expert of this device's block, ungated
-    (the sender applies the gates); padded rows (id past the block) give 0.
+class _Plan(NamedTuple):
+    """A call's assignments sorted by expert (so by destination, then the
+    destination's expert), and what each device sends and receives."""
 
-    The grouped products count the received rows as assignments, of which a
-    device holds its experts' share (`routed_flops`): with buffers of the
-    senders' `T * k` rows that is the `T * k` each device routed. `counted`
-    scales the count to it when the buffers are smaller (a capacity's)."""
-    local = experts.w_in.shape[0]
-    gates = (ids < local).astype(rows.dtype)[:, None]
+    order: Int[Array, " A"]  # the assignment at each sorted place
+    place: Int[Array, " A"]  # each assignment's sorted place
+    starts: Int[Array, " n"]  # the first sorted place of each destination's rows
+    counts: Int[Array, " n"]  # rows to each destination
+    ends: Int[Array, "n local"]  # per source: its rows to my experts, cumulated
+    rounds: Int[Array, ""]  # the same on every device
 
-    def ffn(rows: Array, ids: Array, gates: Array, experts: Experts) -> Array:
-        routing = Routing(ids[:, None], gates)
-        activation, num_experts = config.activation, config.num_experts
-        return grouped_ffn(rows, routing, experts, activation, num_experts)
 
-    if counted != 1:
-        ffn = counted_scaled(ffn, counted)
-    out: Array = ffn(rows, ids, gates, experts)
+def _chunk(assignments: int, size: int, most: int) -> int:
+    """Rows per destination per round: a device's balanced share of its
+    `assignments` and a quarter (random routing over a few devices exceeds the
+    mean by a few standard deviations, ~sqrt of it), never more than `most`,
+    what one destination can get at all (then one round always does)."""
+    share = -(-assignments // size)
+    return max(min(-(-share * 5 // 4), most), 1)
+
+
+def _plan(ids: Int[Array, "T k"], local: int, how: _How) -> _Plan:
+    """The call's plan; its one collective, an `all_gather` of every device's
+    rows per expert (`n x E` counts), gives each device what it receives and
+    every device the same number of rounds (a collective costs more than its
+    few bytes: on 8 CPU devices a rendezvous of their threads)."""
+    size = jax.lax.axis_size(how.axis)
+    order, place, sizes = sorted_by_expert(ids, how.num_experts)
+    everyone = jax.lax.all_gather(sizes.reshape(size, local), how.axis)
+    counts = jnp.sum(everyone, axis=2)  # [source, destination]
+    mine = counts[jax.lax.axis_index(how.axis)]
+    got = everyone[:, jax.lax.axis_index(how.axis)]  # [source, my expert]
+    rounds = -(-jnp.max(counts) // how.chunk)
+    return _Plan(order, place, jnp.cumsum(mine) - mine, mine,
+                 jnp.cumsum(got, axis=1), rounds)  # fmt: skip
+
+
+def _outgoing(plan: _Plan, r: Array, chunk: int) -> tuple[Array, Array]:
+    """Round r's rows to each destination: their sorted places (`[n, chunk]`,
+    one past the last where there is none) and which are rows."""
+    within = r * chunk + jnp.arange(chunk)
+    valid = within[None, :] < plan.counts[:, None]
+    at = jnp.where(valid, plan.starts[:, None] + within[None, :], plan.order.size)
+    return at, valid
+
+
+def _incoming(plan: _Plan, r: Array, chunk: int) -> tuple[Array, Array]:
+    """Round r's rows from each source sorted by this device's expert: the
+    received row at each sorted place and the group sizes. A source's rows come
+    sorted by expert, so a row's expert is how many of the source's
+    cumulative counts are at or below its place; rows past a source's count
+    (`local`) sort after the groups, in no tile."""
+    local = plan.ends.shape[1]
+    within = r * chunk + jnp.arange(chunk)
+    expert = jnp.sum(plan.ends[:, None, :] <= within[None, :, None], axis=2)
+    order, _, sizes = sorted_by_expert(expert, local)
+    return order, sizes
+
+
+def _send(rows: Array, axis: str) -> Array:
+    """`[n, chunk, ...]` rows, block i to device i; what each device sent here,
+    block i from device i."""
+    size, chunk = rows.shape[:2]
+    flat = rows.reshape(size * chunk, *rows.shape[2:])
+    moved: Array = jax.lax.all_to_all(flat, axis, 0, 0, tiled=True)
+    return moved.reshape(rows.shape)
+
+
+def _put(buf: Array, at: Array, rows: Array) -> Array:
+    """`rows` (`[n, chunk, d]`) written at their sorted places `at`, the places
+    one past the last dropped."""
+    return buf.at[at.reshape(-1)].set(rows.reshape(-1, rows.shape[-1]), mode="drop")
+
+
+def _rounds(
+    count: Array, body: Callable[[Array, tuple[Any, ...]], tuple[Any, ...]],
+    init: tuple[Any, ...],
+) -> tuple[Any, ...]:  # fmt: skip
+    """`body` for each round r in `[0, count)` (a traced count)."""
+
+    def step(carry: tuple[Array, tuple[Any, ...]]) -> tuple[Array, tuple[Any, ...]]:
+        r, state = carry
+        return r + 1, body(r, state)
+
+    zero = jnp.zeros((), jnp.int32)
+    out: tuple[Any, ...] = jax.lax.while_loop(
+        lambda c: c[0] < count, step, (zero, init)
+    )[1]
     return out
 
 
-def _send(
-    rows: Float[Array, "R d"], ids: Int[Array, " R"], *, largest: int, axis: str
-) -> tuple[Float[Array, "R d"], Int[Array, " R"]]:
-    """The rows and their expert ids to their devices in one `all_to_all`: the
-    ids ride as one more column when the rows' dtype holds every id up to
-    `largest` exactly (a few experts per device; a second exchange otherwise)."""
-    exact = 2 ** (jnp.finfo(rows.dtype).nmant + 1)
-    if largest >= exact:
-        moved = jax.lax.all_to_all(rows, axis, 0, 0, tiled=True)
-        return moved, jax.lax.all_to_all(ids, axis, 0, 0, tiled=True)
-    column = jax.lax.stop_gradient(ids.astype(rows.dtype))[:, None]
-    both = jax.lax.all_to_all(
-        jnp.concatenate([rows, column], axis=1), axis, 0, 0, tiled=True
-    )
-    return both[:, :-1], jnp.round(both[:, -1]).astype(jnp.int32)
+def _outputs(
+    x: Array, ids: Array, experts: Experts, plan: _Plan, how: _How
+) -> Float[Array, "A d"]:
+    """Each assignment's expert output, ungated, in the assignments' order
+    (zeros for the dropped)."""
+    k = ids.shape[1]
+    weights = (experts.w_in, experts.w_gate, experts.w_out)
+
+    def body(r: Array, state: tuple[Array, ...]) -> tuple[Array, ...]:
+        (ys,) = state
+        at, valid = _outgoing(plan, r, how.chunk)
+        token = plan.order[jnp.minimum(at, plan.order.size - 1)] // k
+        rows = _send(jnp.where(valid[..., None], x[token], 0), how.axis)
+        order, sizes = _incoming(plan, r, how.chunk)
+        flat = rows.reshape(-1, rows.shape[-1])
+        ones = jnp.ones(flat.shape[:1], flat.dtype)
+        out: Array = tiled_ffn(flat, order, ones, sizes, weights, how.activation,
+                               tile=how.tile)  # fmt: skip
+        back = _send(out.astype(x.dtype).reshape(rows.shape), how.axis)
+        return (_put(ys, at, back),)
+
+    ys = varying_like(jnp.zeros((ids.size, x.shape[1]), x.dtype), x, ids, weights)
+    (ys,) = _rounds(plan.rounds, body, (ys,))
+    out: Array = ys[plan.place]
+    return out
+
+
+def _grads(
+    x: Array, ids: Array, c: Array, experts: Experts, plan: _Plan, how: _How
+) -> tuple[Array, Experts]:
+    """For each assignment's output cotangent `c` (`[A, d]`, the assignments'
+    order): each assignment's token cotangent (`[A, d]`) and the experts'
+    gradient, by the forward's rounds (its `plan`)."""
+    k, d = ids.shape[1], x.shape[1]
+    weights = (experts.w_in, experts.w_gate, experts.w_out)
+
+    def body(r: Array, state: tuple[Any, ...]) -> tuple[Any, ...]:
+        dys, dws = state
+        at, valid = _outgoing(plan, r, how.chunk)
+        which = plan.order[jnp.minimum(at, plan.order.size - 1)]
+        both = jnp.concatenate([x[which // k], c[which].astype(x.dtype)], axis=-1)
+        rows = _send(jnp.where(valid[..., None], both, 0), how.axis)
+        order, sizes = _incoming(plan, r, how.chunk)
+        flat = rows.reshape(-1, 2 * d)
+        ones = jnp.ones(flat.shape[:1], flat.dtype)
+        drows, _, dw = tiled_ffn_grads(
+            flat[:, :d], order, ones, sizes, weights, how.activation, flat[:, d:],
+            tile=how.tile,
+        )  # fmt: skip
+        back = _send(drows.astype(x.dtype).reshape(*rows.shape[:2], d), how.axis)
+        summed = _each(lambda a, b: a + b.astype(a.dtype), dws, Experts(*dw))
+        return _put(dys, at, back), summed
+
+    like = (x, ids, c, weights)
+    dys = varying_like(jnp.zeros((ids.size, d), x.dtype), *like)
+    zeros = _each(lambda w, _: varying_like(jnp.zeros_like(w), *like), experts, experts)
+    dys, dws = _rounds(plan.rounds, body, (dys, zeros))
+    return dys[plan.place], _each(typed_like, dws, experts)
+
+
+def _each(fn: Callable[[Array, Array], Array], a: Experts, b: Experts) -> Experts:
+    """`fn` of each pair of weights (no gate where either has none)."""
+    gate = None if a.w_gate is None or b.w_gate is None else fn(a.w_gate, b.w_gate)
+    return Experts(fn(a.w_in, b.w_in), gate, fn(a.w_out, b.w_out))
+
+
+def _flops(x: Array, ids: Array, experts: Experts) -> Fraction:
+    """The model FLOPs of a forward: each of this device's assignments through
+    one expert (`2 d h` a product), dropped ones too (`routed_flops`'s rule)."""
+    d, h = experts.w_in.shape[1:]
+    products = 2 if experts.w_gate is None else 3
+    return Fraction(2 * d * h * products * ids.size)
+
+
+def _forward(x: Array, gates: Array, ids: Array, experts: Experts, how: _How) -> Any:
+    """The combined output, and what the gradient reads again: each
+    assignment's output and the plan."""
+
+    def run(x: Array, gates: Array, ids: Array, experts: Experts) -> Any:
+        plan = _plan(ids, experts.w_in.shape[0], how)
+        ys = _outputs(x, ids, experts, plan, how).reshape(*ids.shape, -1)
+        # A weighted sum, not an einsum: no matrix product for the FLOP count
+        # (the one-device computation combines its outputs the same way).
+        combined = jnp.sum(gates.astype(x.dtype)[:, :, None] * ys, axis=1)
+        return combined, (ys, plan)
+
+    return counted_as(run, _flops(x, ids, experts))(x, gates, ids, experts)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
+def _exchange(x: Array, gates: Array, ids: Array, experts: Experts, how: _How) -> Array:
+    combined: Array = _forward(x, gates, ids, experts, how)[0]
+    return combined
+
+
+def _exchange_fwd(
+    x: Array, gates: Array, ids: Array, experts: Experts, how: _How
+) -> tuple[Array, tuple[Any, ...]]:
+    combined, (ys, plan) = _forward(x, gates, ids, experts, how)
+    return combined, (x, gates, ids, experts, ys, plan)
+
+
+def _exchange_bwd(how: _How, saved: tuple[Any, ...], g: Array) -> tuple[Any, ...]:
+    x, gates, ids, experts, ys, plan = saved
+
+    def pull(x: Array, gates: Array, ids: Array, experts: Experts, ys: Array,
+             plan: _Plan, g: Array) -> Any:  # fmt: skip
+        dgates = jnp.sum(g[:, None, :].astype(ys.dtype) * ys, axis=-1)
+        c = (gates.astype(x.dtype)[:, :, None] * g[:, None, :]).reshape(ids.size, -1)
+        dys, dexperts = _grads(x, ids, c, experts, plan, how)
+        dx = jnp.sum(dys.reshape(*ids.shape, -1), axis=1)
+        return typed_like(dx, x), typed_like(dgates, gates), dexperts
+
+    # Two products per forward product (the inputs' and the weights'), as
+    # autodiff counts a dense one; the hidden products the tiles recompute are
+    # no model work.
+    flops = 2 * _flops(x, ids, experts)
+    dx, dgates, dexperts = counted_as(pull, flops)(x, gates, ids, experts, ys, plan, g)
+    return dx, dgates, np.zeros(ids.shape, jax.dtypes.float0), dexperts
+
+
+_exchange.defvjp(_exchange_fwd, _exchange_bwd)
 
 
 def exchanged(
@@ -91,39 +291,29 @@ def exchanged(
     call_tokens: int,
 ) -> Float[Array, "T d"]:
     """Different tokens on each device, routed here (`routing`): each assignment
-    sent to its expert's device and its output sent back (two `all_to_all`s),
-    combined with the gates here. Inside `jax.shard_map` over `axis`, `experts`
-    this device's block; the gradients flow back through the same two
-    exchanges. An assignment the capacity dropped (id `num_experts`) goes
-    nowhere: its destination `size` is out of range, dropped by the scatter
-    and read back as zeros.
+    sent to its expert's device and its output sent back, in rounds
+    (`all_to_all`s), combined with the gates here. Inside `jax.shard_map` over
+    `axis`, `experts` this device's block; the gradient takes the same rounds.
+    An assignment the capacity dropped (id `num_experts`) goes nowhere: it
+    sorts after every destination's rows, its output zero.
 
-    Each destination's buffer holds the most this device can send it:
-    dropless, all of its `T * k` assignments; under a capacity of `C` per
-    expert over the call's `call_tokens`, at most `C` per expert of the
-    destination's block (no expert keeps more than `C` of the call's
-    assignments, this device's among them), so `min(T * k, local * C)`."""
+    A round sends each destination at most `_chunk` rows; no destination gets
+    more than this device's `T * k` assignments, nor, under a capacity of `C`
+    per expert over the call's `call_tokens`, more than `C` per expert of the
+    destination's block, `local * C`."""
     size = jax.lax.axis_size(axis)
     local = experts.w_in.shape[0]
     tokens, k = routing.experts.shape
-    flat = routing.experts.reshape(-1)
-    dest = jnp.where(flat < config.num_experts, flat // local, size)
-    slot = _slots(dest, size)
     limit = capacity(call_tokens, config)
-    width = tokens * k if limit is None else min(tokens * k, local * limit)
-    send = jnp.zeros((size, width, x.shape[1]), x.dtype)
-    send = send.at[dest, slot].set(jnp.repeat(x, k, axis=0), mode="drop")
-    ids = jnp.full((size, width), local, jnp.int32)
-    ids = ids.at[dest, slot].set(flat % local, mode="drop")
-    rows, got = _send(
-        send.reshape(size * width, -1), ids.reshape(-1), largest=local, axis=axis
+    most = tokens * k if limit is None else min(tokens * k, local * limit)
+    how = _How(
+        axis=axis,
+        chunk=_chunk(tokens * k, size, most),
+        # The tile of a layer's `n T k` assignments over its experts (the
+        # holders' groups hold about `T k / local` rows each).
+        tile=tile_rows(size * tokens * k, config.num_experts),
+        num_experts=config.num_experts,
+        activation=config.activation,
     )
-    out = _holders_out(rows, got, experts, config, Fraction(tokens * k, width))
-    back = jax.lax.all_to_all(out, axis, 0, 0, tiled=True)
-    mine = back.reshape(size, width, -1).at[dest, slot].get(mode="fill", fill_value=0)
-    mine = mine.reshape(tokens, k, -1)
-    # A weighted sum, not an einsum: no matrix product for the FLOP count (the
-    # one-device computation combines its outputs the same way).
-    gates = routing.gates.astype(x.dtype)[:, :, None]
-    combined: Array = jnp.sum(gates * mine, axis=1)
-    return combined
+    ids = routing.experts.astype(jnp.int32)
+    return _exchange(x, routing.gates, ids, experts, how)
