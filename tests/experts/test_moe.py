@@ -381,19 +381,17 @@ def test_all_to_all_every_token_to_one_expert_is_dropless(mesh8, top_k):
 
 def test_all_to_all_dispatch_is_two_all_to_alls(mesh8):
     """The forward of one call: one all-gather of the counts (`n x E`
-    integers), then, in rounds, two all-to-alls (the assignments out, the
-    outputs back), no reduce-scatter or all-reduce; the gradient the forward's
-    rounds (its plan saved: no counts gathered again); no collective moves an
-    expert weight, forward or backward."""
+    integers), then, in rounds, two all-to-alls (the assignments out with
+    their gates, the outputs back), no reduce-scatter or all-reduce. The
+    gradient program runs the forward and the gradient's rounds: the
+    cotangents out, the tokens' and gates' cotangents back, and the
+    assignments out again past the first round (whose rows it kept): five,
+    with no counts gathered again. No collective moves an expert weight,
+    forward or backward."""
     for is_forward, counts in _dispatch_collectives(mesh8, "all_to_all"):
         assert counts["reduce-scatter"] == 0 and counts["all-reduce"] == 0, counts
-        # The gradient program runs the forward too: still one gather.
         assert counts["all-gather"] == 1, counts
-        if is_forward:
-            assert counts["all-to-all"] == 2, counts
-        else:
-            # The forward's two and the gradient's two (XLA may merge some).
-            assert 2 <= counts["all-to-all"] <= 4, counts
+        assert counts["all-to-all"] == (2 if is_forward else 5), counts
 
 
 def test_with_expert_axis_makes_every_moe_expert_parallel_sharing_the_leaves():

@@ -293,7 +293,8 @@ def test_all_to_all_buffers_are_bounded_by_the_capacity(mesh8, factor, width):
     """The all-to-all dispatch sends each destination rounds of the balanced
     share and a quarter, and under a capacity no more than what the capacity
     lets a device send it (`local * C` rows, at most the device's `T * k`),
-    never the dropless worst case, both ways (the rows out, the outputs back);
+    never the dropless worst case, both ways (the rows out with their gates as
+    a column, the outputs back);
     the values are the one-device layer's on each device's tokens (as the test
     above, with this shape), the skewed routing taking several rounds."""
     moe = ed.MoE(
@@ -309,7 +310,7 @@ def test_all_to_all_buffers_are_bounded_by_the_capacity(mesh8, factor, width):
         check_vma=False,
     )  # fmt: skip
     sent = _exchanged_rows(jax.make_jaxpr(mapped)(params, x).jaxpr)
-    assert sent == [(8 * width, D), (8 * width, D)], sent
+    assert sent == [(8 * width, D + 1), (8 * width, D)], sent
     y = jax.jit(mapped)(params, x)
     for i, part in enumerate(jnp.split(x, 8)):
         np.testing.assert_allclose(y[8 * i : 8 * i + 8], moe(part)[0], **TOL)

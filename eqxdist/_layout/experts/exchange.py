@@ -113,17 +113,17 @@ def _outgoing(plan: _Plan, r: Array, chunk: int) -> tuple[Array, Array]:
     return at, valid
 
 
-def _incoming(plan: _Plan, r: Array, chunk: int) -> tuple[Array, Array]:
+def _incoming(plan: _Plan, r: Array, chunk: int) -> tuple[Array, Array, Array]:
     """Round r's rows from each source sorted by this device's expert: the
-    received row at each sorted place and the group sizes. A source's rows come
+    received row at each sorted place, each received row's sorted place, and
+    the group sizes. A source's rows come
     sorted by expert, so a row's expert is how many of the source's
     cumulative counts are at or below its place; rows past a source's count
     (`local`) sort after the groups, in no tile."""
     local = plan.ends.shape[1]
     within = r * chunk + jnp.arange(chunk)
     expert = jnp.sum(plan.ends[:, None, :] <= within[None, :, None], axis=2)
-    order, _, sizes = sorted_by_expert(expert, local)
-    return order, sizes
+    return sorted_by_expert(expert, local)
 
 
 def _send(rows: Array, axis: str) -> Array:
@@ -133,12 +133,6 @@ def _send(rows: Array, axis: str) -> Array:
     flat = rows.reshape(size * chunk, *rows.shape[2:])
     moved: Array = jax.lax.all_to_all(flat, axis, 0, 0, tiled=True)
     return moved.reshape(rows.shape)
-
-
-def _put(buf: Array, at: Array, rows: Array) -> Array:
-    """`rows` (`[n, chunk, d]`) written at their sorted places `at`, the places
-    one past the last dropped."""
-    return buf.at[at.reshape(-1)].set(rows.reshape(-1, rows.shape[-1]), mode="drop")
 
 
 def _rounds(
@@ -158,64 +152,103 @@ def _rounds(
     return out
 
 
+def _round_rows(
+    plan: _Plan, r: Array, k: int, chunk: int
+) -> tuple[Array, Array, Array]:
+    """Round r's rows to each destination (`[n, chunk]`): their assignments
+    and tokens, one past the last (`A`, `T`) where there is none (a scatter
+    there is dropped), and which are rows."""
+    at, valid = _outgoing(plan, r, chunk)
+    which = plan.order[jnp.minimum(at, plan.order.size - 1)]
+    which = jnp.where(valid, which, plan.order.size)
+    token = jnp.where(valid, which // k, plan.order.size // k)
+    return which, token, valid
+
+
+def _rows_out(
+    x: Array, gates: Array, which: Array, token: Array, valid: Array, axis: str
+) -> Array:
+    """The rows a round sends: each assignment's token and, as one more
+    column, its gate (the holder applies it, and takes its gradient)."""
+    gate = gates.reshape(-1).astype(x.dtype)[jnp.minimum(which, gates.size - 1)]
+    both = jnp.concatenate([x[jnp.minimum(token, x.shape[0] - 1)], gate[..., None]],
+                           axis=-1)  # fmt: skip
+    return _send(jnp.where(valid[..., None], both, 0), axis)
+
+
 def _outputs(
-    x: Array, ids: Array, experts: Experts, plan: _Plan, how: _How
-) -> Float[Array, "A d"]:
-    """Each assignment's expert output, ungated, in the assignments' order
-    (zeros for the dropped)."""
-    k = ids.shape[1]
-    weights = (experts.w_in, experts.w_gate, experts.w_out)
-
-    def body(r: Array, state: tuple[Array, ...]) -> tuple[Array, ...]:
-        (ys,) = state
-        at, valid = _outgoing(plan, r, how.chunk)
-        token = plan.order[jnp.minimum(at, plan.order.size - 1)] // k
-        rows = _send(jnp.where(valid[..., None], x[token], 0), how.axis)
-        order, sizes = _incoming(plan, r, how.chunk)
-        flat = rows.reshape(-1, rows.shape[-1])
-        ones = jnp.ones(flat.shape[:1], flat.dtype)
-        out: Array = tiled_ffn(flat, order, ones, sizes, weights, how.activation,
-                               tile=how.tile)  # fmt: skip
-        back = _send(out.astype(x.dtype).reshape(rows.shape), how.axis)
-        return (_put(ys, at, back),)
-
-    ys = varying_like(jnp.zeros((ids.size, x.shape[1]), x.dtype), x, ids, weights)
-    (ys,) = _rounds(plan.rounds, body, (ys,))
-    out: Array = ys[plan.place]
-    return out
-
-
-def _grads(
-    x: Array, ids: Array, c: Array, experts: Experts, plan: _Plan, how: _How
-) -> tuple[Array, Experts]:
-    """For each assignment's output cotangent `c` (`[A, d]`, the assignments'
-    order): each assignment's token cotangent (`[A, d]`) and the experts'
-    gradient, by the forward's rounds (its `plan`)."""
+    x: Array, gates: Array, ids: Array, experts: Experts, plan: _Plan, how: _How
+) -> tuple[Float[Array, "T d"], Array]:
+    """The combined output of each token (each round's outputs, gated by the
+    holder, added to their tokens), and the rows the first round received
+    (what the gradient's first round reads again instead of receiving them)."""
     k, d = ids.shape[1], x.shape[1]
     weights = (experts.w_in, experts.w_gate, experts.w_out)
 
     def body(r: Array, state: tuple[Any, ...]) -> tuple[Any, ...]:
-        dys, dws = state
-        at, valid = _outgoing(plan, r, how.chunk)
-        which = plan.order[jnp.minimum(at, plan.order.size - 1)]
-        both = jnp.concatenate([x[which // k], c[which].astype(x.dtype)], axis=-1)
-        rows = _send(jnp.where(valid[..., None], both, 0), how.axis)
-        order, sizes = _incoming(plan, r, how.chunk)
-        flat = rows.reshape(-1, 2 * d)
-        ones = jnp.ones(flat.shape[:1], flat.dtype)
-        drows, _, dw = tiled_ffn_grads(
-            flat[:, :d], order, ones, sizes, weights, how.activation, flat[:, d:],
-            tile=how.tile,
-        )  # fmt: skip
-        back = _send(drows.astype(x.dtype).reshape(*rows.shape[:2], d), how.axis)
-        summed = _each(lambda a, b: a + b.astype(a.dtype), dws, Experts(*dw))
-        return _put(dys, at, back), summed
+        combined, first = state
+        which, token, valid = _round_rows(plan, r, k, how.chunk)
+        rows = _rows_out(x, gates, which, token, valid, how.axis)
+        order, _, sizes = _incoming(plan, r, how.chunk)
+        flat = rows.reshape(-1, d + 1)
+        # The tiles read the gates in sorted order.
+        out: Array = tiled_ffn(flat[:, :d], order, flat[order, d], sizes, weights,
+                               how.activation, tile=how.tile)  # fmt: skip
+        back = _send(out.astype(x.dtype).reshape(*rows.shape[:2], d), how.axis)
+        combined = combined.at[token.reshape(-1)].add(back.reshape(-1, d), mode="drop")
+        return combined, jnp.where(r == 0, rows, first)
 
-    like = (x, ids, c, weights)
-    dys = varying_like(jnp.zeros((ids.size, d), x.dtype), *like)
+    like = (x, gates, ids, weights)
+    combined = varying_like(jnp.zeros_like(x), *like)
+    first = varying_like(jnp.zeros((plan.counts.size, how.chunk, d + 1), x.dtype),
+                         *like)  # fmt: skip
+    out: tuple[Array, Array] = _rounds(plan.rounds, body, (combined, first))
+    return out
+
+
+def _grads(
+    x: Array, gates: Array, ids: Array, g: Array, experts: Experts, plan: _Plan,
+    first: Array, how: _How,
+) -> tuple[Array, Array, Experts]:  # fmt: skip
+    """For the combined output's cotangent `g`: the tokens', the gates' and
+    the experts' gradients, by the forward's rounds (its `plan`; its first
+    round's rows kept, not sent again)."""
+    k, d = ids.shape[1], x.shape[1]
+    weights = (experts.w_in, experts.w_gate, experts.w_out)
+
+    def body(r: Array, state: tuple[Any, ...]) -> tuple[Any, ...]:
+        dx, dgates, dws = state
+        which, token, valid = _round_rows(plan, r, k, how.chunk)
+        rows = jax.lax.cond(
+            r == 0,
+            lambda: first,
+            lambda: _rows_out(x, gates, which, token, valid, how.axis),
+        )
+        cot = g.astype(x.dtype)[jnp.minimum(token, x.shape[0] - 1)]
+        cot = _send(jnp.where(valid[..., None], cot, 0), how.axis)
+        order, place, sizes = _incoming(plan, r, how.chunk)
+        flat = rows.reshape(-1, d + 1)
+        # The tiles read the gates, and give their gradients, in sorted order.
+        drows, dgate, dw = tiled_ffn_grads(
+            flat[:, :d], order, flat[order, d], sizes, weights, how.activation,
+            cot.reshape(-1, d), tile=how.tile,
+        )  # fmt: skip
+        dgate = dgate[place].astype(x.dtype)
+        both = jnp.concatenate([drows.astype(x.dtype), dgate[:, None]], axis=-1)
+        back = _send(both.reshape(*rows.shape[:2], d + 1), how.axis)
+        dx = dx.at[token.reshape(-1)].add(back[..., :d].reshape(-1, d), mode="drop")
+        dgates = dgates.at[which.reshape(-1)].set(
+            back[..., d].reshape(-1).astype(dgates.dtype), mode="drop"
+        )
+        summed = _each(lambda a, b: a + b.astype(a.dtype), dws, Experts(*dw))
+        return dx, dgates, summed
+
+    like = (x, gates, ids, g, weights, first)
+    dx = varying_like(jnp.zeros_like(x), *like)
+    dgates = varying_like(jnp.zeros((ids.size,), gates.dtype), *like)
     zeros = _each(lambda w, _: varying_like(jnp.zeros_like(w), *like), experts, experts)
-    dys, dws = _rounds(plan.rounds, body, (dys, zeros))
-    return dys[plan.place], _each(typed_like, dws, experts)
+    dx, dgates, dws = _rounds(plan.rounds, body, (dx, dgates, zeros))
+    return dx, dgates.reshape(ids.shape), _each(typed_like, dws, experts)
 
 
 def _each(fn: Callable[[Array, Array], Array], a: Experts, b: Experts) -> Experts:
@@ -233,16 +266,13 @@ def _flops(x: Array, ids: Array, experts: Experts) -> Fraction:
 
 
 def _forward(x: Array, gates: Array, ids: Array, experts: Experts, how: _How) -> Any:
-    """The combined output, and what the gradient reads again: each
-    assignment's output and the plan."""
+    """The combined output, and what the gradient reads again: the plan and
+    the rows the first round received."""
 
     def run(x: Array, gates: Array, ids: Array, experts: Experts) -> Any:
         plan = _plan(ids, experts.w_in.shape[0], how)
-        ys = _outputs(x, ids, experts, plan, how).reshape(*ids.shape, -1)
-        # A weighted sum, not an einsum: no matrix product for the FLOP count
-        # (the one-device computation combines its outputs the same way).
-        combined = jnp.sum(gates.astype(x.dtype)[:, :, None] * ys, axis=1)
-        return combined, (ys, plan)
+        combined, first = _outputs(x, gates, ids, experts, plan, how)
+        return combined, (plan, first)
 
     return counted_as(run, _flops(x, ids, experts))(x, gates, ids, experts)
 
@@ -256,26 +286,25 @@ def _exchange(x: Array, gates: Array, ids: Array, experts: Experts, how: _How) -
 def _exchange_fwd(
     x: Array, gates: Array, ids: Array, experts: Experts, how: _How
 ) -> tuple[Array, tuple[Any, ...]]:
-    combined, (ys, plan) = _forward(x, gates, ids, experts, how)
-    return combined, (x, gates, ids, experts, ys, plan)
+    combined, (plan, first) = _forward(x, gates, ids, experts, how)
+    return combined, (x, gates, ids, experts, plan, first)
 
 
 def _exchange_bwd(how: _How, saved: tuple[Any, ...], g: Array) -> tuple[Any, ...]:
-    x, gates, ids, experts, ys, plan = saved
+    x, gates, ids, experts, plan, first = saved
 
-    def pull(x: Array, gates: Array, ids: Array, experts: Experts, ys: Array,
-             plan: _Plan, g: Array) -> Any:  # fmt: skip
-        dgates = jnp.sum(g[:, None, :].astype(ys.dtype) * ys, axis=-1)
-        c = (gates.astype(x.dtype)[:, :, None] * g[:, None, :]).reshape(ids.size, -1)
-        dys, dexperts = _grads(x, ids, c, experts, plan, how)
-        dx = jnp.sum(dys.reshape(*ids.shape, -1), axis=1)
+    def pull(x: Array, gates: Array, ids: Array, g: Array, experts: Experts,
+             plan: _Plan, first: Array) -> Any:  # fmt: skip
+        dx, dgates, dexperts = _grads(x, gates, ids, g, experts, plan, first, how)
         return typed_like(dx, x), typed_like(dgates, gates), dexperts
 
     # Two products per forward product (the inputs' and the weights'), as
     # autodiff counts a dense one; the hidden products the tiles recompute are
     # no model work.
     flops = 2 * _flops(x, ids, experts)
-    dx, dgates, dexperts = counted_as(pull, flops)(x, gates, ids, experts, ys, plan, g)
+    dx, dgates, dexperts = counted_as(pull, flops)(
+        x, gates, ids, g, experts, plan, first
+    )
     return dx, dgates, np.zeros(ids.shape, jax.dtypes.float0), dexperts
 
 
