@@ -11,10 +11,15 @@ device holding every expert: `replicated`) against `ed.Layout(mesh,
 expert_axis="data")` with the all-gather dispatch (`expert_parallel`) and with
 `MoE(dispatch="all_to_all")` (`expert_parallel_a2a`), and the same model with
 each MoE replaced by a dense gated MLP `top_k x d_hidden` wide (`dense`, the MoE's
-active FLOPs), data parallel. Timing is interleaved: every repeat times all four
-for `--steps` steps (the order alternating); the table gives median milliseconds
-per step and the median of the per-repeat ratios of each pair with their spread.
-On CPU the collectives are memory copies.
+active FLOPs), data parallel. Also one block alone, forward and backward on
+each device's tokens, no collective and no optimizer (`moe_layer` against
+`dense_layer`): the grouped products against one dense product, without the
+step's per-parameter work (the update and the gradients' all-reduce of `E /
+top_k` times the dense MLP's parameters), which the `replicated / dense` step
+ratio includes. Timing is interleaved: every repeat times all six for
+`--steps` steps (the order alternating); the table gives median milliseconds per
+step and the median of the per-repeat ratios of each pair with their spread. On
+CPU the collectives are memory copies.
 
 Expert FLOPs: `compiled.cost_analysis()` counts a loop body once, and the
 experts run in loops over the active tiles (a traced count), so they are counted
@@ -26,7 +31,8 @@ The ideal is a device's share of the assignments, `T k / 8`, times a dense
 gated MLP's forward and backward FLOPs per row (`9 x 2 d h`).
 
     python benchmarks/bench_experts.py [--quick] [--repeats 5] [--steps 5]
-        [--experts 8,32] [--tokens 8192] [--capacity-factor 1.25]
+        [--experts 8,32] [--tokens 8192] [--d-model 64] [--d-hidden 128]
+        [--capacity-factor 1.25]
 
 The script sets up 8 simulated CPU devices itself (before importing JAX) unless
 `XLA_FLAGS` already sets a device count. `run()` returns the figures.
@@ -51,7 +57,7 @@ from eqxdist._experts.tiles import recording
 
 ed.simulate_cpu_devices(8)  # before JAX starts its backend
 
-D_MODEL, D_HIDDEN, LENGTH, TOP_K = 64, 128, 16, 2
+LENGTH, TOP_K = 16, 2
 # Goals of issue 46: expert parallelism / replicated, replicated MoE / dense.
 GOAL_EP, GOAL_DENSE = 1.25, 1.3
 
@@ -64,11 +70,11 @@ class DenseMLP(eqx.Module):
     w_gate: Any
     w_out: Any
 
-    def __init__(self, width: int, key: Any) -> None:
+    def __init__(self, d_model: int, width: int, key: Any) -> None:
         k1, k2, k3 = jax.random.split(key, 3)
-        self.w_in = jax.random.normal(k1, (D_MODEL, width)) / D_MODEL**0.5
-        self.w_gate = jax.random.normal(k2, (D_MODEL, width)) / D_MODEL**0.5
-        self.w_out = jax.random.normal(k3, (width, D_MODEL)) / width**0.5
+        self.w_in = jax.random.normal(k1, (d_model, width)) / d_model**0.5
+        self.w_gate = jax.random.normal(k2, (d_model, width)) / d_model**0.5
+        self.w_out = jax.random.normal(k3, (width, d_model)) / width**0.5
 
     def __call__(self, x: Any) -> Any:
         return (jax.nn.silu(x @ self.w_in) * (x @ self.w_gate)) @ self.w_out
@@ -80,31 +86,27 @@ class Net(eqx.Module):
     head: eqx.nn.Linear
 
     def __init__(
-        self,
-        layers: int,
-        experts: int,
-        key: Any,
-        kind: str,
-        capacity_factor: float | None = None,
+        self, args: argparse.Namespace, experts: int, key: Any, kind: str
     ) -> None:
-        keys = jax.random.split(key, layers + 2)
-        self.embed = eqx.nn.Linear(16, D_MODEL, key=keys[0])
+        keys = jax.random.split(key, args.layers + 2)
+        d_model, d_hidden = args.d_model, args.d_hidden
+        self.embed = eqx.nn.Linear(16, d_model, key=keys[0])
         if kind == "dense":
-            self.blocks = [DenseMLP(TOP_K * D_HIDDEN, k) for k in keys[2:]]
+            self.blocks = [DenseMLP(d_model, TOP_K * d_hidden, k) for k in keys[2:]]
         else:
             self.blocks = [
                 ed.MoE(
-                    D_MODEL,
-                    D_HIDDEN,
+                    d_model,
+                    d_hidden,
                     experts,
                     top_k=TOP_K,
                     key=k,
                     dispatch=kind,
-                    capacity_factor=capacity_factor,
+                    capacity_factor=args.capacity_factor,
                 )
                 for k in keys[2:]
             ]
-        self.head = eqx.nn.Linear(D_MODEL, 4, key=keys[1])
+        self.head = eqx.nn.Linear(d_model, 4, key=keys[1])
 
 
 def loss_fn(model: Net, batch: dict[str, Any], key: Any) -> Any:
@@ -147,7 +149,7 @@ def _setup(
     layout: ed.Layout, args: argparse.Namespace, experts: int, kind: str
 ) -> dict[str, Any]:
     optimizer = optax.adamw(1e-3)
-    model = Net(args.layers, experts, jax.random.key(0), kind, args.capacity_factor)
+    model = Net(args, experts, jax.random.key(0), kind)
     batch = _batch(args.tokens, 0)
 
     def build() -> tuple[Any, Any]:
@@ -168,7 +170,7 @@ def _setup(
             recorded, fresh = build()
             jax.block_until_ready(recorded(fresh, batch))
             jax.effects_barrier()
-        flops = _executed_flops(records) / len(jax.devices())
+        flops = _executed_flops(records, args) / len(jax.devices())
     state, _ = step(state, batch)
     jax.block_until_ready(state)
     return {"step": step, "state": state, "batch": batch, "counts": counts,
@@ -176,27 +178,66 @@ def _setup(
             "temp": temp}  # fmt: skip
 
 
-def _executed_flops(records: list[dict[str, Any]]) -> float:
+def _executed_flops(records: list[dict[str, Any]], args: argparse.Namespace) -> float:
     """The expert FLOPs the tile loops ran: tiles x tile rows x the products'
     FLOPs per row (forward 3, backward 8 products of `2 d h`)."""
     per_row = {"forward": 3, "backward": 8}
     rows = sum(r["tiles"] * r["tile"] * per_row[r["kind"]] for r in records)
-    return float(rows * 2 * D_MODEL * D_HIDDEN)
+    return float(rows * 2 * args.d_model * args.d_hidden)
 
 
 def _ideal_flops(args: argparse.Namespace) -> float:
     """A device's share of the assignments through a dense gated MLP's forward
     and backward (9 products of `2 d h` per row), every layer."""
     rows = args.tokens * TOP_K / len(jax.devices())
-    return rows * 9 * 2 * D_MODEL * D_HIDDEN * args.layers
+    return rows * 9 * 2 * args.d_model * args.d_hidden * args.layers
+
+
+def _layer(args: argparse.Namespace, experts: int, kind: str) -> dict[str, Any]:
+    """One block's forward and backward alone (`kind` "moe": an `ed.MoE`,
+    "dense": the dense gated MLP of its active FLOPs) on each device's tokens,
+    no collective and no optimizer: what the grouped products cost against
+    one dense product, without the step's per-parameter work (the update
+    and the gradients' all-reduce of `E / top_k` times the dense MLP's
+    parameters)."""
+    key = jax.random.key(2)
+    if kind == "moe":
+        block: Any = ed.MoE(args.d_model, args.d_hidden, experts, top_k=TOP_K, key=key)
+    else:
+        block = DenseMLP(args.d_model, TOP_K * args.d_hidden, key)
+    params, static = eqx.partition(block, eqx.is_array)
+    rng = np.random.default_rng(3)
+    x, c = (rng.normal(size=(args.tokens, args.d_model)).astype(np.float32)
+            for _ in range(2))  # fmt: skip
+
+    def device(params: Any, x: Any, c: Any) -> Any:
+        def loss(params: Any, x: Any) -> Any:
+            y = eqx.combine(params, static)(x)
+            return (y[0] if kind == "moe" else y) * c
+
+        return jax.grad(lambda p, x: loss(p, x).sum(), argnums=(0, 1))(params, x)
+
+    mesh = jax.make_mesh((8,), ("data",), axis_types=(jax.sharding.AxisType.Auto,))
+    split = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("data"))
+    specs = jax.tree.map(lambda _: jax.sharding.PartitionSpec(), params)
+    fn = jax.jit(jax.shard_map(
+        device, mesh=mesh, in_specs=(specs, split.spec, split.spec),
+        out_specs=(specs, split.spec), check_vma=False,
+    ))  # fmt: skip
+    inputs = (jax.device_put(x, split), jax.device_put(c, split))
+    jax.block_until_ready(fn(params, *inputs))
+    return {"step": lambda p, batch: (p, fn(p, *batch)), "state": params,
+            "batch": inputs, "counts": {}, "bytes": 0, "flops": None,
+            "temp": fn.lower(params, *inputs).compile().memory_analysis()
+            .temp_size_in_bytes}  # fmt: skip
 
 
 def _time(run: dict[str, Any], steps: int) -> float:
     state = run["state"]
     start = time.perf_counter()
     for _ in range(steps):
-        state, _ = run["step"](state, run["batch"])
-    jax.block_until_ready(state)
+        state, out = run["step"](state, run["batch"])
+    jax.block_until_ready((state, out))
     run["state"] = state
     return (time.perf_counter() - start) / steps * 1e3
 
@@ -205,6 +246,7 @@ PAIRS = (
     ("expert_parallel", "replicated"),
     ("expert_parallel_a2a", "replicated"),
     ("replicated", "dense"),
+    ("moe_layer", "dense_layer"),
 )
 
 
@@ -216,6 +258,8 @@ def run(args: argparse.Namespace, experts: int) -> dict[str, Any]:
         "expert_parallel": _setup(split, args, experts, "all_gather"),
         "expert_parallel_a2a": _setup(split, args, experts, "all_to_all"),
         "dense": _setup(ed.Layout(mesh), args, experts, "dense"),
+        "moe_layer": _layer(args, experts, "moe"),
+        "dense_layer": _layer(args, experts, "dense"),
     }
     times: dict[str, list[float]] = {name: [] for name in runs}
     ratios: dict[tuple[str, str], list[float]] = {pair: [] for pair in PAIRS}
@@ -250,6 +294,8 @@ def main(argv: list[str]) -> None:
     parser.add_argument("--experts", default="8,32")
     parser.add_argument("--layers", type=int, default=2)
     parser.add_argument("--tokens", type=int, default=8192)
+    parser.add_argument("--d-model", type=int, default=64)
+    parser.add_argument("--d-hidden", type=int, default=128)
     parser.add_argument(
         "--capacity-factor", type=float, default=None,
         help="every MoE's capacity_factor (default: dropless)",
@@ -259,9 +305,10 @@ def main(argv: list[str]) -> None:
         args.repeats, args.steps, args.experts = 1, 1, "8"
         args.layers, args.tokens = 1, 512
     print(
-        f"{args.layers} MoE layers, top-{TOP_K}, d_model {D_MODEL}, d_hidden "
-        f"{D_HIDDEN}, {args.tokens} tokens per step, 8 CPU devices; dense: a gated "
-        f"MLP {TOP_K} x {D_HIDDEN} wide; capacity factor {args.capacity_factor}"
+        f"{args.layers} MoE layers, top-{TOP_K}, d_model {args.d_model}, d_hidden "
+        f"{args.d_hidden}, {args.tokens} tokens per step, 8 CPU devices; dense: a "
+        f"gated MLP {TOP_K} x {args.d_hidden} wide; capacity factor "
+        f"{args.capacity_factor}"
     )
     for experts in (int(e) for e in args.experts.split(",")):
         out = run(args, experts)
@@ -270,7 +317,9 @@ def main(argv: list[str]) -> None:
             f"{'layout':<20} {'ms/step':>8} {'expert bytes/dev':>17} "
             f"{'expert FLOPs/dev / ideal':>25} {'temp bytes/dev':>15}  collectives"
         )
-        for name in ("replicated", "expert_parallel", "expert_parallel_a2a", "dense"):
+        for name in out:
+            if name in ("ratios", "ideal_flops"):
+                continue
             row = out[name]
             work = (
                 ""
@@ -282,7 +331,7 @@ def main(argv: list[str]) -> None:
                 f"{row['temp']:>15,}  {row['collectives']}"
             )
         for (a, b), (median, low, high) in out["ratios"].items():
-            goal = GOAL_DENSE if b == "dense" else GOAL_EP
+            goal = GOAL_EP if b == "replicated" else GOAL_DENSE
             print(
                 f"{a} / {b}: {median:.2f}x ({low:.2f}-{high:.2f}; goal at most {goal}x)"
             )

@@ -164,9 +164,10 @@ class MoE(eqx.Module):
     - `dispatch`: how tokens reach their experts under expert parallelism when
       the expert axis splits the tokens (a data axis): `"all_gather"` (every
       device's tokens gathered, the outputs reduce-scattered back) or
-      `"all_to_all"` (each token-expert assignment sent to its expert's device
-      and its output sent back: two `all_to_all`s of buffers padded to the worst
-      case). Both dropless, same values and gradients; no effect without an
+      `"all_to_all"` (each device's counts gathered first, then each
+      token-expert assignment sent to its expert's device and its output sent
+      back, in rounds of the balanced share and a quarter per destination: two
+      `all_to_all`s a round, one round under balanced routing). Both dropless, same values and gradients; no effect without an
       expert axis, or when the axis holds the same tokens on every device.
     - `normalize_gates`: gates `p_topk / sum(p_topk)` (True) or the
       probabilities `p_topk` themselves (False); None: True for `top_k > 1`,

@@ -8,10 +8,10 @@ dispatch is an all-gather of the tokens and their routing over the axis (each
 device then runs its experts on their assignments only: the others sort after
 its groups, in no tile of the grouped products, so its work is its experts'
 share, not every token's) and a reduce-scatter of the outputs: dropless, with
-no sizes to exchange first, and never a weight moved (`ragged_all_to_all`, the
-other dropless dispatch, is not implemented by XLA:CPU in JAX 0.10).
-`MoE(dispatch="all_to_all")` takes `exchange.py`'s two all-to-alls instead
-(`DISPATCHES`).
+no sizes to exchange first, and never a weight moved, but `n T` tokens each way
+per device. `MoE(dispatch="all_to_all")` takes `exchange.py`'s instead (the
+counts first, then each device's `T k` assignments in rounds of all-to-alls;
+`DISPATCHES`).
 
 - the *device view* (`experts_device_view`): the axis is bound, the weights are
   this device's block. `tokens_split` says whether the axis holds different
