@@ -167,8 +167,9 @@ class MoE(eqx.Module):
       `"all_to_all"` (each device's counts gathered first, then each
       token-expert assignment sent to its expert's device and its output sent
       back, in rounds of the balanced share and a quarter per destination: two
-      `all_to_all`s a round, one round under balanced routing). Both dropless, same values and gradients; no effect without an
-      expert axis, or when the axis holds the same tokens on every device.
+      `all_to_all`s a round, one round under balanced routing). Both
+      dropless, same values and gradients; no effect without an expert axis,
+      or when the axis holds the same tokens on every device.
     - `normalize_gates`: gates `p_topk / sum(p_topk)` (True) or the
       probabilities `p_topk` themselves (False); None: True for `top_k > 1`,
       False for `top_k == 1` (Switch's gate: a top-1 gate of exactly 1 would
