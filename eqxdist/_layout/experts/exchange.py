@@ -18,7 +18,9 @@ rounds, and no assignment is ever dropped. Each round the holder runs its
 experts on the rows it got (the tiles of `tiles.py`: the work is the rows
 received, rounded up to tiles) and sends the outputs back. A holder knows
 each row's expert from the counts (each sender's rows come sorted by
-expert), so no ids travel with the rows.
+expert), so no ids travel with the rows; the gates do, as one more column:
+the holder applies them, and the outputs come back gated and are added to
+their tokens.
 
 Under a capacity (`MoE(capacity_factor=...)`) no destination gets more than
 `min(T * k, experts per device * C)` rows from a device (no expert keeps more
@@ -27,8 +29,10 @@ is larger than that.
 
 The gradient (`jax.custom_vjp`: a loop with a traced count is not
 reverse-differentiable) runs the forward's rounds (its plan saved, no counts
-gathered again): each assignment's token and cotangent go to the holder,
-which returns the token's cotangent and keeps its experts' gradient.
+gathered again): each assignment's cotangent goes to the holder (its token
+and gate too after the first round, whose rows the holder kept), which
+returns the token's and the gate's cotangents and keeps its experts'
+gradient.
 
 Against the all-gather dispatch (`dispatch.py`) it moves each device's
 `T * k` rows (a quarter more under balanced routing) each way instead of
@@ -72,7 +76,6 @@ class _Plan(NamedTuple):
     destination's expert), and what each device sends and receives."""
 
     order: Int[Array, " A"]  # the assignment at each sorted place
-    place: Int[Array, " A"]  # each assignment's sorted place
     starts: Int[Array, " n"]  # the first sorted place of each destination's rows
     counts: Int[Array, " n"]  # rows to each destination
     ends: Int[Array, "n local"]  # per source: its rows to my experts, cumulated
@@ -94,32 +97,22 @@ def _plan(ids: Int[Array, "T k"], local: int, how: _How) -> _Plan:
     every device the same number of rounds (a collective costs more than its
     few bytes: on 8 CPU devices a rendezvous of their threads)."""
     size = jax.lax.axis_size(how.axis)
-    order, place, sizes = sorted_by_expert(ids, how.num_experts)
+    order, _, sizes = sorted_by_expert(ids, how.num_experts)
     everyone = jax.lax.all_gather(sizes.reshape(size, local), how.axis)
     counts = jnp.sum(everyone, axis=2)  # [source, destination]
     mine = counts[jax.lax.axis_index(how.axis)]
     got = everyone[:, jax.lax.axis_index(how.axis)]  # [source, my expert]
     rounds = -(-jnp.max(counts) // how.chunk)
-    return _Plan(order, place, jnp.cumsum(mine) - mine, mine,
-                 jnp.cumsum(got, axis=1), rounds)  # fmt: skip
-
-
-def _outgoing(plan: _Plan, r: Array, chunk: int) -> tuple[Array, Array]:
-    """Round r's rows to each destination: their sorted places (`[n, chunk]`,
-    one past the last where there is none) and which are rows."""
-    within = r * chunk + jnp.arange(chunk)
-    valid = within[None, :] < plan.counts[:, None]
-    at = jnp.where(valid, plan.starts[:, None] + within[None, :], plan.order.size)
-    return at, valid
+    return _Plan(order, jnp.cumsum(mine) - mine, mine, jnp.cumsum(got, axis=1),
+                 rounds)  # fmt: skip
 
 
 def _incoming(plan: _Plan, r: Array, chunk: int) -> tuple[Array, Array, Array]:
     """Round r's rows from each source sorted by this device's expert: the
     received row at each sorted place, each received row's sorted place, and
-    the group sizes. A source's rows come
-    sorted by expert, so a row's expert is how many of the source's
-    cumulative counts are at or below its place; rows past a source's count
-    (`local`) sort after the groups, in no tile."""
+    the group sizes. A source's rows come sorted by expert, so a row's expert
+    is how many of the source's cumulative counts are at or below its place;
+    rows past a source's count (`local`) sort after the groups, in no tile."""
     local = plan.ends.shape[1]
     within = r * chunk + jnp.arange(chunk)
     expert = jnp.sum(plan.ends[:, None, :] <= within[None, :, None], axis=2)
@@ -157,9 +150,12 @@ def _round_rows(
 ) -> tuple[Array, Array, Array]:
     """Round r's rows to each destination (`[n, chunk]`): their assignments
     and tokens, one past the last (`A`, `T`) where there is none (a scatter
-    there is dropped), and which are rows."""
-    at, valid = _outgoing(plan, r, chunk)
-    which = plan.order[jnp.minimum(at, plan.order.size - 1)]
+    there is dropped), and which are rows. A destination's rows are a run of
+    the sorted assignments, from its start."""
+    within = r * chunk + jnp.arange(chunk)
+    valid = within[None, :] < plan.counts[:, None]
+    at = jnp.minimum(plan.starts[:, None] + within[None, :], plan.order.size - 1)
+    which = plan.order[at]
     which = jnp.where(valid, which, plan.order.size)
     token = jnp.where(valid, which // k, plan.order.size // k)
     return which, token, valid
