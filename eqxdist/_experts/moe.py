@@ -58,7 +58,7 @@ def _check_init(
     *,
     top_k: Any = 2,
     router: Any = "softmax",
-    dispatch: Any = "all_gather",
+    dispatch: Any = "all_to_all",
     normalize_gates: Any = None,
     router_dtype: Any = jnp.float32,
     capacity_factor: Any = None,
@@ -76,7 +76,7 @@ def _check_init(
     if not isinstance(dispatch, str) or dispatch not in DISPATCHES:
         raise ValueError(
             f"MoE: `dispatch`={dispatch!r} is not one of {DISPATCHES}; pass "
-            "dispatch='all_gather' (the default) or 'all_to_all'."
+            "dispatch='all_to_all' (the default) or 'all_gather'."
         )
 
 
@@ -162,14 +162,15 @@ class MoE(eqx.Module):
       when True, `activation(x @ w_in) @ w_out` when False.
     - `router`: `"softmax"` or `"sigmoid"`, the router's probabilities.
     - `dispatch`: how tokens reach their experts under expert parallelism when
-      the expert axis splits the tokens (a data axis): `"all_gather"` (every
-      device's tokens gathered, the outputs reduce-scattered back) or
-      `"all_to_all"` (each device's counts gathered first, then each
+      the expert axis splits the tokens (a data axis): `"all_to_all"` (the
+      default: each device's counts gathered first, then each
       token-expert assignment sent to its expert's device and its output sent
       back, in rounds of the balanced share and a quarter per destination: two
-      `all_to_all`s a round, one round under balanced routing). Both
-      dropless, same values and gradients; no effect without an expert axis,
-      or when the axis holds the same tokens on every device.
+      `all_to_all`s a round, one round under balanced routing) or
+      `"all_gather"` (every device's tokens gathered, the outputs
+      reduce-scattered back: `n` devices' tokens each way, whatever the
+      routing). Both dropless, same values and gradients; no effect without
+      an expert axis, or when the axis holds the same tokens on every device.
     - `normalize_gates`: gates `p_topk / sum(p_topk)` (True) or the
       probabilities `p_topk` themselves (False); None: True for `top_k > 1`,
       False for `top_k == 1` (Switch's gate: a top-1 gate of exactly 1 would
@@ -210,7 +211,7 @@ class MoE(eqx.Module):
     activation: Callable[[Array], Array] = eqx.field(static=True)
     gated: bool = eqx.field(static=True)
     router_kind: str = eqx.field(static=True)
-    dispatch: str = eqx.field(static=True, default="all_gather")
+    dispatch: str = eqx.field(static=True, default="all_to_all")
     normalize_gates: bool = eqx.field(static=True, default=True)
     router_dtype: Any = eqx.field(static=True, default=jnp.dtype(jnp.float32))
     capacity_factor: float | None = eqx.field(static=True, default=None)
@@ -227,7 +228,7 @@ class MoE(eqx.Module):
         activation: Callable[[Array], Array] = jax.nn.silu,
         gated: bool = True,
         router: str = "softmax",
-        dispatch: str = "all_gather",
+        dispatch: str = "all_to_all",
         normalize_gates: bool | None = None,
         router_dtype: Any = jnp.float32,
         capacity_factor: float | None = None,

@@ -4,14 +4,15 @@ computed where their experts are, the outputs brought back to their tokens.
 
 Each call's tokens are routed once, before any dispatch (`MoE.route`, which
 `ExpertParallel` calls: the capacity counts that call's tokens). The default
-dispatch is an all-gather of the tokens and their routing over the axis (each
-device then runs its experts on their assignments only: the others sort after
-its groups, in no tile of the grouped products, so its work is its experts'
-share, not every token's) and a reduce-scatter of the outputs: dropless, with
-no sizes to exchange first, and never a weight moved, but `n T` tokens each way
-per device. `MoE(dispatch="all_to_all")` takes `exchange.py`'s instead (the
-counts first, then each device's `T k` assignments in rounds of all-to-alls;
-`DISPATCHES`).
+dispatch, `exchange.py`'s, gathers the counts first, then sends each device's
+`T k` assignments to their experts' devices and the outputs back in rounds of
+all-to-alls. `MoE(dispatch="all_gather")` takes `_gathered` instead
+(`DISPATCHES`): an all-gather of the tokens and their routing over the axis
+(each device then runs its experts on their assignments only: the others sort
+after its groups, in no tile of the grouped products, so its work is its
+experts' share, not every token's) and a reduce-scatter of the outputs:
+dropless, with no sizes to exchange first, never a weight moved, but `n T`
+tokens each way per device whatever the routing.
 
 - the *device view* (`experts_device_view`): the axis is bound, the weights are
   this device's block. `tokens_split` says whether the axis holds different
@@ -203,7 +204,7 @@ def experts_device_view(
     config: Config,
     axis: str,
     tokens_split: bool,
-    dispatch: str = "all_gather",
+    dispatch: str = "all_to_all",
     mean_grad: bool = True,
 ) -> Float[Array, "T d"]:
     """The experts' combined output for this device's tokens `x` (routed as
@@ -248,7 +249,7 @@ def experts_global_view(
     *,
     config: Config,
     axis: str,
-    dispatch: str = "all_gather",
+    dispatch: str = "all_to_all",
 ) -> Float[Array, "T d"]:
     """The experts' combined output for all of `x` (routed as `routing` says,
     over all of its tokens), whole arrays under a context
