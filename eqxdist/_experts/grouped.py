@@ -88,6 +88,13 @@ def sorted_by_expert(
     return order, place, counts[:groups]
 
 
+def each_weight(fn: Callable[[Array, Array], Array], a: Experts, b: Experts) -> Experts:
+    """`fn` of each pair of `a`'s and `b`'s weights (no gate where either has
+    none): an experts' gradient cast like the experts, or summed into another."""
+    gate = None if a.w_gate is None or b.w_gate is None else fn(a.w_gate, b.w_gate)
+    return Experts(fn(a.w_in, b.w_in), gate, fn(a.w_out, b.w_out))
+
+
 def _weights(experts: Experts) -> tuple[Array, Array | None, Array]:
     return experts.w_in, experts.w_gate, experts.w_out
 
@@ -140,12 +147,7 @@ def _ffn_grads(
         x, order // k, gates, sizes, _weights(experts), activation, g, tile=tile
     )
     dgates = dgates[place].reshape(tokens, k)
-    dexperts = Experts(
-        typed_like(dw_in, experts.w_in),
-        None if dw_gate is None or experts.w_gate is None
-        else typed_like(dw_gate, experts.w_gate),
-        typed_like(dw_out, experts.w_out),
-    )  # fmt: skip
+    dexperts = each_weight(typed_like, Experts(dw_in, dw_gate, dw_out), experts)
     return typed_like(dx, x), typed_like(dgates, routing.gates), dexperts
 
 

@@ -160,8 +160,9 @@ def _add(buf: Array, value: Array, g: Array) -> Array:
     return new
 
 
-def _loop(count: Array, body: Callable[[Array, Any], Any], init: Any) -> Any:
-    """`body` for j in `[0, count)`, a traced count: a `while_loop`."""
+def counted_loop(count: Array, body: Callable[[Array, Any], Any], init: Any) -> Any:
+    """`body(j, state)` for j in `[0, count)`, a traced count: a `while_loop`;
+    `(count, state)` (the tile loops here, the all-to-all dispatch's rounds)."""
 
     def step(carry: Any) -> Any:
         j, state = carry
@@ -233,7 +234,7 @@ def tiled_ffn(
         y = (hidden @ w_out) * _rows(gp, t, j, tile)[:, None]
         return out.at[idx].add(y.astype(dtype))
 
-    ran, out = _loop(t.active, body, out)
+    ran, out = counted_loop(t.active, body, out)
     _record("forward", ran, sizes, tile, src.shape[0])
     summed: Array = out
     return summed
@@ -293,7 +294,7 @@ def tiled_ffn_grads(
                _add(dw_out, d_out, e))  # fmt: skip
         return dx.at[idx].add(dxs.astype(dx.dtype)), dgates, dws
 
-    ran, (dx, dgates, dws) = _loop(t.active, body, init)
+    ran, (dx, dgates, dws) = counted_loop(t.active, body, init)
     rows = src.shape[0]
     _record("backward", ran, sizes, tile, rows)
     return dx, dgates[:rows], dws
@@ -309,7 +310,7 @@ def _matmul(x: Array, w: Array, sizes: Array, tile: int) -> Array:
         y = _rows(xp, t, j, tile) @ w[t.expert[j]]
         return _put(out, y, t, j, tile)
 
-    ran, out = _loop(t.active, body, out)
+    ran, out = counted_loop(t.active, body, out)
     _record("matmul", ran, sizes, tile, rows)
     result: Array = out[:rows]
     return result
@@ -343,7 +344,7 @@ def _tiled_matmul_bwd(
         dxs = gs @ w[e].T
         return _put(dx, dxs, t, j, tile), _add(dw, xs.T @ gs, e)
 
-    ran, (dx, dw) = _loop(t.active, body, init)
+    ran, (dx, dw) = counted_loop(t.active, body, init)
     _record("matmul_grad", ran, sizes, tile, rows)
     return dx[:rows], dw, np.zeros(sizes.shape, jax.dtypes.float0)
 

@@ -49,9 +49,10 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, Float, Int
 
-from ..._experts.grouped import Experts, sorted_by_expert
+from ..._experts.grouped import Experts, each_weight, routed_flops, sorted_by_expert
 from ..._experts.routing import Config, Routing, capacity
 from ..._experts.tiles import (
+    counted_loop,
     tile_rows,
     tiled_ffn,
     tiled_ffn_grads,
@@ -128,23 +129,6 @@ def _send(rows: Array, axis: str) -> Array:
     return moved.reshape(rows.shape)
 
 
-def _rounds(
-    count: Array, body: Callable[[Array, tuple[Any, ...]], tuple[Any, ...]],
-    init: tuple[Any, ...],
-) -> tuple[Any, ...]:  # fmt: skip
-    """`body` for each round r in `[0, count)` (a traced count)."""
-
-    def step(carry: tuple[Array, tuple[Any, ...]]) -> tuple[Array, tuple[Any, ...]]:
-        r, state = carry
-        return r + 1, body(r, state)
-
-    zero = jnp.zeros((), jnp.int32)
-    out: tuple[Any, ...] = jax.lax.while_loop(
-        lambda c: c[0] < count, step, (zero, init)
-    )[1]
-    return out
-
-
 def _round_rows(
     plan: _Plan, r: Array, k: int, chunk: int
 ) -> tuple[Array, Array, Array]:
@@ -198,7 +182,7 @@ def _outputs(
     combined = varying_like(jnp.zeros_like(x), *like)
     first = varying_like(jnp.zeros((plan.counts.size, how.chunk, d + 1), x.dtype),
                          *like)  # fmt: skip
-    out: tuple[Array, Array] = _rounds(plan.rounds, body, (combined, first))
+    out: tuple[Array, Array] = counted_loop(plan.rounds, body, (combined, first))[1]
     return out
 
 
@@ -236,29 +220,24 @@ def _grads(
         dgates = dgates.at[which.reshape(-1)].set(
             back[..., d].reshape(-1).astype(dgates.dtype), mode="drop"
         )
-        summed = _each(lambda a, b: a + b.astype(a.dtype), dws, Experts(*dw))
+        summed = each_weight(lambda a, b: a + b.astype(a.dtype), dws, Experts(*dw))
         return dx, dgates, summed
 
     like = (x, gates, ids, g, weights, first)
     dx = varying_like(jnp.zeros_like(x), *like)
     dgates = varying_like(jnp.zeros((ids.size,), gates.dtype), *like)
-    zeros = _each(lambda w, _: varying_like(jnp.zeros_like(w), *like), experts, experts)
-    dx, dgates, dws = _rounds(plan.rounds, body, (dx, dgates, zeros))
-    return dx, dgates.reshape(ids.shape), _each(typed_like, dws, experts)
+    zeros = each_weight(
+        lambda w, _: varying_like(jnp.zeros_like(w), *like), experts, experts
+    )
+    dx, dgates, dws = counted_loop(plan.rounds, body, (dx, dgates, zeros))[1]
+    return dx, dgates.reshape(ids.shape), each_weight(typed_like, dws, experts)
 
 
-def _each(fn: Callable[[Array, Array], Array], a: Experts, b: Experts) -> Experts:
-    """`fn` of each pair of weights (no gate where either has none)."""
-    gate = None if a.w_gate is None or b.w_gate is None else fn(a.w_gate, b.w_gate)
-    return Experts(fn(a.w_in, b.w_in), gate, fn(a.w_out, b.w_out))
-
-
-def _flops(x: Array, ids: Array, experts: Experts) -> Fraction:
+def _flops(x: Array, gates: Array, ids: Array, experts: Experts) -> Fraction:
     """The model FLOPs of a forward: each of this device's assignments through
-    one expert (`2 d h` a product), dropped ones too (`routed_flops`'s rule)."""
-    d, h = experts.w_in.shape[1:]
-    products = 2 if experts.w_gate is None else 3
-    return Fraction(2 * d * h * products * ids.size)
+    one expert, dropped ones too (`routed_flops`, the count a device's own,
+    whichever device holds the expert: no share to take)."""
+    return routed_flops(x, Routing(ids, gates), experts, None)
 
 
 def _forward(x: Array, gates: Array, ids: Array, experts: Experts, how: _How) -> Any:
@@ -270,7 +249,7 @@ def _forward(x: Array, gates: Array, ids: Array, experts: Experts, how: _How) ->
         combined, first = _outputs(x, gates, ids, experts, plan, how)
         return combined, (plan, first)
 
-    return counted_as(run, _flops(x, ids, experts))(x, gates, ids, experts)
+    return counted_as(run, _flops(x, gates, ids, experts))(x, gates, ids, experts)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
@@ -297,7 +276,7 @@ def _exchange_bwd(how: _How, saved: tuple[Any, ...], g: Array) -> tuple[Any, ...
     # Two products per forward product (the inputs' and the weights'), as
     # autodiff counts a dense one; the hidden products the tiles recompute are
     # no model work.
-    flops = 2 * _flops(x, ids, experts)
+    flops = 2 * _flops(x, gates, ids, experts)
     dx, dgates, dexperts = counted_as(pull, flops)(
         x, gates, ids, g, experts, plan, first
     )
