@@ -16,10 +16,21 @@ each device's tokens, no collective and no optimizer (`moe_layer` against
 `dense_layer`): the grouped products against one dense product, without the
 step's per-parameter work (the update and the gradients' all-reduce of `E /
 top_k` times the dense MLP's parameters), which the `replicated / dense` step
-ratio includes. Timing is interleaved: every repeat times all six for
-`--steps` steps (the order alternating); the table gives median milliseconds per
-step and the median of the per-repeat ratios of each pair with their spread. On
-CPU the collectives are memory copies.
+ratio includes. And the floor of any grouped product at this size on this
+backend (`batched_layer`): the same experts' products as one batched product
+(`einsum`) over equal groups of `T k / E` of the device's rows, every expert
+the same number, no router, no sort, no gather: the work the MoE block routes,
+perfectly balanced and in one operation.
+
+The all-to-all dispatch's rounds: after the timing, `--steps` more steps of
+each all-to-all run with the tile loops reporting, and the rounds a layer took
+on a device, averaged (one under balanced routing; a router in training may
+send one destination more than a round holds).
+
+Timing is interleaved: every repeat times all seven for `--steps` steps (the
+order alternating); the table gives median milliseconds per step and the
+median of the per-repeat ratios of each pair with their spread. On CPU the
+collectives are memory copies.
 
 Expert FLOPs: `compiled.cost_analysis()` counts a loop body once, and the
 experts run in loops over the active tiles (a traced count), so they are counted
@@ -49,6 +60,7 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 import equinox as eqx
 import jax
+import jax.numpy as jnp
 import numpy as np
 import optax
 
@@ -78,6 +90,40 @@ class DenseMLP(eqx.Module):
 
     def __call__(self, x: Any) -> Any:
         return (jax.nn.silu(x @ self.w_in) * (x @ self.w_gate)) @ self.w_out
+
+
+class Batched(eqx.Module):
+    """An MoE block's expert products with nothing around them: the rows (each
+    token `top_k` times) cut into `E` equal groups, group e through expert e's
+    gated MLP, all experts in one batched product; the copies of a token
+    summed. The work a routed block does, perfectly balanced, in one
+    operation: the floor of a grouped product at this size on this backend."""
+
+    w_in: Any
+    w_gate: Any
+    w_out: Any
+
+    def __init__(self, args: argparse.Namespace, experts: int, key: Any) -> None:
+        d, h = args.d_model, args.d_hidden
+        rows = args.tokens // len(jax.devices()) * TOP_K
+        if rows % experts:
+            raise ValueError(
+                f"bench_experts: batched_layer cuts a device's {rows} rows "
+                f"(--tokens {args.tokens} / {len(jax.devices())} devices x top-"
+                f"{TOP_K}) into {experts} equal groups; choose --tokens so that "
+                f"{experts} divides them."
+            )
+        k1, k2, k3 = jax.random.split(key, 3)
+        self.w_in = jax.random.normal(k1, (experts, d, h)) / d**0.5
+        self.w_gate = jax.random.normal(k2, (experts, d, h)) / d**0.5
+        self.w_out = jax.random.normal(k3, (experts, h, d)) / h**0.5
+
+    def __call__(self, x: Any) -> Any:
+        groups = jnp.concatenate([x] * TOP_K).reshape(len(self.w_in), -1, x.shape[1])
+        hidden = jax.nn.silu(jnp.einsum("gcd,gdh->gch", groups, self.w_in))
+        hidden = hidden * jnp.einsum("gcd,gdh->gch", groups, self.w_gate)
+        y = jnp.einsum("gch,ghd->gcd", hidden, self.w_out)
+        return y.reshape(TOP_K, *x.shape).sum(0)
 
 
 class Net(eqx.Module):
@@ -163,9 +209,10 @@ def _setup(
     compiled = step.lower(state, batch).compile()
     counts = {k: n for k, n in ed.count_collectives(compiled).items() if n}
     temp = compiled.memory_analysis().temp_size_in_bytes
-    flops = None
+    flops, recorded, records = None, None, []
     if kind != "dense":
-        # A second trace with the tile loops reporting their trip counts.
+        # A second trace with the tile loops reporting their trip counts (the
+        # program keeps reporting to `records` whenever it runs).
         with recording() as records:
             recorded, fresh = build()
             jax.block_until_ready(recorded(fresh, batch))
@@ -174,8 +221,21 @@ def _setup(
     state, _ = step(state, batch)
     jax.block_until_ready(state)
     return {"step": step, "state": state, "batch": batch, "counts": counts,
-            "bytes": _expert_bytes(state), "flops": flops,
-            "temp": temp}  # fmt: skip
+            "bytes": _expert_bytes(state), "flops": flops, "temp": temp,
+            "recorded": recorded, "records": records}  # fmt: skip
+
+
+def _rounds(run: dict[str, Any], args: argparse.Namespace) -> float:
+    """The all-to-all rounds a layer took on a device, averaged over `--steps`
+    steps from the timed state (a tile loop's forward runs once a round)."""
+    records, state = run["records"], run["state"]
+    before = len(records)
+    for _ in range(args.steps):
+        state, _ = run["recorded"](state, run["batch"])
+        jax.block_until_ready(state)  # bounded steps in flight
+    jax.effects_barrier()
+    loops = sum(r["kind"] == "forward" for r in records[before:])
+    return loops / (len(jax.devices()) * args.layers * args.steps)
 
 
 def _executed_flops(records: list[dict[str, Any]], args: argparse.Namespace) -> float:
@@ -195,14 +255,17 @@ def _ideal_flops(args: argparse.Namespace) -> float:
 
 def _layer(args: argparse.Namespace, experts: int, kind: str) -> dict[str, Any]:
     """One block's forward and backward alone (`kind` "moe": an `ed.MoE`,
-    "dense": the dense gated MLP of its active FLOPs) on each device's tokens,
-    no collective and no optimizer: what the grouped products cost against
-    one dense product, without the step's per-parameter work (the update
-    and the gradients' all-reduce of `E / top_k` times the dense MLP's
+    "dense": the dense gated MLP of its active FLOPs, "batched": the experts'
+    products over equal groups in one batched product) on each device's
+    tokens, no collective and no optimizer: what the grouped products cost
+    against one dense product, without the step's per-parameter work (the
+    update and the gradients' all-reduce of `E / top_k` times the dense MLP's
     parameters)."""
     key = jax.random.key(2)
     if kind == "moe":
         block: Any = ed.MoE(args.d_model, args.d_hidden, experts, top_k=TOP_K, key=key)
+    elif kind == "batched":
+        block = Batched(args, experts, key)
     else:
         block = DenseMLP(args.d_model, TOP_K * args.d_hidden, key)
     params, static = eqx.partition(block, eqx.is_array)
@@ -247,6 +310,7 @@ PAIRS = (
     ("expert_parallel_a2a", "replicated"),
     ("replicated", "dense"),
     ("moe_layer", "dense_layer"),
+    ("batched_layer", "dense_layer"),
 )
 
 
@@ -260,6 +324,7 @@ def run(args: argparse.Namespace, experts: int) -> dict[str, Any]:
         "dense": _setup(ed.Layout(mesh), args, experts, "dense"),
         "moe_layer": _layer(args, experts, "moe"),
         "dense_layer": _layer(args, experts, "dense"),
+        "batched_layer": _layer(args, experts, "batched"),
     }
     times: dict[str, list[float]] = {name: [] for name in runs}
     ratios: dict[tuple[str, str], list[float]] = {pair: [] for pair in PAIRS}
@@ -269,6 +334,7 @@ def run(args: argparse.Namespace, experts: int) -> dict[str, Any]:
             times[name].append(_time(runs[name], args.steps))
         for a, b in PAIRS:
             ratios[a, b].append(times[a][-1] / times[b][-1])
+    rounds = _rounds(runs["expert_parallel_a2a"], args)
     return {
         name: {
             "ms": statistics.median(times[name]),
@@ -283,6 +349,7 @@ def run(args: argparse.Namespace, experts: int) -> dict[str, Any]:
             pair: (statistics.median(r), min(r), max(r)) for pair, r in ratios.items()
         },
         "ideal_flops": _ideal_flops(args),
+        "a2a_rounds": rounds,
     }
 
 
@@ -318,7 +385,7 @@ def main(argv: list[str]) -> None:
             f"{'expert FLOPs/dev / ideal':>25} {'temp bytes/dev':>15}  collectives"
         )
         for name in out:
-            if name in ("ratios", "ideal_flops"):
+            if name in ("ratios", "ideal_flops", "a2a_rounds"):
                 continue
             row = out[name]
             work = (
@@ -332,9 +399,12 @@ def main(argv: list[str]) -> None:
             )
         for (a, b), (median, low, high) in out["ratios"].items():
             goal = GOAL_EP if b == "replicated" else GOAL_DENSE
-            print(
-                f"{a} / {b}: {median:.2f}x ({low:.2f}-{high:.2f}; goal at most {goal}x)"
-            )
+            what = "the floor" if a == "batched_layer" else f"goal at most {goal}x"
+            print(f"{a} / {b}: {median:.2f}x ({low:.2f}-{high:.2f}; {what})")
+        print(
+            f"all-to-all rounds per layer per device ({args.steps} steps after "
+            f"the timing): {out['a2a_rounds']:.2f}"
+        )
 
 
 if __name__ == "__main__":

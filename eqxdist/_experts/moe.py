@@ -165,7 +165,7 @@ class MoE(eqx.Module):
       the expert axis splits the tokens (a data axis): `"all_to_all"` (the
       default: each device's counts gathered first, then each
       token-expert assignment sent to its expert's device and its output sent
-      back, in rounds of the balanced share and a quarter per destination: two
+      back, in rounds of the balanced share and a half per destination: two
       `all_to_all`s a round, one round under balanced routing) or
       `"all_gather"` (every device's tokens gathered, the outputs
       reduce-scattered back: `n` devices' tokens each way, whatever the

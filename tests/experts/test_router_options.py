@@ -284,14 +284,14 @@ def _exchanged_rows(jaxpr):
 @pytest.mark.parametrize(
     ("factor", "width"),
     # 8 devices, 8 tokens each, top-2 of 8 experts (one per device): dropless,
-    # a round sends each destination the balanced share and a quarter,
-    # ceil(1.25 * 16 / 8) = 3 rows (more rounds if a destination gets more);
+    # a round sends each destination the balanced share and a half,
+    # ceil(1.5 * 16 / 8) = 3 rows (more rounds if a destination gets more);
     # a capacity of C = ceil(factor * 8 * 2 / 8) per expert, at most C rows.
     [(None, 3), (1.0, 2), (2.0, 3), (100.0, 3)],
 )
 def test_all_to_all_buffers_are_bounded_by_the_capacity(mesh8, factor, width):
     """The all-to-all dispatch sends each destination rounds of the balanced
-    share and a quarter, and under a capacity no more than what the capacity
+    share and a half, and under a capacity no more than what the capacity
     lets a device send it (`local * C` rows, at most the device's `T * k`),
     never the dropless worst case, both ways (the rows out with their gates as
     a column, the outputs back);

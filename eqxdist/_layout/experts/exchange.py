@@ -13,8 +13,9 @@ every device's assignments per expert, `n x E` integers: what each device
 gets, and the most any device sends one destination), and the rows then go
 in rounds of `chunk` rows per destination, a `while_loop` of `ceil(most /
 chunk)` rounds, the same on every device. `chunk` is the balanced share and
-a quarter (`_chunk`): balanced routing takes one round, a lopsided one more
-rounds, and no assignment is ever dropped. Each round the holder runs its
+a half (`_chunk`): balanced routing, and the imbalance of a router in
+training, take one round, a lopsided one more rounds, and no assignment is
+ever dropped. Each round the holder runs its
 experts on the rows it got (the tiles of `tiles.py`: the work is the rows
 received, rounded up to tiles) and sends the outputs back. A holder knows
 each row's expert from the counts (each sender's rows come sorted by
@@ -35,7 +36,7 @@ returns the token's and the gate's cotangents and keeps its experts'
 gradient.
 
 Against the all-gather dispatch (`dispatch.py`) it moves each device's
-`T * k` rows (a quarter more under balanced routing) each way instead of
+`T * k` rows (half as many again under balanced routing) each way instead of
 `n * T` tokens and outputs, and routes only this device's tokens.
 """
 
@@ -85,11 +86,14 @@ class _Plan(NamedTuple):
 
 def _chunk(assignments: int, size: int, most: int) -> int:
     """Rows per destination per round: a device's balanced share of its
-    `assignments` and a quarter (random routing over a few devices exceeds the
-    mean by a few standard deviations, ~sqrt of it), never more than `most`,
-    what one destination can get at all (then one round always does)."""
+    `assignments` and a half, never more than `most`, what one destination can
+    get at all (then one round always does). A round is two all-to-alls each
+    way, so the share leaves room for a router's imbalance: `bench_experts.py`'s
+    routers in training sent one destination up to 1.4x the mean, and with a
+    quarter took 1.5 to 2 rounds a layer over 60 steps (1.0 with a half after
+    the first steps), for a fifth more rows sent, all padding."""
     share = -(-assignments // size)
-    return max(min(-(-share * 5 // 4), most), 1)
+    return max(min(-(-share * 3 // 2), most), 1)
 
 
 def _plan(ids: Int[Array, "T k"], local: int, how: _How) -> _Plan:
