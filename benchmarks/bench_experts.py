@@ -25,7 +25,11 @@ perfectly balanced and in one operation.
 The all-to-all dispatch's rounds: after the timing, `--steps` more steps of
 each all-to-all run with the tile loops reporting, and the rounds a layer took
 on a device, averaged (one under balanced routing; a router in training may
-send one destination more than a round holds).
+send one destination more than a round holds). And the all-reduce of one
+layer's expert gradients alone (`psum` of `E` experts' three weights over the 8
+devices, timed by itself): what a replicated step pays per layer beyond the
+block's products, and expert parallelism does not (its experts' gradients stay
+on their devices).
 
 Timing is interleaved: every repeat times all seven for `--steps` steps (the
 order alternating); the table gives median milliseconds per step and the
@@ -295,6 +299,28 @@ def _layer(args: argparse.Namespace, experts: int, kind: str) -> dict[str, Any]:
             "temp": compiled.memory_analysis().temp_size_in_bytes}  # fmt: skip
 
 
+def _all_reduce_ms(args: argparse.Namespace, experts: int) -> float:
+    """Milliseconds of the all-reduce of one layer's expert gradients over the
+    8 devices (`psum`, the replicated step's collective), median of 5."""
+    mesh = jax.make_mesh((8,), ("data",), axis_types=(jax.sharding.AxisType.Auto,))
+    split = jax.sharding.PartitionSpec("data")
+    d, h = args.d_model, args.d_hidden
+    shapes = ((experts, d, h), (experts, d, h), (experts, h, d))
+    grads = tuple(np.ones((8 * a, b, c), np.float32) for a, b, c in shapes)
+    fn = jax.jit(jax.shard_map(
+        lambda *g: tuple(jax.lax.psum(w, "data") for w in g), mesh=mesh,
+        in_specs=(split,) * 3, out_specs=(split,) * 3, check_vma=False,
+    ))  # fmt: skip
+    jax.block_until_ready(fn(*grads))
+    times = []
+    for _ in range(5):
+        start = time.perf_counter()
+        for _ in range(args.steps):
+            jax.block_until_ready(fn(*grads))  # bounded steps in flight
+        times.append((time.perf_counter() - start) / args.steps * 1e3)
+    return statistics.median(times)
+
+
 def _time(run: dict[str, Any], steps: int) -> float:
     state = run["state"]
     start = time.perf_counter()
@@ -335,6 +361,7 @@ def run(args: argparse.Namespace, experts: int) -> dict[str, Any]:
         for a, b in PAIRS:
             ratios[a, b].append(times[a][-1] / times[b][-1])
     rounds = _rounds(runs["expert_parallel_a2a"], args)
+    all_reduce = _all_reduce_ms(args, experts)
     return {
         name: {
             "ms": statistics.median(times[name]),
@@ -350,6 +377,7 @@ def run(args: argparse.Namespace, experts: int) -> dict[str, Any]:
         },
         "ideal_flops": _ideal_flops(args),
         "a2a_rounds": rounds,
+        "all_reduce_ms": all_reduce,
     }
 
 
@@ -385,7 +413,7 @@ def main(argv: list[str]) -> None:
             f"{'expert FLOPs/dev / ideal':>25} {'temp bytes/dev':>15}  collectives"
         )
         for name in out:
-            if name in ("ratios", "ideal_flops", "a2a_rounds"):
+            if name in ("ratios", "ideal_flops", "a2a_rounds", "all_reduce_ms"):
                 continue
             row = out[name]
             work = (
@@ -404,6 +432,10 @@ def main(argv: list[str]) -> None:
         print(
             f"all-to-all rounds per layer per device ({args.steps} steps after "
             f"the timing): {out['a2a_rounds']:.2f}"
+        )
+        print(
+            f"all-reduce of one layer's expert gradients alone (replicated "
+            f"steps, per layer): {out['all_reduce_ms']:.2f} ms"
         )
 
 
