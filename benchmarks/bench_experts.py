@@ -25,11 +25,12 @@ perfectly balanced and in one operation.
 The all-to-all dispatch's rounds: after the timing, `--steps` more steps of
 each all-to-all run with the tile loops reporting, and the rounds a layer took
 on a device, averaged (one under balanced routing; a router in training may
-send one destination more than a round holds). And the all-reduce of one
-layer's expert gradients alone (`psum` of `E` experts' three weights over the 8
-devices, timed by itself): what a replicated step pays per layer beyond the
-block's products, and expert parallelism does not (its experts' gradients stay
-on their devices).
+send one destination more than a round holds). And a replicated step's
+per-parameter work per layer for its experts, timed alone: the all-reduce of
+the experts' gradients over the 8 devices, and that with AdamW's update of the
+experts on every device (what the replicated step pays beyond the block's
+products, for `E / top_k` times the dense MLP's parameters; expert parallelism
+keeps each expert's gradient and update on its one device).
 
 Timing is interleaved: every repeat times all seven for `--steps` steps (the
 order alternating); the table gives median milliseconds per step and the
@@ -299,26 +300,67 @@ def _layer(args: argparse.Namespace, experts: int, kind: str) -> dict[str, Any]:
             "temp": compiled.memory_analysis().temp_size_in_bytes}  # fmt: skip
 
 
-def _all_reduce_ms(args: argparse.Namespace, experts: int) -> float:
-    """Milliseconds of the all-reduce of one layer's expert gradients over the
-    8 devices (`psum`, the replicated step's collective), median of 5."""
+def _per_parameter_ms(args: argparse.Namespace, experts: int) -> tuple[float, float]:
+    """Milliseconds of what a replicated step does per layer for its experts'
+    parameters beyond the block's products, timed alone on the 8 devices
+    (median of 5): the all-reduce of the experts' gradients (`psum`), and that
+    with the optimizer's update of the experts (`adamw`, every device the
+    whole layer's experts, as replicated data parallelism runs it)."""
     mesh = jax.make_mesh((8,), ("data",), axis_types=(jax.sharding.AxisType.Auto,))
-    split = jax.sharding.PartitionSpec("data")
+    split, whole = jax.sharding.PartitionSpec("data"), jax.sharding.PartitionSpec()
     d, h = args.d_model, args.d_hidden
     shapes = ((experts, d, h), (experts, d, h), (experts, h, d))
-    grads = tuple(np.ones((8 * a, b, c), np.float32) for a, b, c in shapes)
-    fn = jax.jit(jax.shard_map(
-        lambda *g: tuple(jax.lax.psum(w, "data") for w in g), mesh=mesh,
-        in_specs=(split,) * 3, out_specs=(split,) * 3, check_vma=False,
+    optimizer = optax.adamw(1e-3)
+    # On the devices before the timing (not copied in each call): each
+    # device's gradients, and the replicated experts and optimizer state.
+    on = jax.sharding.NamedSharding
+    grads = tuple(
+        jax.device_put(np.ones((8 * a, b, c), np.float32), on(mesh, split))
+        for a, b, c in shapes
+    )
+    params = tuple(
+        jax.device_put(np.ones(shape, np.float32), on(mesh, whole)) for shape in shapes
+    )
+    opt_state = jax.jit(optimizer.init)(params)
+
+    def reduced(*g: Any) -> Any:
+        return tuple(jax.lax.psum(w, "data") for w in g)
+
+    def updated(g: Any, params: Any, opt_state: Any) -> Any:
+        updates, opt_state = optimizer.update(reduced(*g), opt_state, params)
+        return optax.apply_updates(params, updates), opt_state
+
+    specs = jax.tree.map(lambda _: whole, (params, opt_state))
+    reduce_fn = jax.jit(jax.shard_map(
+        reduced, mesh=mesh, in_specs=(split,) * 3, out_specs=(whole,) * 3,
+        check_vma=False,
     ))  # fmt: skip
-    jax.block_until_ready(fn(*grads))
-    times = []
-    for _ in range(5):
-        start = time.perf_counter()
-        for _ in range(args.steps):
-            jax.block_until_ready(fn(*grads))  # bounded steps in flight
-        times.append((time.perf_counter() - start) / args.steps * 1e3)
-    return statistics.median(times)
+    # The experts and their state donated and carried from call to call, as a
+    # train step's are.
+    update_fn = jax.jit(jax.shard_map(
+        updated, mesh=mesh, in_specs=((split,) * 3, *specs), out_specs=specs,
+        check_vma=False,
+    ), donate_argnums=(1, 2))  # fmt: skip
+    carried = [params, opt_state]
+
+    def reduce_once() -> Any:
+        return reduce_fn(*grads)
+
+    def update_once() -> Any:
+        carried[:] = update_fn(grads, *carried)
+        return carried
+
+    out = []
+    for once in (reduce_once, update_once):
+        jax.block_until_ready(once())
+        times = []
+        for _ in range(5):
+            start = time.perf_counter()
+            for _ in range(args.steps):
+                jax.block_until_ready(once())  # bounded steps in flight
+            times.append((time.perf_counter() - start) / args.steps * 1e3)
+        out.append(statistics.median(times))
+    return out[0], out[1]
 
 
 def _time(run: dict[str, Any], steps: int) -> float:
@@ -361,7 +403,7 @@ def run(args: argparse.Namespace, experts: int) -> dict[str, Any]:
         for a, b in PAIRS:
             ratios[a, b].append(times[a][-1] / times[b][-1])
     rounds = _rounds(runs["expert_parallel_a2a"], args)
-    all_reduce = _all_reduce_ms(args, experts)
+    per_parameter = _per_parameter_ms(args, experts)
     return {
         name: {
             "ms": statistics.median(times[name]),
@@ -377,7 +419,7 @@ def run(args: argparse.Namespace, experts: int) -> dict[str, Any]:
         },
         "ideal_flops": _ideal_flops(args),
         "a2a_rounds": rounds,
-        "all_reduce_ms": all_reduce,
+        "per_parameter_ms": per_parameter,
     }
 
 
@@ -413,7 +455,7 @@ def main(argv: list[str]) -> None:
             f"{'expert FLOPs/dev / ideal':>25} {'temp bytes/dev':>15}  collectives"
         )
         for name in out:
-            if name in ("ratios", "ideal_flops", "a2a_rounds", "all_reduce_ms"):
+            if name in ("ratios", "ideal_flops", "a2a_rounds", "per_parameter_ms"):
                 continue
             row = out[name]
             work = (
@@ -433,9 +475,11 @@ def main(argv: list[str]) -> None:
             f"all-to-all rounds per layer per device ({args.steps} steps after "
             f"the timing): {out['a2a_rounds']:.2f}"
         )
+        reduce_ms, update_ms = out["per_parameter_ms"]
         print(
-            f"all-reduce of one layer's expert gradients alone (replicated "
-            f"steps, per layer): {out['all_reduce_ms']:.2f} ms"
+            f"a replicated step's per-parameter work per layer for its experts, "
+            f"alone: all-reduce of the gradients {reduce_ms:.2f} ms, with the "
+            f"update {update_ms:.2f} ms"
         )
 
 
