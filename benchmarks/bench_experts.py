@@ -304,9 +304,10 @@ def _layer(args: argparse.Namespace, experts: int, kind: str) -> dict[str, Any]:
 def _per_parameter_ms(args: argparse.Namespace, experts: int) -> tuple[float, float]:
     """Milliseconds of what a replicated step does per layer for its experts'
     parameters beyond the block's products, timed alone on the 8 devices
-    (median of 5): the all-reduce of the experts' gradients (`psum`), and that
-    with the optimizer's update of the experts (`adamw`, every device the
-    whole layer's experts, as replicated data parallelism runs it)."""
+    (the median of 5 `_time`s): the all-reduce of the experts' gradients
+    (`psum`), and that with the optimizer's update of the experts (`adamw`,
+    every device the whole layer's experts, as replicated data parallelism
+    runs it)."""
     mesh = jax.make_mesh((8,), ("data",), axis_types=(jax.sharding.AxisType.Auto,))
     split, whole = jax.sharding.PartitionSpec("data"), jax.sharding.PartitionSpec()
     d, h = args.d_model, args.d_hidden
@@ -342,26 +343,18 @@ def _per_parameter_ms(args: argparse.Namespace, experts: int) -> tuple[float, fl
         updated, mesh=mesh, in_specs=((split,) * 3, *specs), out_specs=specs,
         check_vma=False,
     ), donate_argnums=(1, 2))  # fmt: skip
-    carried = [params, opt_state]
-
-    def reduce_once() -> Any:
-        return reduce_fn(*grads)
-
-    def update_once() -> Any:
-        carried[:] = update_fn(grads, *carried)
-        return carried
-
-    out = []
-    for once in (reduce_once, update_once):
-        jax.block_until_ready(once())
-        times = []
-        for _ in range(5):
-            start = time.perf_counter()
-            for _ in range(args.steps):
-                jax.block_until_ready(once())  # bounded steps in flight
-            times.append((time.perf_counter() - start) / args.steps * 1e3)
-        out.append(statistics.median(times))
-    return out[0], out[1]
+    runs = (
+        {"step": lambda state, g: (state, reduce_fn(*g)), "state": None,
+         "batch": grads},
+        {"step": lambda state, g: (update_fn(g, *state), None),
+         "state": (params, opt_state), "batch": grads},
+    )  # fmt: skip
+    for timed in runs:
+        _time(timed, 1)  # compiled and run once before the timing
+    reduce_ms, update_ms = (
+        statistics.median(_time(timed, args.steps) for _ in range(5)) for timed in runs
+    )
+    return reduce_ms, update_ms
 
 
 def _time(run: dict[str, Any], steps: int) -> float:

@@ -15,13 +15,12 @@ in rounds of `chunk` rows per destination, a `while_loop` of `ceil(most /
 chunk)` rounds, the same on every device. `chunk` is the balanced share and
 a half (`_chunk`): balanced routing, and the imbalance of a router in
 training, take one round, a lopsided one more rounds, and no assignment is
-ever dropped. Each round the holder runs its
-experts on the rows it got (the tiles of `tiles.py`: the work is the rows
-received, rounded up to tiles) and sends the outputs back. A holder knows
-each row's expert from the counts (each sender's rows come sorted by
-expert), so no ids travel with the rows; the gates do, as one more column:
-the holder applies them, and the outputs come back gated and are added to
-their tokens.
+ever dropped. Each round the holder runs its experts on the rows it got (the
+tiles of `tiles.py`: the work is the rows received, rounded up to tiles) and
+sends the outputs back. A holder knows each row's expert from the counts
+(each sender's rows come sorted by expert), so no ids travel with the rows;
+the gates do, as one more column: the holder applies them, and the outputs
+come back gated and are added to their tokens.
 
 Under a capacity (`MoE(capacity_factor=...)`) no destination gets more than
 `min(T * k, experts per device * C)` rows from a device (no expert keeps more
